@@ -1,0 +1,162 @@
+"""Qwen3 architecture hyper-parameters, read from and written to Hugging Face `config.json`.
+
+Design decisions:
+- A frozen dataclass, not the transformers config class: the data plane must not depend on
+  transformers' config internals, which change between major versions (v5 moved `rope_theta`
+  into `rope_parameters`). We read both spellings and write both.
+- Anything we do not implement (sliding windows, RoPE scaling) is an error at load time, never
+  a silent approximation: a model that disagrees with its reference corrupts every reward curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+_DTYPES = ("float32", "bfloat16")
+
+
+class ModelConfigError(ValueError):
+    """A model directory or config.json that rlsched cannot use; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    # Independent of hidden_size // num_attention_heads in Qwen3 (e.g. 0.6B: 1024 / 16 = 64, head_dim 128).
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 40_960
+    initializer_range: float = 0.02
+    # Parameter storage dtype ("float32" or "bfloat16"); compute follows it, logits are always float32.
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ModelConfigError(f"config.{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"config.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"config.num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+        if self.rope_theta <= 0:
+            raise ModelConfigError(f"config.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.dtype not in _DTYPES:
+            raise ModelConfigError(f"config.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv + h if self.attention_bias else 0) + 2 * self.head_dim
+        layer = attn + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+
+    # ---- Hugging Face config.json -------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> Qwen3Config:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"{source}: model_type {model_type!r} is not supported; rlsched implements "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}. Create a compatible model with "
+                "`rlsched init-model --preset tiny DIR` or point at a Qwen3 checkpoint.")
+        if raw.get("use_sliding_window"):
+            raise ModelConfigError(f"{source}: use_sliding_window=true is not implemented; set it to false")
+        rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise ModelConfigError(f"{source}: RoPE type {rope_type!r} is not implemented; only 'default' is")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        num_heads = raw["num_attention_heads"]
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        if dtype not in _DTYPES:
+            raise ModelConfigError(f"{source}: dtype {dtype!r} is not supported; use one of {_DTYPES}")
+        try:
+            return cls(
+                vocab_size=raw["vocab_size"],
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=raw["num_hidden_layers"],
+                num_attention_heads=num_heads,
+                num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+                rope_theta=float(theta),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", False)),
+                max_position_embeddings=raw.get("max_position_embeddings", 40_960),
+                initializer_range=float(raw.get("initializer_range", 0.02)),
+                dtype=dtype,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_id=raw.get("eos_token_id"),
+                pad_token_id=raw.get("pad_token_id"),
+            )
+        except KeyError as missing:
+            raise ModelConfigError(f"{source}: required key {missing} is missing") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            # Both spellings: transformers < 5 reads rope_theta, >= 5 reads rope_parameters.
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.initializer_range,
+            "torch_dtype": self.dtype,
+            "dtype": self.dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "use_cache": True,
+        }
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Qwen3Config:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelConfigError(
+                f"{path} has no config.json; it is not a Hugging Face model directory. "
+                f"Create one with `rlsched init-model --preset tiny {path}`.")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ModelConfigError(f"{cfg_file} is not valid JSON: {err}") from None
+        return cls.from_hf_dict(raw, source=str(cfg_file))
+
+    def replace(self, **changes: Any) -> Qwen3Config:
+        return dataclasses.replace(self, **changes)

