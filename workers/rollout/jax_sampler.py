@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -51,7 +52,9 @@ class JaxSampler:
     name = "jax_sampler"
 
     def __init__(self, model: Qwen3ForCausalLM, *, max_prompt_len: int = 512, max_new_tokens: int = 256,
-                 max_batch_size: int = 64, weight_version: int = 0, seed: int = 0):
+                 max_batch_size: int = 64, weight_version: int = 0, seed: int = 0, take_ownership: bool = False):
+        """take_ownership: the engine may free the model's buffers (release_memory, update_weights);
+        by default it copies them, so the caller's model stays usable."""
         cfg = model.config
         if max_prompt_len + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
@@ -60,17 +63,18 @@ class JaxSampler:
         self.config = cfg
         self.max_prompt_len, self.max_new_tokens, self.max_batch_size = max_prompt_len, max_new_tokens, max_batch_size
         self._graphdef, self._state = nnx.split(model)
+        if not take_ownership:
+            self._state = jax.tree.map(lambda x: jnp.array(x, copy=True), self._state)
         self._host_state = None  # set while released
         self._version = weight_version
         self._checksum: str | None = None
         self._rng = np.random.default_rng(seed)
         self.compiled_shapes: set[tuple[int, int, int, int]] = set()
-        self._run = jax.jit(self._generate_program, static_argnames=("new_bucket",))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | None = None, **kwargs) -> JaxSampler:
         model, _ = load_pretrained(path, dtype=dtype, with_tokenizer=False)
-        return cls(model, **kwargs)
+        return cls(model, take_ownership=True, **kwargs)
 
     # ---- weights and memory -------------------------------------------------------------------
 
@@ -158,7 +162,7 @@ class JaxSampler:
             prompt_idx[r], sample_idx[r] = i, j
         active = np.arange(batch) < len(chunk)
         self.compiled_shapes.add((batch, plen, new_bucket, len(stop)))
-        out = self._run(state, tokens, mask, active, np.uint32(seed), prompt_idx, sample_idx,
+        out = _generate_program(self._graphdef, state, tokens, mask, active, np.uint32(seed), prompt_idx, sample_idx,
                         np.float32(params.temperature), np.float32(params.top_p),
                         np.int32(params.max_new_tokens), stop, new_bucket=new_bucket)
         out_tokens, out_logprobs, lengths, stopped = jax.device_get(out)
@@ -169,45 +173,51 @@ class JaxSampler:
             for r, (i, _) in enumerate(chunk)
         ]
 
-    def _generate_program(self, state, tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p,
-                          max_new, stop, *, new_bucket: int):
-        """tokens/mask (B, P) left-padded -> tokens (B, N), logprobs (B, N), lengths (B,), stopped (B,)."""
-        model = nnx.merge(self._graphdef, state)
-        b, plen = tokens.shape
-        base = jax.random.key(seed)
-        row_keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(prompt_idx, sample_idx)
-        kv_mask = jnp.concatenate([mask, jnp.ones((b, new_bucket), bool)], axis=1)  # (B, P + N)
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        prompt_len = mask.sum(axis=1).astype(jnp.int32)
 
-        hidden, cache = model.forward(tokens, positions, kv_mask, init_cache(self.config, b, plen + new_bucket), 0)
-        logits = model.logits(hidden[:, -1])  # left padding: the last column is every row's last prompt token
+@partial(jax.jit, static_argnames=("graphdef", "new_bucket"))
+def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p,
+                      max_new, stop, *, new_bucket: int):
+    """tokens/mask (B, P) left-padded -> tokens (B, N), logprobs (B, N), lengths (B,), stopped (B,).
 
-        def emit(t, logits, out_tok, out_lp, done, length, stopped):
-            keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
-            tok, lp = sample_tokens(logits, keys, temperature, top_p)
-            live = ~done
-            out_tok = out_tok.at[:, t].set(jnp.where(live, tok, 0))
-            out_lp = out_lp.at[:, t].set(jnp.where(live, lp, 0.0))
-            length = length + live
-            hit_stop = live & jnp.any(tok[:, None] == stop[None, :], axis=1)
-            stopped = stopped | hit_stop
-            done = done | hit_stop | (t + 1 >= max_new)
-            return out_tok, out_lp, done, length, stopped
+    Module-level and keyed on the (hashable) graphdef, so engines over the same architecture share
+    compiled programs.
+    """
+    model = nnx.merge(graphdef, state)
+    b, plen = tokens.shape
+    base = jax.random.key(seed)
+    row_keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(prompt_idx, sample_idx)
+    kv_mask = jnp.concatenate([mask, jnp.ones((b, new_bucket), bool)], axis=1)  # (B, P + N)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    prompt_len = mask.sum(axis=1).astype(jnp.int32)
 
-        zeros = jnp.zeros((b, new_bucket))
-        carry = emit(0, logits, zeros.astype(jnp.int32), zeros.astype(jnp.float32), ~active,
-                     jnp.zeros(b, jnp.int32), jnp.zeros(b, bool))
+    hidden, cache = model.forward(tokens, positions, kv_mask, init_cache(model.config, b, plen + new_bucket), 0)
+    logits = model.logits(hidden[:, -1])  # left padding: the last column is every row's last prompt token
 
-        def cond(c):
-            t, _, _, _, done, _, _ = c
-            return (t < max_new) & ~jnp.all(done)
+    def emit(t, logits, out_tok, out_lp, done, length, stopped):
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
+        tok, lp = sample_tokens(logits, keys, temperature, top_p)
+        live = ~done
+        out_tok = out_tok.at[:, t].set(jnp.where(live, tok, 0))
+        out_lp = out_lp.at[:, t].set(jnp.where(live, lp, 0.0))
+        length = length + live
+        hit_stop = live & jnp.any(tok[:, None] == stop[None, :], axis=1)
+        stopped = stopped | hit_stop
+        done = done | hit_stop | (t + 1 >= max_new)
+        return out_tok, out_lp, done, length, stopped
 
-        def body(c):
-            t, cache, out_tok, out_lp, done, length, stopped = c
-            prev = out_tok[:, t - 1][:, None]  # (B, 1)
-            h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask, cache, plen + t - 1)
-            return (t + 1, cache, *emit(t, model.logits(h[:, 0]), out_tok, out_lp, done, length, stopped))
+    zeros = jnp.zeros((b, new_bucket))
+    carry = emit(0, logits, zeros.astype(jnp.int32), zeros.astype(jnp.float32), ~active,
+                 jnp.zeros(b, jnp.int32), jnp.zeros(b, bool))
 
-        _, _, out_tok, out_lp, _, length, stopped = jax.lax.while_loop(cond, body, (1, cache, *carry))
-        return out_tok, out_lp, length, stopped
+    def cond(c):
+        t, _, _, _, done, _, _ = c
+        return (t < max_new) & ~jnp.all(done)
+
+    def body(c):
+        t, cache, out_tok, out_lp, done, length, stopped = c
+        prev = out_tok[:, t - 1][:, None]  # (B, 1)
+        h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask, cache, plen + t - 1)
+        return (t + 1, cache, *emit(t, model.logits(h[:, 0]), out_tok, out_lp, done, length, stopped))
+
+    _, _, out_tok, out_lp, _, length, stopped = jax.lax.while_loop(cond, body, (1, cache, *carry))
+    return out_tok, out_lp, length, stopped

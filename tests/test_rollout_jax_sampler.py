@@ -1,0 +1,222 @@
+"""jax_sampler against transformers' greedy generate and against the model's own log-softmax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM
+
+from workers.models import load_pretrained
+from workers.models import params as P
+from workers.models.checkpoint import abstract_model
+from workers.rollout import EngineReleasedError, FinishReason, RolloutInputError, SamplingParams
+from workers.rollout.jax_sampler import JaxSampler
+
+PROMPTS = ["Hello", "What is 12 + 30?", "a", "The quick brown fox jumps over the lazy dog."]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    model, _ = tiny_model
+    return JaxSampler(model, max_prompt_len=64, max_new_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_model):
+    _, tok = tiny_model
+    return [tok.encode(p) for p in PROMPTS]
+
+
+@nnx.jit
+def _full_logits(model, ids):
+    return model(ids)
+
+
+def _model_log_softmax_at(model, prompt, completion, temperature=1.0):
+    """Reference: log-softmax of the uncached full-sequence forward at each completion token."""
+    full = np.concatenate([prompt, completion]).astype(np.int32)[None]
+    logits = np.asarray(_full_logits(model, jnp.asarray(full)))[0] / temperature
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    steps = np.arange(len(prompt) - 1, len(full[0]) - 1)
+    return logp[steps, completion]
+
+
+def test_greedy_matches_transformers_generate(engine, prompt_ids, tiny_model_dir, tiny_model):
+    _, tok = tiny_model
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    out = engine.generate(prompt_ids, SamplingParams(temperature=0, max_new_tokens=24,
+                                                     stop_token_ids=(tok.eos_token_id,)))
+    assert [s.prompt_index for s in out.samples] == list(range(len(PROMPTS)))
+    for ids, sample in zip(prompt_ids, out.samples, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              do_sample=False, max_new_tokens=24, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        assert sample.token_ids.tolist() == ref
+        expected = FinishReason.STOP if ref[-1] == tok.eos_token_id else FinishReason.LENGTH
+        assert sample.finish_reason == expected
+
+
+def test_greedy_logprobs_are_the_models_log_softmax(engine, prompt_ids, tiny_model):
+    model, _ = tiny_model
+    out = engine.generate(prompt_ids, SamplingParams(temperature=0, max_new_tokens=12))
+    for ids, s in zip(prompt_ids, out.samples, strict=True):
+        np.testing.assert_allclose(s.logprobs, _model_log_softmax_at(model, np.array(ids), s.token_ids), atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_are_under_the_sampling_distribution(engine, prompt_ids, tiny_model, temperature):
+    model, _ = tiny_model
+    out = engine.generate(prompt_ids, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=5))
+    for s in out.samples:
+        ref = _model_log_softmax_at(model, np.array(prompt_ids[s.prompt_index]), s.token_ids, temperature)
+        np.testing.assert_allclose(s.logprobs, ref, atol=1e-4)
+
+
+def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine, prompt_ids, tiny_model):
+    model, _ = tiny_model
+    top_p = 0.5
+    out = engine.generate(prompt_ids[:2], SamplingParams(n=2, temperature=1.0, top_p=top_p, max_new_tokens=8, seed=1))
+    for s in out.samples:
+        prompt = np.array(prompt_ids[s.prompt_index])
+        full = np.concatenate([prompt, s.token_ids]).astype(np.int32)[None]
+        logits = np.asarray(_full_logits(model, jnp.asarray(full)))[0].astype(np.float64)
+        for k, (tok, lp) in enumerate(zip(s.token_ids, s.logprobs, strict=True)):
+            p = np.exp(logits[len(prompt) - 1 + k] - logits[len(prompt) - 1 + k].max())
+            p /= p.sum()
+            order = np.argsort(-p)
+            mass_before = np.cumsum(p[order]) - p[order]
+            nucleus = order[mass_before < top_p]
+            assert tok in nucleus  # never sampled outside the nucleus
+            np.testing.assert_allclose(lp, np.log(p[tok] / p[nucleus].sum()), atol=1e-4)
+
+
+def test_seed_reproduces_and_samples_differ(engine, prompt_ids):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=123)
+    a, b = engine.generate(prompt_ids, params), engine.generate(prompt_ids, params)
+    for x, y in zip(a.samples, b.samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    for i in range(len(PROMPTS)):
+        group = {tuple(s.token_ids) for s in a.samples[i * 4 : (i + 1) * 4]}
+        assert len(group) == 4, f"the 4 samples of prompt {i} are not all different"
+    other = engine.generate(prompt_ids, SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=124))
+    assert any(not np.array_equal(x.token_ids, y.token_ids) for x, y in zip(a.samples, other.samples, strict=True))
+    unseeded = [engine.generate(prompt_ids[:1], SamplingParams(temperature=1.0, max_new_tokens=16)) for _ in range(2)]
+    assert not np.array_equal(unseeded[0].samples[0].token_ids, unseeded[1].samples[0].token_ids)
+
+
+def test_results_do_not_depend_on_batching(tiny_model, prompt_ids):
+    model, _ = tiny_model
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=7)
+    big = JaxSampler(model, max_prompt_len=64, max_new_tokens=16, max_batch_size=16).generate(prompt_ids, params)
+    small = JaxSampler(model, max_prompt_len=64, max_new_tokens=16, max_batch_size=2).generate(prompt_ids, params)
+    for x, y in zip(big.samples, small.samples, strict=True):
+        assert x.prompt_index == y.prompt_index
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_compiles_a_handful_of_programs_not_one_per_request(tiny_model):
+    model, tok = tiny_model
+    from workers.rollout.jax_sampler import _generate_program
+
+    engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=32, max_batch_size=8)
+    programs_before = _generate_program._cache_size()
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        prompts = [rng.integers(0, 256, size=rng.integers(1, 30)).tolist() for _ in range(rng.integers(1, 5))]
+        engine.generate(prompts, SamplingParams(n=int(rng.integers(1, 3)), max_new_tokens=int(rng.integers(1, 17))))
+    # Batch buckets {1,2,4,8} x prompt buckets {16,32} x one new-token bucket {16} at most.
+    assert len(engine.compiled_shapes) <= 8
+    assert _generate_program._cache_size() - programs_before <= len(engine.compiled_shapes)
+
+
+def test_stop_token_ends_the_sample_and_is_included(engine, prompt_ids):
+    greedy = engine.generate(prompt_ids[:1], SamplingParams(temperature=0, max_new_tokens=16)).samples[0]
+    stop = int(greedy.token_ids[5])
+    first = int(np.flatnonzero(greedy.token_ids == stop)[0])
+    s = engine.generate(prompt_ids[:1], SamplingParams(temperature=0, max_new_tokens=16,
+                                                      stop_token_ids=(stop,))).samples[0]
+    assert s.finish_reason == FinishReason.STOP
+    np.testing.assert_array_equal(s.token_ids, greedy.token_ids[: first + 1])
+    assert greedy.finish_reason == FinishReason.LENGTH and len(greedy.token_ids) == 16
+
+
+def test_release_and_resume_keep_the_weights(tiny_model, prompt_ids):
+    model, _ = tiny_model
+    engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=16)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    before, checksum = engine.generate(prompt_ids, params), engine.weight_checksum
+    engine.release_memory()
+    assert engine.released
+    with pytest.raises(EngineReleasedError, match="resume_memory"):
+        engine.generate(prompt_ids, params)
+    engine.resume_memory()
+    after = engine.generate(prompt_ids, params)
+    assert engine.weight_checksum == checksum
+    for x, y in zip(before.samples, after.samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+
+
+def test_update_weights_swaps_in_another_models_weights(tiny_model_dir, prompt_ids):
+    model_a, _ = load_pretrained(tiny_model_dir)
+    cfg = model_a.config
+    model_b = abstract_model(cfg, seed=42)
+    flat_b = {k: np.asarray(v) for k, v in P.to_flat(nnx.state(model_b, nnx.Param)).items()}
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    expected = JaxSampler(model_b, max_prompt_len=64, max_new_tokens=16).generate(prompt_ids, params)
+
+    engine = JaxSampler(model_a, max_prompt_len=64, max_new_tokens=16)
+    assert engine.weight_version == 0
+    engine.update_weights(flat_b, version=3)
+    assert engine.weight_version == 3 and engine.weight_checksum == P.checksum(flat_b)
+    got = engine.generate(prompt_ids, params)
+    assert got.weight_version == 3
+    for x, y in zip(expected.samples, got.samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+
+    wrong = dict(flat_b)
+    wrong["model.norm.weight"] = np.ones(cfg.hidden_size + 1, np.float32)
+    with pytest.raises(P.WeightMismatchError, match=r"model\.norm\.weight is float32\(65,\)"):
+        engine.update_weights(wrong, version=4)
+    missing = {k: v for k, v in flat_b.items() if k != "model.norm.weight"}
+    with pytest.raises(P.WeightMismatchError, match="missing"):
+        engine.update_weights(missing, version=4)
+    assert engine.weight_version == 3  # a rejected update changes nothing
+    again = engine.generate(prompt_ids, params)
+    np.testing.assert_array_equal(again.samples[0].token_ids, expected.samples[0].token_ids)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "match"),
+    [
+        ([[1] * 65], SamplingParams(max_new_tokens=8), "65 tokens, more than this engine's max_prompt_len=64"),
+        ([], SamplingParams(max_new_tokens=8), "non-empty list"),
+        ([[1], []], SamplingParams(max_new_tokens=8), "prompt 1 is empty"),
+        ([[1, 999]], SamplingParams(max_new_tokens=8), "outside the vocabulary"),
+        ([[1]], SamplingParams(max_new_tokens=33), "exceeds this engine's max_new_tokens=32"),
+        ("hello", SamplingParams(max_new_tokens=8), "tokenize text first"),
+    ],
+)
+def test_bad_requests_are_rejected_with_a_clear_error(engine, prompts, params, match):
+    with pytest.raises(RolloutInputError, match=match):
+        engine.generate(prompts, params)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(n=0), r"SamplingParams\.n must be an integer >= 1, got 0"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    ],
+)
+def test_bad_sampling_params_are_rejected(kwargs, match):
+    with pytest.raises(RolloutInputError, match=match):
+        SamplingParams(**kwargs)

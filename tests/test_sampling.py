@@ -1,0 +1,52 @@
+"""Sampling math on hand-computed distributions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from workers.rollout.sampling import nucleus_filter, sample_tokens
+
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    logits = jnp.log(jnp.asarray(PROBS, jnp.float32))[None]
+    # mass before each token (sorted): 0, 0.5, 0.8, 0.95 -> top_p 0.75 keeps the first two.
+    kept = np.isfinite(np.asarray(nucleus_filter(logits, jnp.float32(0.75))))[0]
+    assert kept.tolist() == [True, True, False, False]
+    # top_p tiny still keeps the most likely token.
+    assert np.isfinite(np.asarray(nucleus_filter(logits, jnp.float32(1e-6))))[0].tolist() == [True, False, False, False]
+
+
+def test_greedy_picks_argmax_and_reports_model_logprob():
+    logits = jnp.log(jnp.asarray([PROBS, PROBS[::-1]], jnp.float32))
+    keys = jax.random.split(jax.random.key(0), 2)
+    tok, lp = sample_tokens(logits, keys, jnp.float32(0.0), jnp.float32(0.5))
+    assert tok.tolist() == [0, 3]
+    np.testing.assert_allclose(np.asarray(lp), np.log([0.5, 0.5]), rtol=1e-6)
+
+
+def test_top_p_samples_follow_the_renormalised_nucleus():
+    n = 20_000
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS, jnp.float32)), (n, 4))
+    keys = jax.random.split(jax.random.key(1), n)
+    tok, lp = sample_tokens(logits, keys, jnp.float32(1.0), jnp.float32(0.75))
+    tok, lp = np.asarray(tok), np.asarray(lp)
+    # Renormalised nucleus: 0.5 / 0.8 = 0.625 and 0.3 / 0.8 = 0.375; tokens 2 and 3 never appear.
+    freq = np.bincount(tok, minlength=4) / n
+    np.testing.assert_allclose(freq, [0.625, 0.375, 0, 0], atol=0.015)
+    np.testing.assert_allclose(lp[tok == 0], np.log(0.625), rtol=1e-5)
+    np.testing.assert_allclose(lp[tok == 1], np.log(0.375), rtol=1e-5)
+
+
+def test_temperature_sharpens_the_distribution():
+    n = 20_000
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS, jnp.float32)), (n, 4))
+    keys = jax.random.split(jax.random.key(2), n)
+    tok, lp = sample_tokens(logits, keys, jnp.float32(0.5), jnp.float32(1.0))
+    # p^(1/T) = p^2 normalised: [0.25, 0.09, 0.0225, 0.0025] / 0.365
+    expected = PROBS**2 / (PROBS**2).sum()
+    np.testing.assert_allclose(np.bincount(np.asarray(tok), minlength=4) / n, expected, atol=0.015)
+    np.testing.assert_allclose(np.asarray(lp), np.log(expected[np.asarray(tok)]), rtol=1e-5)
