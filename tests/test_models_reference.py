@@ -91,7 +91,7 @@ def test_left_padded_batch_with_positions_matches_unpadded(hf_saved_model):
 def test_bf16_tracks_transformers_bf16(hf_saved_model):
     path, _ = hf_saved_model
     model, _ = load_pretrained(path, dtype="bfloat16", with_tokenizer=False)
-    assert model.model.layers[0].self_attn.q_proj.weight[...].dtype == jnp.bfloat16
+    assert model.model.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
     hf = _hf_reference(path, dtype=torch.bfloat16)
     ids = np.random.default_rng(2).integers(0, model.config.vocab_size, size=(2, 16)).astype(np.int32)
     ours = np.asarray(model(jnp.asarray(ids)))

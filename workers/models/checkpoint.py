@@ -81,7 +81,8 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, with_tokenize
     tensors = {k: v.astype(target) for k, v in tensors.items()}
     # Build on abstract shapes: no random init work for weights we are about to overwrite.
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: abstract_model(cfg)))
-    state = P.from_flat(abstract, tensors, source=f"{path}/*.safetensors")
+    expected = {P.name_of(path) for path, _ in nnx.to_flat_state(abstract)}
+    state = P.from_flat(abstract, P.from_hf(tensors, expected), source=f"{path}/*.safetensors")
     return nnx.merge(graphdef, state), tokenizer
 
 
@@ -92,7 +93,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | Path, tokenizer=None) -
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
-        flat = {k: jnp.asarray(v) for k, v in P.to_flat(nnx.state(model, nnx.Param)).items()}
+        flat = {k: jnp.asarray(v) for k, v in P.to_hf(P.to_flat(nnx.state(model, nnx.Param))).items()}
         save_file(flat, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         gen = {"eos_token_id": model.config.eos_token_id, "pad_token_id": model.config.pad_token_id}
         (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}))

@@ -1,8 +1,9 @@
 """Flat parameter dicts: the one weight format that crosses worker boundaries.
 
-A model's parameters travel (actor -> rollout engine, checkpoint <-> model) as a flat mapping from
-Hugging Face tensor name (`model.layers.0.self_attn.q_proj.weight`) to an array. The nnx state
-path of `Qwen3ForCausalLM` already is that name, so there is no renaming table to get wrong.
+A model's parameters travel between workers (actor -> rollout engine) as a flat mapping from the
+nnx state path of `Qwen3ForCausalLM`, dot-joined, to an array: Hugging Face names, except that
+projection matrices are `<name>.kernel` of shape (in, out) where HF has `<name>.weight` (out, in).
+`to_hf` / `from_hf` convert at the checkpoint boundary; nothing else renames.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ class WeightMismatchError(ValueError):
     """Incoming weights do not match the model they are loaded into (names, shapes or dtypes)."""
 
 
-def _name(path: tuple) -> str:
+def name_of(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
 def to_flat(state: nnx.State) -> FlatParams:
     """nnx state -> {hf_name: array}, in a stable (sorted) order."""
-    return {_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+    return {name_of(path): var.get_value() for path, var in nnx.to_flat_state(state)}
 
 
 def from_flat(template: nnx.State, flat: Mapping[str, object], *, source: str = "weights") -> nnx.State:
@@ -37,7 +38,7 @@ def from_flat(template: nnx.State, flat: Mapping[str, object], *, source: str = 
     here would mean generating with weights other than the ones the actor trained.
     """
     items = list(nnx.to_flat_state(template))
-    expected = {_name(path) for path, _ in items}
+    expected = {name_of(path) for path, _ in items}
     missing, unexpected = sorted(expected - flat.keys()), sorted(flat.keys() - expected)
     if missing or unexpected:
         raise WeightMismatchError(
@@ -45,7 +46,7 @@ def from_flat(template: nnx.State, flat: Mapping[str, object], *, source: str = 
             f"{'…' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'…' if len(unexpected) > 5 else ''}")
     out = []
     for path, var in items:
-        name, new = _name(path), flat[_name(path)]
+        name, new = name_of(path), flat[name_of(path)]
         old = var.get_value()
         if tuple(new.shape) != tuple(old.shape) or np.dtype(new.dtype) != np.dtype(old.dtype):
             raise WeightMismatchError(
@@ -53,6 +54,21 @@ def from_flat(template: nnx.State, flat: Mapping[str, object], *, source: str = 
                 f"the model expects {np.dtype(old.dtype).name}{tuple(old.shape)}")
         out.append((path, var.replace(new)))
     return nnx.from_flat_state(out)
+
+
+def to_hf(flat: Mapping[str, object]) -> dict[str, object]:
+    """rlsched flat params -> Hugging Face safetensors dict (kernels transposed to torch's (out, in))."""
+    return {(k[: -len(".kernel")] + ".weight" if k.endswith(".kernel") else k): (v.T if k.endswith(".kernel") else v)
+            for k, v in flat.items()}
+
+
+def from_hf(tensors: Mapping[str, object], expected: set[str]) -> dict[str, object]:
+    """Hugging Face tensors -> rlsched flat params for a model whose param names are `expected`."""
+    out = {}
+    for k, v in tensors.items():
+        kernel = k[: -len(".weight")] + ".kernel" if k.endswith(".weight") else None
+        out[kernel if kernel in expected else k] = v.T if kernel in expected else v
+    return out
 
 
 def checksum(flat: Mapping[str, object]) -> str:

@@ -1,9 +1,11 @@
 """Qwen3 decoder in Flax NNX, numerically faithful to Hugging Face `Qwen3ForCausalLM`.
 
 Design decisions:
-- Parameters are stored in Hugging Face layout and names (`model.layers.0.self_attn.q_proj.weight`,
-  shape (out, in)), so loading, saving and weight sync are renames-free: the nnx state path *is*
-  the safetensors key. XLA contracts a transposed weight as cheaply as a plain one.
+- Parameter paths follow Hugging Face names, but projection matrices are stored (in, out) as
+  `...q_proj.kernel` rather than torch's (out, in) `...q_proj.weight`: XLA:CPU runs x @ W at
+  decode batch sizes ~1.4x faster than x @ W^T (measured on the `small` preset, batch 8), and it is
+  the layout sglang-jax uses too. checkpoint.py transposes once at load and save; norms and the
+  embedding keep HF's `.weight` and shape.
 - One forward serves three callers: an unpadded batch (`model(input_ids)`), a padded training
   batch (explicit `positions` + `attention_mask`), and the rollout engine's KV-cached prefill and
   decode (`model.forward(..., cache=, cache_index=)`).
@@ -46,16 +48,16 @@ def init_cache(cfg: Qwen3Config, batch: int, slots: int) -> list[LayerCache]:
 
 
 class Linear(nnx.Module):
-    """y = x W^T (+ b), W stored (out, in) as in torch."""
+    """y = x K (+ b), K stored (in, out): the transpose of torch's weight."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: Qwen3Config, rngs: nnx.Rngs):
         dt = _dtype(cfg)
         init = jax.nn.initializers.normal(cfg.initializer_range)
-        self.weight = nnx.Param(init(rngs.params(), (d_out, d_in), jnp.float32).astype(dt))
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), jnp.float32).astype(dt))
         self.bias = nnx.Param(jnp.zeros((d_out,), dt)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...])
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -204,5 +206,7 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden (..., H) -> float32 logits (..., V)."""
-        w = self.model.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight[...]
-        return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
+        if self.lm_head is None:  # tied: the (V, H) embedding doubles as the head
+            return jnp.einsum("...h,vh->...v", hidden, self.model.embed_tokens.weight[...],
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
