@@ -1,6 +1,7 @@
 """`rlsched` command line: thin argument parsing over functions that do the work.
 
-    rlsched demo                       the quickstart job (tiny model, generate)
+    rlsched demo                       the quickstart job (a tiny model learns addition)
+    rlsched train CONFIG.yaml [--set a.b.c=value ...] [--resume]
     rlsched init-model --preset tiny DIR
     rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
 """
@@ -56,30 +57,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_addition.yaml"
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from workers.models import init_model, load_pretrained
-    from workers.rollout import SamplingParams
-    from workers.rollout.jax_sampler import JaxSampler
+    """The quickstart job: a random tiny Qwen3 learns single-digit addition with GRPO."""
+    from rlsched.train import train
 
     out = Path(args.out)
-    model_dir = out / "model"
-    if not (model_dir / "config.json").is_file():
-        print(f"[demo] creating a tiny random Qwen3 at {model_dir}")
-        init_model(model_dir, preset="tiny")
-    model, tok = load_pretrained(model_dir)
-    print(f"[demo] loaded {model.config.num_params / 1e6:.2f}M-param Qwen3, {len(tok)}-token tokenizer")
-    prompts = ["What is 12 + 30?", "Name a prime number.", "Say hello."]
-    ids = [_encode_prompt(tok, p, chat=True) for p in prompts]
-    engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=32)
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=32, stop_token_ids=(tok.eos_token_id,), seed=0)
-    for label in ("first call (compiles)", "second call"):
-        result = engine.generate(ids, params)
-        print(f"[demo] {label}: {len(result.samples)} samples, {result.num_tokens} tokens in "
-              f"{result.generate_seconds:.2f}s ({result.num_tokens / result.generate_seconds:.0f} tokens/s)")
-    for s in result.samples:
-        print(f"  prompt {s.prompt_index} -> {tok.decode(s.token_ids, skip_special_tokens=True)!r} "
-              f"[{s.finish_reason}]")
-    print("[demo] done (the model is random: the text is noise; `rlsched train` makes it learn)")
+    overrides = [f"experiment.output_dir={out}", f"tasks.0.model.path={out / 'models' / 'tiny-addition'}",
+                 *args.set]
+    histories = train(DEMO_CONFIG, overrides=overrides, overwrite=True)
+    for task, history in histories.items():
+        rewards = [m["reward/mean"] for m in history]
+        k = min(10, len(rewards))
+        print(f"[demo] {task}: mean reward over the first {k} steps {sum(rewards[:k]) / k:.3f}, "
+              f"over the last {k} {sum(rewards[-k:]) / k:.3f}; metrics in {out}/demo-addition/tasks/{task}/")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rlsched.train import train
+
+    train(args.config, overrides=args.set, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 
@@ -87,9 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlsched", description="Multi-task GRPO post-training scheduler.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="create a tiny model and generate from it (the quickstart job)")
-    p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    p = sub.add_parser("demo", help="a tiny random Qwen3 learns addition with GRPO (the quickstart job)")
+    p.add_argument("--out", default="runs", help="output directory (default: runs)")
+    p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("train", help="run the GRPO tasks of an experiment config")
+    p.add_argument("config", help="experiment YAML (see configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE",
+                   help="override a config value, e.g. --set tasks.0.grpo.beta=0.04 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue each task from its last checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("init-model", help="write a random Qwen3 + tokenizer in Hugging Face format")
     p.add_argument("dir", help="output model directory")
@@ -118,12 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
+    from rlsched.checkpoints import CheckpointError
+    from rlsched.trainer import TaskError
     from workers.models import ModelConfigError, TokenizerError
+    from workers.rewards import RewardError
     from workers.rollout import RolloutInputError
 
     try:
         return args.func(args)
-    except (ModelConfigError, TokenizerError, RolloutInputError, ValueError) as err:
+    except (ModelConfigError, TokenizerError, RolloutInputError, ValueError, TaskError, RewardError,
+            CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

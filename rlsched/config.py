@@ -1,0 +1,423 @@
+"""Experiment configuration: frozen pydantic models, loaded from YAML, with errors that name the field.
+
+One experiment runs many GRPO tasks; each `TaskConfig` is self-contained (model, data, reward,
+rollout, GRPO, optimizer, step counts), so a task can be added or removed without touching the
+others. `ClusterConfig` is the only shared section.
+
+Design decisions:
+- Frozen and `extra="forbid"`: a config is read once and never mutated; a misspelt key is an error
+  (with a "did you mean" suggestion), never a silently ignored setting that wrecks a reward curve.
+- Strict validation: the value in the file is the value used (`steps: "10"` or `steps: true` is an
+  error, not a coercion). YAML is read with YAML 1.2 float rules so `lr: 1e-6` is a float; PyYAML's
+  default (YAML 1.1) reads it as the string "1e-6".
+- Every error line reads `<file>: <field.path>: <message> (got <value>)`: the path is what you
+  would pass to `--set`, so the fix is one edit away.
+- Batch arithmetic (samples per step, mini/micro batches, optimizer and warmup steps) is derived
+  once, at load, in `BatchPlan`: a config whose batches do not divide fails before any model loads,
+  and the trainer logs `BatchPlan.describe()` instead of recomputing it.
+- Overrides (`--set tasks.0.grpo.beta=0.04`) edit the raw YAML dict before validation, so an
+  overridden value goes through exactly the same checks and messages as one from the file.
+- Engine-specific knobs live in `rollout.engine_args`, passed through untouched: the config does
+  not copy every engine's settings field by field.
+- No jax/ray imports: the CLI validates a config in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config rlsched cannot run; the message names the file, the field path and the value."""
+
+
+class _FieldError(ValueError):
+    """Raised by cross-field validators to point at one field (relative to the model) and its value."""
+
+    def __init__(self, field: str, value: Any, message: str):
+        super().__init__(message)
+        self.field, self.value = tuple(field.split(".")), value
+
+
+def _check_name(name: str) -> str:
+    # Names become directories (runs/<experiment>/tasks/<task>) and comm-group names.
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
+        raise ValueError("must be letters, digits, '_', '.' or '-' (it names a directory)")
+    return name
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+_SYNTHETIC_KINDS = ("addition", "subtraction")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True)
+
+
+class ExperimentSection(_Section):
+    name: Name
+    """Experiment name; the run directory is `<output_dir>/<name>`."""
+    output_dir: str = "runs"
+    """Directory (relative to the working directory) that holds one sub-directory per experiment."""
+    seed: int = 0
+    """Base seed; a task without its own seed gets `seed + task index`."""
+
+
+class ClusterConfig(_Section):
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """`colocated`: a task's actor and engine share devices; `disaggregated`: separate rollout and train pools."""
+    num_devices: int | None = Field(None, ge=1)
+    """Accelerators to use (CPU cores on CPU); None = all visible."""
+    memory_budget_gb: float | None = Field(None, gt=0)
+    """Device-memory budget per device group, in GiB; None = unlimited."""
+
+
+class ModelSection(_Section):
+    path: str
+    """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json)."""
+    init_preset: Literal["tiny", "small"] | None = None
+    """If set and `path` has no config.json, the trainer creates a random model of this preset there (demos)."""
+    init_seed: int = 0
+    """Seed of that random initialisation."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype on device."""
+
+
+class DataSection(_Section):
+    kind: Literal["jsonl", "parquet", "gsm8k", "addition", "subtraction"]
+    """Prompt source: files (jsonl/parquet/gsm8k) or a synthetic generator (addition/subtraction)."""
+    path: str | None = None
+    """Dataset file; required for jsonl/parquet/gsm8k, must be absent for synthetic kinds."""
+    question_field: str = "question"
+    """Record field holding the prompt text."""
+    answer_field: str = "answer"
+    """Record field holding the reference answer given to the reward."""
+    template: Literal["auto", "chat", "plain"] = "auto"
+    """Prompt formatting: `chat` applies the tokenizer's chat template, `plain` uses the text; `auto` picks."""
+    system_prompt: str | None = None
+    """System message for chat templates; None = none."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (with the task seed)."""
+    max_operand: int = Field(9, ge=1)
+    """Largest operand of synthetic arithmetic problems (synthetic kinds only)."""
+
+    @model_validator(mode="after")
+    def _path_matches_kind(self) -> DataSection:
+        if self.kind in _SYNTHETIC_KINDS and self.path is not None:
+            # A path here usually means the wrong kind was chosen; ignoring it would hide that.
+            raise _FieldError("path", self.path, f"synthetic kind {self.kind!r} reads no file; remove data.path")
+        if self.kind not in _SYNTHETIC_KINDS and self.path is None:
+            raise _FieldError("path", None, f"data.path is required when data.kind is {self.kind!r}")
+        return self
+
+
+class RewardSection(_Section):
+    name: str
+    """Reward function in the data plane's registry (checked there, not here)."""
+    on_error: Literal["fail", "zero"] = "fail"
+    """When the reward function raises: `fail` stops the task, `zero` scores the sample 0."""
+
+
+class RolloutSection(_Section):
+    engine: Literal["jax_sampler", "fake", "sglang_jax"] = "jax_sampler"
+    """Rollout engine implementation."""
+    max_batch_size: int = Field(64, ge=1)
+    """Most sequences the engine decodes at once, in sequences."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Engine-specific knobs, passed through to the engine untouched."""
+
+
+class GRPOSection(_Section):
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts sampled per GRPO step."""
+    num_generations: int = Field(8, ge=2)
+    """Completions per prompt (group size G); with 1 every group-relative advantage would be 0."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus-sampling mass; 1 = off."""
+    max_prompt_len: int = Field(256, ge=1)
+    """Longest prompt, in tokens (longer prompts are an error in the data plane)."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Longest completion, in tokens."""
+    beta: float = Field(0.0, ge=0)
+    """KL-penalty weight; 0 = no reference model is kept."""
+    epsilon: float = Field(0.2, gt=0)
+    """Lower clip range of the importance ratio: ratios below 1 - epsilon are clipped."""
+    epsilon_high: float | None = Field(None, gt=0)
+    """Upper clip range (ratios above 1 + epsilon_high are clipped); None = epsilon."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """`token-mean`: mean over all tokens of the batch; `seq-mean-token-mean`: per sequence, then over sequences."""
+    normalize_advantage_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation."""
+    mini_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step; None = all samples of a GRPO step (one optimizer step per epoch)."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Samples per forward/backward pass (gradients accumulate over a mini-batch); None = mini_batch_size."""
+    epochs_per_step: int = Field(1, ge=1)
+    """Passes over a GRPO step's samples."""
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(epsilon, epsilon_high) with the default applied: ratios are clipped to [1 - low, 1 + high]."""
+        return self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+class OptimSection(_Section):
+    lr: float = Field(1e-6, gt=0)
+    """Peak AdamW learning rate."""
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)
+    """Fraction of the task's total optimizer steps spent in linear warmup."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    b1: float = Field(0.9, ge=0, lt=1)
+    """Adam first-moment decay."""
+    b2: float = Field(0.999, ge=0, lt=1)
+    """Adam second-moment decay."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """A task's batch arithmetic, derived once from its config (see `TaskConfig.batch_plan`)."""
+
+    task: str
+    prompts_per_step: int
+    num_generations: int
+    samples_per_step: int  # prompts_per_step * num_generations
+    mini_batch_size: int  # samples per optimizer step
+    micro_batch_size: int  # samples per forward/backward
+    grad_accumulation: int  # micro-batches per optimizer step
+    epochs_per_step: int
+    optimizer_steps_per_step: int  # per GRPO step, all epochs
+    steps: int  # GRPO steps
+    total_optimizer_steps: int
+    warmup_steps: int
+
+    def describe(self) -> str:
+        epochs = f" x {self.epochs_per_step} epochs" if self.epochs_per_step > 1 else ""
+        return (
+            f"task {self.task}: {self.prompts_per_step} prompts x {self.num_generations} generations = "
+            f"{self.samples_per_step} samples/step; mini-batch {self.mini_batch_size}{epochs} "
+            f"({self.optimizer_steps_per_step} optimizer steps/step, {self.grad_accumulation} micro-batches of "
+            f"{self.micro_batch_size} each); {self.steps} steps = {self.total_optimizer_steps} optimizer steps, "
+            f"{self.warmup_steps} warmup"
+        )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join([str(d) for d in range(n, 0, -1) if n % d == 0][:6])
+
+
+def _plan(name: str, g: GRPOSection, steps: int, warmup_ratio: float) -> BatchPlan:
+    samples = g.prompts_per_step * g.num_generations
+    mini = g.mini_batch_size or samples
+    micro = g.micro_batch_size or mini
+    where = f"{samples} samples/step = grpo.prompts_per_step {g.prompts_per_step} x grpo.num_generations " \
+            f"{g.num_generations}"
+    if mini > samples or samples % mini:
+        raise _FieldError("grpo.mini_batch_size", mini, f"must divide the {where}; use one of {_divisors(samples)}")
+    if micro > mini or mini % micro:
+        unset = " (unset: all samples of a step)" if g.mini_batch_size is None else ""
+        raise _FieldError("grpo.micro_batch_size", micro,
+                          f"must divide grpo.mini_batch_size {mini}{unset}; use one of {_divisors(mini)}")
+    per_step = samples // mini * g.epochs_per_step
+    total = per_step * steps
+    return BatchPlan(
+        task=name, prompts_per_step=g.prompts_per_step, num_generations=g.num_generations, samples_per_step=samples,
+        mini_batch_size=mini, micro_batch_size=micro, grad_accumulation=mini // micro,
+        epochs_per_step=g.epochs_per_step, optimizer_steps_per_step=per_step, steps=steps,
+        total_optimizer_steps=total,
+        # The epsilon keeps products like 0.29 * 100 (= 28.999999999999996) from flooring to 28.
+        warmup_steps=int(warmup_ratio * total + 1e-9),
+    )
+
+
+class TaskConfig(_Section):
+    name: Name
+    """Task name, unique within the experiment; names `runs/<experiment>/tasks/<name>`."""
+    seed: int | None = None
+    """Task seed (data order, sampling); None = experiment seed + task index."""
+    model: ModelSection
+    data: DataSection
+    reward: RewardSection
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    grpo: GRPOSection = Field(default_factory=GRPOSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    steps: int = Field(ge=1)
+    """GRPO steps to run."""
+    checkpoint_every: int = Field(0, ge=0)
+    """GRPO steps between checkpoints; 0 = never."""
+    log_every: int = Field(1, ge=1)
+    """GRPO steps between metric logs."""
+
+    _batch_plan: BatchPlan = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> TaskConfig:
+        # Private attributes may be set on frozen models; this is the one place the plan is computed.
+        self._batch_plan = _plan(self.name, self.grpo, self.steps, self.optim.warmup_ratio)
+        return self
+
+    def batch_plan(self) -> BatchPlan:
+        """The derived batch arithmetic, checked at load time."""
+        return self._batch_plan
+
+    def resolved_seed(self, experiment_seed: int, index: int) -> int:
+        """This task's seed: its own, or `experiment_seed + index` (index = position in `tasks`)."""
+        return experiment_seed + index if self.seed is None else self.seed
+
+
+class ExperimentConfig(_Section):
+    experiment: ExperimentSection
+    tasks: list[TaskConfig] = Field(min_length=1)
+    """The GRPO tasks run together; at least one."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _unique_task_names(self) -> ExperimentConfig:
+        first: dict[str, int] = {}
+        for i, task in enumerate(self.tasks):
+            if task.name in first:
+                raise _FieldError(f"tasks.{i}.name", task.name,
+                                  f"duplicate task name: tasks.{first[task.name]} and tasks.{i} are both named "
+                                  f"{task.name!r}; task names must be unique (they name run directories)")
+            first[task.name] = i
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        """`<output_dir>/<name>`, relative to the working directory unless output_dir is absolute."""
+        return Path(self.experiment.output_dir) / self.experiment.name
+
+
+# --- loading -------------------------------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats: `1e-6` and `3E5` are numbers, not strings."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _apply_override(raw: dict, override: str) -> str:
+    """Set one `a.b.0.c=value` in the raw dict; returns the dotted path it set."""
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r} is malformed; expected path.to.key=value, "
+                          "e.g. tasks.0.grpo.beta=0.04")
+    try:
+        value = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: value {text!r} is not valid YAML: {e}") from None
+    parts = key.strip().split(".")
+    node: Any = raw
+    for depth, part in enumerate(parts):
+        last, here = depth == len(parts) - 1, ".".join(parts[:depth]) or "the top level"
+        if isinstance(node, dict):
+            # A new key is allowed: validation then reports it as unknown, with a suggestion.
+            if last:
+                node[part] = value
+            elif node.get(part) is None:
+                node[part] = {}  # absent, or `section:` left empty in the YAML
+            node = node[part]
+        elif isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {override!r}: {here} is a list of {len(node)} items; index {part!r} "
+                                  f"is out of range (use 0..{len(node) - 1})")
+            if last:
+                node[int(part)] = value
+            node = node[int(part)]
+        else:
+            raise ConfigError(f"override {override!r}: {here} is {node!r}, not a mapping or list, so it has no "
+                              f"key {part!r}")
+    return key.strip()
+
+
+def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
+    """The model class that validates the mapping at `loc`, for unknown-key suggestions."""
+    cls: type[BaseModel] = ExperimentConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue  # list element: the annotation below was already unwrapped
+        field = cls.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        while get_origin(ann) in (list, Union, types.UnionType):
+            ann = next(a for a in get_args(ann) if a is not type(None))
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        cls = ann
+    return cls
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _format_error(err: dict, label: str, overridden: dict[str, str]) -> str:
+    loc, value, msg, suffix = tuple(err["loc"]), err.get("input"), err["msg"], ""
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, _FieldError):
+        loc, value, msg = loc + cause.field, cause.value, str(cause)
+    elif err["type"] == "value_error":
+        msg = str(cause)  # without pydantic's "Value error, " prefix
+    elif err["type"] == "extra_forbidden":
+        cls = _model_at(loc[:-1])
+        names = list(cls.model_fields) if cls else []
+        close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+        msg = "unknown key"
+        suffix = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}" if names else ""
+    path = ".".join(str(p) for p in loc) or "<top level>"
+    quoted = "" if err["type"] == "missing" else f" (got {_short_repr(value)})"  # a missing key has no value
+    line = f"{label}: {path}: {msg}{quoted}{suffix}"
+    for prefix, override in overridden.items():
+        if path == prefix or path.startswith(prefix + "."):
+            line += f" [from override {override!r}]"
+    return line
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Read, override and validate an experiment config; every problem is a `ConfigError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist" if not path.exists() else f"{path} is not a file")
+    try:
+        raw = yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
+    if not isinstance(raw, dict):
+        got = "an empty file" if raw is None else f"a {type(raw).__name__}"
+        raise ConfigError(f"{path}: the top level must be a mapping with experiment:, tasks: and cluster: (got {got})")
+    overridden = {_apply_override(raw, o): o for o in overrides}
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as e:
+        lines = [_format_error(err, str(path), overridden) for err in e.errors()]
+        raise ConfigError("\n".join(lines)) from None
+
+
+def dump_resolved(cfg: ExperimentConfig) -> str:
+    """The config with every default filled in, as YAML; `load_config` of it gives back `cfg`."""
+    header = "# Resolved by rlsched: every default filled in. This file is a valid config on its own.\n"
+    return header + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,207 @@
+"""One GRPO task, end to end, in one process: the step loop the scheduler later distributes.
+
+`TaskRunner.step` reads as the algorithm of DESIGN.md ("One step of one task"); everything it
+calls is a named method, so the multi-task driver can take the same calls and put locks around them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from rlsched.checkpoints import TaskCheckpointer
+from rlsched.config import ExperimentConfig, TaskConfig
+from rlsched.tracking import JsonlTracker
+from workers import data as D
+from workers import rewards as R
+from workers.actor import ActorSettings, ActorWorker, build_train_batch
+from workers.grpo import group_advantages
+from workers.models import init_model, load_pretrained
+from workers.rollout import RolloutOutput, SamplingParams
+from workers.rollout.jax_sampler import JaxSampler
+
+log = logging.getLogger(__name__)
+
+
+class TaskError(RuntimeError):
+    """A task cannot go on; the message names the task and the cause."""
+
+
+def _rollout_seed(task_seed: int, step: int) -> int:
+    # A pure function of (seed, step): a resumed run samples exactly what the uninterrupted one did.
+    return (task_seed * 1_000_003 + step) % (2**31)
+
+
+class TaskRunner:
+    def __init__(self, experiment: ExperimentConfig, index: int, *, resume: bool = False, echo=print):
+        self.cfg: TaskConfig = experiment.tasks[index]
+        self.name = self.cfg.name
+        self.seed = self.cfg.resolved_seed(experiment.experiment.seed, index)
+        self.plan = self.cfg.batch_plan()
+        self.dir = experiment.run_dir / "tasks" / self.name
+        self.echo = echo
+        g = self.cfg.grpo
+
+        model, self.tokenizer = self._load_model()
+        self.stop_ids = (self.tokenizer.eos_token_id,)
+        self.sampling = dict(n=g.num_generations, temperature=g.temperature, top_p=g.top_p,
+                             max_new_tokens=g.max_new_tokens, stop_token_ids=self.stop_ids)
+        self.actor = ActorWorker(model, ActorSettings(
+            lr=self.cfg.optim.lr, total_steps=self.plan.total_optimizer_steps, warmup_steps=self.plan.warmup_steps,
+            weight_decay=self.cfg.optim.weight_decay, grad_clip=self.cfg.optim.grad_clip, b1=self.cfg.optim.b1,
+            b2=self.cfg.optim.b2, epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta,
+            aggregation=g.loss_aggregation, temperature=g.temperature,
+            micro_batch_size=self.plan.micro_batch_size, mini_batch_size=self.plan.mini_batch_size,
+            epochs=self.plan.epochs_per_step), seed=self.seed)
+        self.engine = self._make_engine(model)
+        R.get_reward(self.cfg.reward.name)  # fail at start, not at the first reward
+        self.loader = D.PromptLoader(self._make_source(), g.prompts_per_step, seed=self.seed,
+                                     shuffle=self.cfg.data.shuffle)
+        self.checkpointer = TaskCheckpointer(self.dir / "checkpoints")
+        self.tracker = JsonlTracker(self.dir / "metrics.jsonl")
+        self.step_done = 0
+        if resume:
+            self._resume()
+
+    # ---- setup ----------------------------------------------------------------------------------
+
+    def _load_model(self):
+        m = self.cfg.model
+        path = Path(m.path)
+        if m.init_preset is not None and not (path / "config.json").is_file():
+            self.echo(f"[{self.name}] creating a random {m.init_preset} Qwen3 at {path}")
+            init_model(path, preset=m.init_preset, seed=m.init_seed)
+        return load_pretrained(path, dtype=m.dtype)
+
+    def _make_engine(self, model):
+        r, g = self.cfg.rollout, self.cfg.grpo
+        if r.engine != "jax_sampler":
+            raise TaskError(f"task {self.name}: rollout.engine {r.engine!r} is not available for `rlsched train` yet; "
+                            "use jax_sampler")
+        return JaxSampler(model, max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
+                          max_batch_size=r.max_batch_size, seed=self.seed, **r.engine_args)
+
+    def _make_source(self):
+        d = self.cfg.data
+        if d.kind in ("addition", "subtraction"):
+            return D.make_source(d.kind, seed=self.seed, max_operand=d.max_operand)
+        if d.kind == "gsm8k":
+            return D.make_source("gsm8k", path=d.path)
+        return D.make_source(d.kind, path=d.path, question_field=d.question_field, answer_field=d.answer_field)
+
+    def _resume(self) -> None:
+        step = self.checkpointer.latest_step()
+        if step is None:
+            self.echo(f"[{self.name}] --resume: no checkpoint in {self.checkpointer.directory}; starting fresh")
+            return
+        state, meta = self.checkpointer.restore(self.actor.state, step)
+        self.actor.state, self.actor.version = state, int(meta["version"])
+        self.loader.load_state(meta["loader"])
+        self.publish_weights()
+        self.step_done = int(meta["step"])
+        self.tracker.truncate_after(self.step_done)  # lines written after the checkpoint are replayed
+        self.echo(f"[{self.name}] resumed after step {self.step_done} (weights v{self.actor.version})")
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def step(self, step: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        prompts = self.loader.next_batch()
+        prompt_ids = self.encode(prompts)
+        rollout = self.generate(prompt_ids, step)  # ROLLOUT phase
+        t1 = time.perf_counter()
+        rewards, reward_errors = self.score(prompts, rollout)  # host work, outside any lock
+        t2 = time.perf_counter()
+        advantages = np.asarray(group_advantages(jnp.asarray(rewards), self.cfg.grpo.num_generations,
+                                                 normalize_std=self.cfg.grpo.normalize_advantage_std))
+        batch = build_train_batch([prompt_ids[s.prompt_index] for s in rollout.samples],
+                                  [s.token_ids for s in rollout.samples], advantages,
+                                  pad_id=self.tokenizer.pad_token_id)
+        train_metrics = self.actor.train(batch, step=step)  # TRAIN phase
+        if train_metrics["skipped"]:
+            self.echo(f"[{self.name}] step {step}: non-finite loss or gradient in {train_metrics['skipped']:.0f} "
+                      "optimizer step(s); those updates were skipped, the params are unchanged")
+        self.publish_weights()
+        t3 = time.perf_counter()
+        lengths = np.array([len(s.token_ids) for s in rollout.samples])
+        return {
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "reward/max": float(rewards.max()), "reward/errors": reward_errors,
+            "loss": train_metrics["loss"], "kl": train_metrics["kl"], "clip_frac": train_metrics["clip_frac"],
+            "ratio_mean": train_metrics["ratio_mean"], "grad_norm": train_metrics["grad_norm"],
+            "lr": train_metrics["lr"], "skipped_updates": train_metrics["skipped"],
+            "response_len/mean": float(lengths.mean()), "tokens/generated": int(lengths.sum()),
+            "weight_version": self.actor.version,
+            "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/step_s": t3 - t0,
+        }
+
+    def encode(self, prompts: list[D.Prompt]) -> list[np.ndarray]:
+        d, limit = self.cfg.data, self.cfg.grpo.max_prompt_len
+        out = []
+        for p in prompts:
+            ids = D.render_prompt(self.tokenizer, p.question, template=d.template, system_prompt=d.system_prompt)
+            if len(ids) > limit:
+                raise TaskError(f"task {self.name}: prompt {p.uid} is {len(ids)} tokens, longer than "
+                                f"grpo.max_prompt_len={limit}; raise grpo.max_prompt_len or shorten the data")
+            out.append(np.asarray(ids, np.int32))
+        return out
+
+    def generate(self, prompt_ids: list[np.ndarray], step: int) -> RolloutOutput:
+        if self.engine.weight_version != self.actor.version:
+            raise TaskError(f"task {self.name}: the engine holds weights v{self.engine.weight_version} but the "
+                            f"actor published v{self.actor.version}; refusing to generate with stale weights")
+        params = SamplingParams(**self.sampling, seed=_rollout_seed(self.seed, step))
+        return self.engine.generate(prompt_ids, params)
+
+    def score(self, prompts: list[D.Prompt], rollout: RolloutOutput) -> tuple[np.ndarray, int]:
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
+        answers = [prompts[s.prompt_index].answer for s in rollout.samples]
+        result = R.score(self.cfg.reward.name, texts, answers, task=self.name, on_error=self.cfg.reward.on_error)
+        if result.num_errors:
+            self.echo(f"[{self.name}] {result.num_errors} reward error(s) scored 0; first: {result.first_error}")
+        return result.rewards, result.num_errors
+
+    def publish_weights(self) -> None:
+        snapshot = self.actor.export_weights()
+        self.engine.update_weights(snapshot.flat, snapshot.version)
+        if self.engine.weight_checksum != snapshot.checksum:
+            raise TaskError(f"task {self.name}: engine checksum differs from the actor's after sync "
+                            f"(v{snapshot.version}); the weights were corrupted in transit")
+
+    def save_checkpoint(self, step: int) -> None:
+        meta = {"step": step, "version": self.actor.version, "loader": self.loader.state(), "task": self.name}
+        self.checkpointer.save(step, self.actor.state, meta)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def run(self, until: int | None = None) -> list[dict[str, Any]]:
+        """Run the remaining steps (or stop after step `until`); returns this call's metrics."""
+        history = []
+        last = self.cfg.steps if until is None else min(until, self.cfg.steps)
+        try:
+            for step in range(self.step_done + 1, last + 1):
+                metrics = self.step(step)
+                self.tracker.log(step, metrics)
+                history.append(metrics)
+                self.step_done = step
+                if step % self.cfg.log_every == 0 or step == self.cfg.steps:
+                    self.echo(progress_line(self.name, step, self.cfg.steps, metrics))
+                every = self.cfg.checkpoint_every
+                if every and (step % every == 0 or step == self.cfg.steps):
+                    self.save_checkpoint(step)
+        finally:
+            self.tracker.finish()
+            self.checkpointer.close()
+        return history
+
+
+def progress_line(task: str, step: int, steps: int, m: dict[str, Any]) -> str:
+    return (f"[{task}] step {step:>4}/{steps}  reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}  "
+            f"kl {m['kl']:.4f}  loss {m['loss']:+.4f}  len {m['response_len/mean']:.1f}  "
+            f"step {m['time/step_s']:.2f}s (rollout {m['time/rollout_s']:.2f} reward {m['time/reward_s']:.2f} "
+            f"train {m['time/train_s']:.2f})")

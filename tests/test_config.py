@@ -1,0 +1,257 @@
+"""Experiment config: defaults, batch arithmetic by hand, and every error naming the field and the value."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from rlsched.config import BatchPlan, ConfigError, ExperimentConfig, dump_resolved, load_config
+
+# One task with batches that exercise every derived number (see test_batch_plan_arithmetic).
+ADDITION = """\
+experiment:
+  name: demo
+tasks:
+  - name: addition
+    model: {path: runs/demo/model, init_preset: tiny}
+    data: {kind: addition}
+    reward: {name: addition}
+    grpo: {prompts_per_step: 16, num_generations: 16, mini_batch_size: 128, micro_batch_size: 64}
+    optim: {lr: 1e-6}
+    steps: 60
+"""
+
+
+def write(tmp_path, text: str, name: str = "demo.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def load_error(tmp_path, text: str, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), overrides)
+    return str(info.value)
+
+
+def test_valid_config_fills_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, ADDITION))
+    assert cfg.experiment.name == "demo" and cfg.experiment.output_dir == "runs" and cfg.experiment.seed == 0
+    assert cfg.cluster.placement == "colocated" and cfg.cluster.num_devices is None
+    assert cfg.cluster.memory_budget_gb is None
+    (task,) = cfg.tasks
+    assert task.model.init_preset == "tiny" and task.model.dtype == "float32" and task.model.init_seed == 0
+    assert task.data.path is None and task.data.template == "auto" and task.data.max_operand == 9
+    assert task.reward.on_error == "fail"
+    assert task.rollout.engine == "jax_sampler" and task.rollout.max_batch_size == 64 and task.rollout.engine_args == {}
+    assert task.grpo.beta == 0.0 and task.grpo.epsilon == 0.2 and task.grpo.clip_range == (0.2, 0.2)
+    assert task.grpo.loss_aggregation == "token-mean" and task.grpo.epochs_per_step == 1
+    # YAML 1.1 (PyYAML's default) would read `1e-6` as the string "1e-6"; we read YAML 1.2 floats.
+    assert task.optim.lr == 1e-6 and task.optim.warmup_ratio == 0.1 and task.optim.grad_clip == 1.0
+    assert task.checkpoint_every == 0 and task.log_every == 1
+    assert cfg.run_dir == Path("runs/demo")
+
+
+def test_fields_are_documented():
+    from rlsched.config import GRPOSection
+
+    assert "group size" in GRPOSection.model_fields["num_generations"].description
+
+
+def test_task_seed_defaults_to_experiment_seed_plus_index(tmp_path):
+    cfg = load_config(write(tmp_path, ADDITION), ["experiment.seed=7"])
+    assert cfg.tasks[0].resolved_seed(cfg.experiment.seed, 0) == 7 + 0
+    assert cfg.tasks[0].resolved_seed(cfg.experiment.seed, 3) == 7 + 3
+    cfg = load_config(write(tmp_path, ADDITION), ["tasks.0.seed=42"])
+    assert cfg.tasks[0].resolved_seed(7, 3) == 42
+
+
+def test_batch_plan_arithmetic(tmp_path):
+    plan = load_config(write(tmp_path, ADDITION)).tasks[0].batch_plan()
+    assert plan == BatchPlan(
+        task="addition", prompts_per_step=16, num_generations=16,
+        samples_per_step=256,  # 16 prompts x 16 generations
+        mini_batch_size=128, micro_batch_size=64,
+        grad_accumulation=2,  # 128 / 64
+        epochs_per_step=1,
+        optimizer_steps_per_step=2,  # 256 / 128 x 1 epoch
+        steps=60,
+        total_optimizer_steps=120,  # 2 x 60
+        warmup_steps=12,  # int(0.1 x 120)
+    )
+    assert plan.describe() == (
+        "task addition: 16 prompts x 16 generations = 256 samples/step; mini-batch 128 (2 optimizer steps/step, "
+        "2 micro-batches of 64 each); 60 steps = 120 optimizer steps, 12 warmup")
+
+
+def test_batch_plan_defaults_and_epochs(tmp_path):
+    # Defaults: 16 prompts x 8 generations = 128 samples; mini = micro = 128 -> 1 optimizer step, no accumulation.
+    plan = load_config(write(tmp_path, ADDITION), ["tasks.0.grpo={}"]).tasks[0].batch_plan()
+    assert (plan.samples_per_step, plan.mini_batch_size, plan.micro_batch_size) == (128, 128, 128)
+    assert (plan.grad_accumulation, plan.optimizer_steps_per_step, plan.total_optimizer_steps) == (1, 1, 60)
+    assert plan.warmup_steps == 6  # int(0.1 x 60)
+    # 3 epochs over 256 samples in mini-batches of 128: 2 x 3 = 6 optimizer steps per step, x 60 = 360;
+    # warmup 0.29 x 360 = 104.4 -> 104 (and 0.29 x 100 would be 28.999... in floats, still 29 below).
+    plan = load_config(write(tmp_path, ADDITION), ["tasks.0.grpo.epochs_per_step=3",
+                                                   "tasks.0.optim.warmup_ratio=0.29"]).tasks[0].batch_plan()
+    assert (plan.optimizer_steps_per_step, plan.total_optimizer_steps, plan.warmup_steps) == (6, 360, 104)
+    assert "mini-batch 128 x 3 epochs (6 optimizer steps/step" in plan.describe()
+    # 4 prompts x 25 generations = 100 samples, one optimizer step, 100 steps -> 100; 0.29 x 100 -> 29.
+    plan = load_config(write(tmp_path, ADDITION), [
+        "tasks.0.grpo={prompts_per_step: 4, num_generations: 25}", "tasks.0.steps=100",
+        "tasks.0.optim.warmup_ratio=0.29"]).tasks[0].batch_plan()
+    assert (plan.total_optimizer_steps, plan.warmup_steps) == (100, 29)
+
+
+def test_config_is_frozen(tmp_path):
+    cfg = load_config(write(tmp_path, ADDITION))
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.tasks[0].grpo.beta = 0.5
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.experiment = None
+
+
+def test_dump_resolved_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path, ADDITION), ["tasks.0.rollout.engine_args={page_size: 16}",
+                                                  "cluster.memory_budget_gb=1.5"])
+    text = dump_resolved(cfg)
+    assert "beta: 0.0" in text and "placement: colocated" in text  # defaults written out
+    again = load_config(write(tmp_path, text, "resolved.yaml"))
+    assert again == cfg and again.tasks[0].batch_plan() == cfg.tasks[0].batch_plan()
+    assert dump_resolved(again) == text
+
+
+# --- errors: each names the file, the field path and the value received -------------------------------------
+
+
+def test_unknown_key_suggests_the_field(tmp_path):
+    msg = load_error(tmp_path, ADDITION.replace("micro_batch_size: 64}", "micro_batch_size: 64, bta: 0.1}"))
+    assert msg == f"{tmp_path / 'demo.yaml'}: tasks.0.grpo.bta: unknown key (got 0.1); did you mean 'beta'?"
+
+
+def test_unknown_key_without_a_close_match_lists_the_keys(tmp_path):
+    msg = load_error(tmp_path, ADDITION + "zzz: 1\n")
+    assert msg.endswith("zzz: unknown key (got 1); valid keys: experiment, tasks, cluster")
+
+
+def test_wrong_type(tmp_path):
+    msg = load_error(tmp_path, ADDITION.replace("steps: 60", "steps: ten"))
+    assert "demo.yaml: tasks.0.steps: Input should be a valid integer (got 'ten')" in msg
+    # Strict: a quoted number is a string, not silently converted.
+    msg = load_error(tmp_path, ADDITION.replace("steps: 60", "steps: '60'"))
+    assert "tasks.0.steps: Input should be a valid integer (got '60')" in msg
+
+
+def test_out_of_range(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.grpo.beta=-1"])
+    assert "demo.yaml: tasks.0.grpo.beta: Input should be greater than or equal to 0 (got -1)" in msg
+    assert "[from override 'tasks.0.grpo.beta=-1']" in msg
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.grpo.num_generations=1"])
+    assert "tasks.0.grpo.num_generations: Input should be greater than or equal to 2 (got 1)" in msg
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.grpo.top_p=1.5"])
+    assert "tasks.0.grpo.top_p: Input should be less than or equal to 1 (got 1.5)" in msg
+
+
+def test_several_problems_one_line_each(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.grpo.beta=-1", "tasks.0.steps=0", "cluster.placement=split"])
+    lines = msg.splitlines()
+    assert len(lines) == 3
+    assert any(re.search(r"cluster\.placement: Input should be 'colocated' or 'disaggregated' \(got 'split'\)", x)
+               for x in lines)
+
+
+def test_missing_required(tmp_path):
+    msg = load_error(tmp_path, ADDITION.replace("    reward: {name: addition}\n", ""))
+    assert msg.endswith("demo.yaml: tasks.0.reward: Field required")
+    msg = load_error(tmp_path, "experiment: {name: demo}\ntasks: []\n")
+    assert "tasks: List should have at least 1 item after validation, not 0 (got [])" in msg
+
+
+def test_bad_name(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["experiment.name=my run"])
+    assert "experiment.name: must be letters, digits, '_', '.' or '-' (it names a directory) (got 'my run')" in msg
+
+
+def test_data_path_required_for_file_kinds(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.data.kind=jsonl"])
+    assert "tasks.0.data.path: data.path is required when data.kind is 'jsonl' (got None)" in msg
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.data.path=train.jsonl"])
+    assert "tasks.0.data.path: synthetic kind 'addition' reads no file; remove data.path (got 'train.jsonl')" in msg
+    cfg = load_config(write(tmp_path, ADDITION), ["tasks.0.data={kind: gsm8k, path: gsm8k/train.parquet}"])
+    assert cfg.tasks[0].data.path == "gsm8k/train.parquet"
+
+
+def test_non_divisible_batches(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.grpo.mini_batch_size=96"])
+    assert ("tasks.0.grpo.mini_batch_size: must divide the 256 samples/step = grpo.prompts_per_step 16 x "
+            "grpo.num_generations 16; use one of 256, 128, 64, 32, 16, 8 (got 96)") in msg
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.grpo.mini_batch_size=512"])
+    assert "tasks.0.grpo.mini_batch_size: must divide the 256 samples/step" in msg and "(got 512)" in msg
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.grpo.micro_batch_size=48"])
+    assert "tasks.0.grpo.micro_batch_size: must divide grpo.mini_batch_size 128; use one of 128, 64" in msg
+    assert "(got 48)" in msg
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.grpo.mini_batch_size=null", "tasks.0.grpo.micro_batch_size=300"])
+    assert "must divide grpo.mini_batch_size 256 (unset: all samples of a step)" in msg and "(got 300)" in msg
+
+
+def test_duplicate_task_names(tmp_path):
+    two = ADDITION + ADDITION.split("tasks:\n")[1]  # the same task twice
+    msg = load_error(tmp_path, two)
+    assert ("tasks.1.name: duplicate task name: tasks.0 and tasks.1 are both named 'addition'; task names must be "
+            "unique (they name run directories) (got 'addition')") in msg
+    assert len(load_config(write(tmp_path, two), ["tasks.1.name=addition2"]).tasks) == 2
+
+
+def test_override_into_a_list_element(tmp_path):
+    cfg = load_config(write(tmp_path, ADDITION), [
+        "tasks.0.grpo.beta=0.04", "tasks.0.rollout.engine_args={page_size: 16}", "tasks.0.data.shuffle=false",
+        "tasks.0.model.init_preset=null", "tasks.0.grpo.epsilon_high=0.28"])
+    task = cfg.tasks[0]
+    assert task.grpo.beta == 0.04 and isinstance(task.grpo.beta, float)
+    assert task.rollout.engine_args == {"page_size": 16} and task.data.shuffle is False
+    assert task.model.init_preset is None and task.grpo.clip_range == (0.2, 0.28)
+
+
+def test_override_of_a_new_key_is_validated_like_the_file(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.optim.lrr=3e-6"])
+    assert "tasks.0.optim.lrr: unknown key (got 3e-06); did you mean 'lr'? [from override 'tasks.0.optim.lrr=3e-6']" \
+        in msg
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("tasks.0.grpo.beta", "override 'tasks.0.grpo.beta' is malformed; expected path.to.key=value"),
+    ("=3", "override '=3' is malformed"),
+    ("tasks.1.steps=3", "override 'tasks.1.steps=3': tasks is a list of 1 items; index '1' is out of range (use 0..0)"),
+    ("tasks.first.steps=3", "override 'tasks.first.steps=3': tasks is a list of 1 items; index 'first'"),
+    ("tasks.0.steps.x=3", "override 'tasks.0.steps.x=3': tasks.0.steps is 60, not a mapping or list, so it has no "
+                          "key 'x'"),
+    ("tasks.0.steps=[1", "override 'tasks.0.steps=[1': value '[1' is not valid YAML"),
+])
+def test_bad_overrides(tmp_path, override, expected):
+    assert expected in load_error(tmp_path, ADDITION, [override])
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    msg = load_error(tmp_path, ADDITION.replace("steps: 60", "steps: [60"))
+    assert re.search(r"demo\.yaml:\d+:\d+: YAML syntax error", msg)
+    msg = load_error(tmp_path, "experiment:\n  name: demo\n   bad: indent\n")
+    assert f"{tmp_path / 'demo.yaml'}:3:" in msg
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    assert "the top level must be a mapping with experiment:, tasks: and cluster: (got a list)" in load_error(
+        tmp_path, "- a\n- b\n")
+    assert "(got an empty file)" in load_error(tmp_path, "")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .*nope\.yaml does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError) and ExperimentConfig.model_config["frozen"]

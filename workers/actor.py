@@ -1,0 +1,241 @@
+"""The JAX actor worker: a TrainState, per-token logprobs, the GRPO update, weight export.
+
+Design decisions:
+- `train_step(state, batch) -> (state, metrics)` is one pure jitted function per optimizer step:
+  the mini-batch arrives shaped (accumulation, micro, ...) and a `lax.scan` accumulates micro-batch
+  gradients, each micro-batch dividing by the whole mini-batch's denominator, so gradient
+  accumulation gives exactly the mini-batch gradient.
+- A non-finite loss or gradient skips the update inside the jit (state unchanged, `skipped` = 1):
+  one bad batch must never poison the params or a checkpoint.
+- On-policy with one optimizer step per GRPO step, `old_logp` is the current logp under
+  stop_gradient (ratio == 1), saving a full forward pass; otherwise the caller passes the logprobs
+  computed before the first update.
+- Logprobs are of logits / temperature: the distribution the rollout engine sampled from.
+- Sequences are right-padded [prompt, completion, pad] to a length bucket (multiple of 16) so a run
+  compiles a few programs, not one per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from workers import grpo
+from workers.models import params as P
+from workers.models.qwen3 import Qwen3ForCausalLM
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActorSettings:
+    """Everything the update needs; built from a task's config by the control plane."""
+
+    lr: float
+    total_steps: int  # optimizer steps over the whole run (schedule length)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio, not to zero
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    aggregation: str = "token-mean"
+    temperature: float = 1.0
+    micro_batch_size: int = 16
+    mini_batch_size: int = 64
+    epochs: int = 1
+
+
+class TrainState(NamedTuple):
+    params: Any  # nnx.State of the policy
+    opt_state: Any  # optax state
+    step: jax.Array  # optimizer steps taken (int32 scalar)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+    """Host arrays for one GRPO step. N samples, T = padded sequence length."""
+
+    tokens: np.ndarray  # int32 (N, T): prompt, completion, then padding
+    attention_mask: np.ndarray  # bool (N, T): real tokens
+    loss_mask: np.ndarray  # float32 (N, T-1): 1 where target token t+1 is a completion token
+    advantages: np.ndarray  # float32 (N,)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSnapshot:
+    flat: dict[str, np.ndarray]  # host copy, rlsched flat names (see workers.models.params)
+    version: int  # bumps after every TRAIN
+    checksum: str
+
+
+def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], advantages: np.ndarray,
+                      *, pad_id: int, multiple: int = 16) -> TrainBatch:
+    """Right-pad [prompt + completion] rows to a multiple of `multiple` tokens."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    t = max(multiple, math.ceil(max(lengths) / multiple) * multiple)
+    n = len(prompts)
+    tokens = np.full((n, t), pad_id, np.int32)
+    attn = np.zeros((n, t), bool)
+    loss_mask = np.zeros((n, t - 1), np.float32)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        tokens[i, : len(p)], tokens[i, len(p) : len(p) + len(c)] = p, c
+        attn[i, : len(p) + len(c)] = True
+        loss_mask[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0  # position k predicts token k+1
+    return TrainBatch(tokens, attn, loss_mask, np.asarray(advantages, np.float32))
+
+
+def make_schedule(s: ActorSettings) -> optax.Schedule:
+    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at total_steps."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if s.warmup_steps else s.lr, peak_value=s.lr, warmup_steps=s.warmup_steps,
+        decay_steps=max(s.total_steps, s.warmup_steps + 1), end_value=s.lr * s.min_lr_ratio)
+
+
+def make_optimizer(s: ActorSettings) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(s.grad_clip),
+                       optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay))
+
+
+def token_logprobs(graphdef, params, tokens, attention_mask, temperature) -> jax.Array:
+    """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32."""
+    model = nnx.merge(graphdef, params)
+    logits = model(tokens, attention_mask=attention_mask)[:, :-1] / temperature  # (B, T-1, V)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+_logprobs_jit = jax.jit(token_logprobs, static_argnames=("graphdef",))
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tx", "settings"), donate_argnames=("state",))
+def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorSettings):
+    """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics).
+
+    batch keys: tokens, attention_mask (A, M, T); loss_mask (A, M, T-1); advantages (A, M);
+    optional old_logp, ref_logp (A, M, T-1).
+    """
+    s = settings
+    denominator = grpo.loss_denominator(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]), s.aggregation)
+
+    def micro_loss(params, mb):
+        logp = token_logprobs(graphdef, params, mb["tokens"], mb["attention_mask"], s.temperature)
+        old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
+        return grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
+                                epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
+                                aggregation=s.aggregation, denominator=denominator)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def accumulate(carry, mb):
+        grads, sums = carry
+        (_, m), g = grad_fn(state.params, mb)
+        tok = m["tokens"]
+        sums = {"loss": sums["loss"] + m["loss"], "tokens": sums["tokens"] + tok,
+                **{k: sums[k] + m[k] * tok for k in ("clip_frac", "kl", "ratio_mean")}}
+        return (jax.tree.map(jnp.add, grads, g), sums), None
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    init = {k: jnp.zeros((), jnp.float32) for k in ("loss", "tokens", "clip_frac", "kl", "ratio_mean")}
+    (grads, sums), _ = jax.lax.scan(accumulate, (zeros, init), batch)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    new_state = TrainState(keep(new_params, state.params), keep(opt_state, state.opt_state),
+                           state.step + finite.astype(jnp.int32))
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    metrics = {"loss": sums["loss"], "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32),
+               **{k: sums[k] / tokens for k in ("clip_frac", "kl", "ratio_mean")}}
+    return new_state, metrics
+
+
+class ActorWorker:
+    """Holds the policy's TrainState (and frozen reference params when beta > 0)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, settings: ActorSettings, *, seed: int = 0):
+        if settings.mini_batch_size % settings.micro_batch_size:
+            raise ValueError(f"mini_batch_size {settings.mini_batch_size} is not a multiple of micro_batch_size "
+                             f"{settings.micro_batch_size}")
+        self.settings = settings
+        self.config = model.config
+        self.graphdef, params = nnx.split(model)
+        self.tx = make_optimizer(settings)
+        self.state = TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32))
+        # A separate copy: the policy's buffers are donated to train_step and change every update.
+        self.ref_params = jax.tree.map(jnp.copy, params) if settings.beta > 0 else None
+        self.version = 0
+        self.seed = seed
+
+    # ---- logprobs -------------------------------------------------------------------------------
+
+    def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> np.ndarray:
+        """Per-token logprobs (N, T-1) under the current (or reference) params, micro-batched."""
+        params = self.ref_params if reference else self.state.params
+        if params is None:
+            raise ValueError("no reference params: this actor was built with beta == 0")
+        m = self.settings.micro_batch_size
+        out = [_logprobs_jit(self.graphdef, params, batch.tokens[i : i + m], batch.attention_mask[i : i + m],
+                             self.settings.temperature) for i in range(0, batch.size, m)]
+        return np.concatenate([np.asarray(x) for x in out])
+
+    # ---- update ---------------------------------------------------------------------------------
+
+    def train(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
+        """The GRPO update for one step's samples: epochs x mini-batches of optimizer steps.
+
+        Returns metrics averaged over the optimizer steps (skipped counts them).
+        """
+        s = self.settings
+        if batch.size % s.mini_batch_size:
+            raise ValueError(f"{batch.size} samples do not split into mini-batches of {s.mini_batch_size}")
+        arrays = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask,
+                  "advantages": batch.advantages}
+        off_policy = s.epochs > 1 or batch.size > s.mini_batch_size
+        if off_policy:  # the policy moves between optimizer steps: freeze the rollout-time logprobs
+            arrays["old_logp"] = self.logprobs(batch)
+        if s.beta > 0:
+            arrays["ref_logp"] = self.logprobs(batch, reference=True)
+        rng = np.random.default_rng([self.seed, step])
+        history = []
+        for _ in range(s.epochs):
+            order = rng.permutation(batch.size) if off_policy else np.arange(batch.size)
+            for start in range(0, batch.size, s.mini_batch_size):
+                idx = order[start : start + s.mini_batch_size]
+                acc = s.mini_batch_size // s.micro_batch_size
+                mini = {k: v[idx].reshape(acc, s.micro_batch_size, *v.shape[1:]) for k, v in arrays.items()}
+                self.state, metrics = train_step(self.state, mini, graphdef=self.graphdef, tx=self.tx, settings=s)
+                history.append(metrics)
+        self.version += 1
+        out = {k: float(np.mean([float(m[k]) for m in history])) for k in history[0]}
+        out["skipped"] = float(sum(float(m["skipped"]) for m in history))
+        out["lr"] = float(make_schedule(s)(self.state.step))  # the rate the next update will use
+        return out
+
+    # ---- weights --------------------------------------------------------------------------------
+
+    def export_weights(self) -> WeightSnapshot:
+        """A host copy of the policy's params with its version and checksum (only params: the
+        optimizer state never leaves the actor)."""
+        flat = {k: np.asarray(v) for k, v in jax.device_get(P.to_flat(self.state.params)).items()}
+        return WeightSnapshot(flat, self.version, P.checksum(flat))
+
+    def model(self) -> Qwen3ForCausalLM:
+        return nnx.merge(self.graphdef, self.state.params)
+
+    def params_finite(self) -> bool:
+        return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(self.state.params))

@@ -1,0 +1,200 @@
+"""Reward functions: pure `fn(completion, answer) -> float`, registered by name, scored under an error policy.
+
+Design decisions:
+- A reward is a pure function of two strings: the decoded completion (special tokens already stripped)
+  and the dataset's ground-truth answer. No tokenizer, no model, no config: easy to test by hand and
+  safe to run on the host between ROLLOUT and TRAIN, outside any lock.
+- Numbers compare as `Decimal`, not float: "10.00" equals "10" exactly and large GSM8K answers
+  (109,200,000) never meet float rounding.
+- `gsm8k` is strict (only the last `#### N` counts), the format GSM8K answers use; `gsm8k_flexible`
+  takes the last number anywhere, for models that were never taught the format. Strict is the
+  default recipe: it rewards the format the answers are checked in, not a lucky trailing number.
+- Synthetic tasks (`addition`, `subtraction`) share `numeric_match`: 1.0 for an exact match, otherwise
+  a closeness term worth at most 0.5 for a wrong but parseable leading integer. A tiny model that
+  starts from random weights almost never hits the exact answer; the shaping gives GRPO a gradient
+  from step one. The term is capped below the exact reward, so stopping exactly after the answer
+  always pays more than any near miss. There is no per-digit credit: tiny models learn to emit the
+  right digits in the wrong number and collect it.
+- `score` runs a reward over a batch under an explicit error policy: "fail" raises `RewardError`
+  naming the task, reward, sample and completion; "zero" scores the sample 0.0 and counts it, so one
+  odd completion cannot kill a long multi-task run while the count still shows up in the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from decimal import Decimal, InvalidOperation
+from typing import Literal
+
+import numpy as np
+
+RewardFn = Callable[[str, str], float]
+REWARDS: dict[str, RewardFn] = {}
+
+# A number after "$" is removed: an optional sign, either comma-grouped thousands ("1,000") or plain
+# digits, and an optional decimal part. It must start with a digit, so "72." ends a sentence, not a number.
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+_NUMBER_RE = re.compile(_NUMBER)
+_STRICT_RE = re.compile(r"####\s*(" + _NUMBER + ")")
+_LEADING_INT_RE = re.compile(r"-?\d+")
+_MAX_REPR = 80  # longest completion repr an error message quotes
+
+
+class RewardError(RuntimeError):
+    """A reward function failed (or returned a non-finite / non-number value) under on_error="fail"."""
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: add `fn` to REWARDS under `name` (names are unique)."""
+
+    def add(fn: RewardFn) -> RewardFn:
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARDS[name] = fn
+        return fn
+
+    return add
+
+
+def get_reward(name: str) -> RewardFn:
+    try:
+        return REWARDS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward {name!r}; known rewards: {sorted(REWARDS)}") from None
+
+
+# ---------------------------------------------------------------- number extraction
+
+
+def _clean(text: str) -> str:
+    # "$" never changes a value and may sit between the sign and the digits ("-$5").
+    return text.replace("$", "")
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """The number after the last `#### ` in text, commas and "$" stripped ("#### $1,000" -> "1000"); None if absent."""
+    matches = _STRICT_RE.findall(_clean(text))
+    return matches[-1].replace(",", "") if matches else None
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number anywhere in text, commas and "$" stripped ("so $1,000." -> "1000"); None if none."""
+    matches = _NUMBER_RE.findall(_clean(text))
+    return matches[-1].replace(",", "") if matches else None
+
+
+def parse_number(text: str) -> Decimal | None:
+    """A whole string as a number ("1,000", "$10.00", " -3 "), or None if it is not exactly one number."""
+    s = _clean(text).strip()
+    if not re.fullmatch(_NUMBER, s):
+        return None
+    try:
+        return Decimal(s.replace(",", ""))
+    except InvalidOperation:  # unreachable for strings matching _NUMBER, kept as a guard
+        return None
+
+
+def gsm8k_target(answer: str) -> Decimal:
+    """The ground-truth number: a full GSM8K answer text ending in `#### N`, or a bare number."""
+    found = extract_gsm8k_answer(answer) if "####" in answer else answer
+    value = parse_number(found) if found is not None else None
+    if value is None:
+        raise ValueError(f"answer {answer[-40:]!r} is neither a bare number nor text ending in '#### <number>'")
+    return value
+
+
+def _equal(pred: str | None, answer: str) -> float:
+    return 1.0 if pred is not None and Decimal(pred) == gsm8k_target(answer) else 0.0
+
+
+@register("gsm8k")
+def gsm8k(completion: str, answer: str) -> float:
+    return _equal(extract_gsm8k_answer(completion), answer)
+
+
+@register("gsm8k_flexible")
+def gsm8k_flexible(completion: str, answer: str) -> float:
+    return _equal(extract_last_number(completion), answer)
+
+
+# ---------------------------------------------------------------- synthetic arithmetic
+
+
+def numeric_match(completion: str, answer: str) -> float:
+    """1.0 when the stripped completion is exactly the answer; else closeness of its leading integer.
+
+    closeness = 0.5 * max(0, 1 - |pred - answer| / max(1, |answer|)), so it lies in [0, 0.5] (0.5 only
+    for the right number followed by extra text) and is 0 for a completion that does not start with
+    an integer. Relative error keeps the scale sensible across answer sizes; max(1, .) avoids /0.
+    """
+    text, target = completion.strip(), answer.strip()
+    true = int(target)  # first: a non-integer answer is a data bug that score() must report on every sample
+    if text == target:
+        return 1.0
+    m = _LEADING_INT_RE.match(text)
+    if m is None:
+        return 0.0
+    pred = int(m.group())
+    return 0.5 * max(0.0, 1.0 - abs(pred - true) / max(1, abs(true)))
+
+
+@register("addition")
+def addition(completion: str, answer: str) -> float:
+    return numeric_match(completion, answer)
+
+
+@register("subtraction")
+def subtraction(completion: str, answer: str) -> float:
+    return numeric_match(completion, answer)
+
+
+# ---------------------------------------------------------------- batch scoring
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+    rewards: np.ndarray  # float32 (N,), one per completion; 0.0 where the reward failed under on_error="zero"
+    num_errors: int  # samples whose reward raised or returned a non-finite / non-number value
+    first_error: str | None  # message of the first such failure, None when num_errors == 0
+
+
+def _short_repr(text: str) -> str:
+    r = repr(text)
+    return r if len(r) <= _MAX_REPR else r[: _MAX_REPR - 3] + "..."
+
+
+def _check_value(value: object) -> float:
+    # bool is an int subclass, but a reward returning True is almost surely a missing float(): reject it.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"reward returned {type(value).__name__} {value!r}, not a number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"reward returned non-finite value {out}")
+    return out
+
+
+def score(reward_name: str, completions: Sequence[str], answers: Sequence[str], *, task: str,
+          on_error: Literal["fail", "zero"] = "fail") -> ScoreResult:
+    """Score completions[i] against answers[i] with the named reward under an error policy (see module doc)."""
+    if on_error not in ("fail", "zero"):
+        raise ValueError(f"on_error must be 'fail' or 'zero', got {on_error!r}")
+    if len(completions) != len(answers):
+        raise ValueError(f"task {task!r}: {len(completions)} completions but {len(answers)} answers")
+    fn = get_reward(reward_name)
+    rewards = np.zeros(len(completions), dtype=np.float32)
+    num_errors, first_error = 0, None
+    for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
+        try:
+            rewards[i] = _check_value(fn(completion, answer))
+        except Exception as e:  # noqa: BLE001 - any failure of user reward code is handled by the policy
+            msg = (f"task {task!r}: reward {reward_name!r} failed on sample {i} (completion "
+                   f"{_short_repr(completion)}): {type(e).__name__}: {e}")
+            if on_error == "fail":
+                raise RewardError(msg) from e
+            num_errors += 1
+            first_error = first_error or msg
+    return ScoreResult(rewards=rewards, num_errors=num_errors, first_error=first_error)
