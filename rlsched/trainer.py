@@ -40,6 +40,7 @@ def _rollout_seed(task_seed: int, step: int) -> int:
 class TaskRunner:
     def __init__(self, experiment: ExperimentConfig, index: int, *, resume: bool = False, echo=print):
         self.cfg: TaskConfig = experiment.tasks[index]
+        self.index = index
         self.name = self.cfg.name
         self.seed = self.cfg.resolved_seed(experiment.experiment.seed, index)
         self.plan = self.cfg.batch_plan()
@@ -76,6 +77,11 @@ class TaskRunner:
         if m.init_preset is not None and not (path / "config.json").is_file():
             self.echo(f"[{self.name}] creating a random {m.init_preset} Qwen3 at {path}")
             init_model(path, preset=m.init_preset, seed=m.init_seed)
+        if not path.exists():
+            raise TaskError(
+                f"task {self.name}: model.path {path} does not exist. Point it at a local Hugging Face Qwen3 "
+                f"directory (--set tasks.{self.index}.model.path=/path/to/Qwen3) or set model.init_preset "
+                "to create a random model there; rlsched never downloads weights")
         return load_pretrained(path, dtype=m.dtype)
 
     def _make_engine(self, model):

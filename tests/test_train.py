@@ -152,3 +152,27 @@ def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model, tmp_pat
         ckpt.save(1, poisoned, {"step": 1})
     assert ckpt.latest_step() is None and not any((tmp_path / "ckpt").glob("1*"))
     json.dumps(metrics)  # metrics stay JSON-serialisable
+
+
+GSM8K_RECIPE = DEMO_CONFIG.parent / "gsm8k_qwen3.yaml"
+
+
+def test_gsm8k_recipe_fails_clearly_without_weights(tmp_path, monkeypatch):
+    monkeypatch.chdir(DEMO_CONFIG.parents[1])  # the recipe's data path is relative to the repo root
+    with pytest.raises(TaskError, match=r"model.path /models/Qwen3-1.7B does not exist. Point it at a local"):
+        train(GSM8K_RECIPE, overrides=[f"experiment.output_dir={tmp_path}"], echo=_silent)
+
+
+@pytest.mark.slow
+def test_gsm8k_recipe_runs_on_a_tiny_model(tmp_path, tiny_model_dir, monkeypatch):
+    """The real recipe's path — GSM8K data read in place, chat template, strict reward, a reference
+    model (beta 0.08), gradient accumulation — on the tiny model, for two steps."""
+    monkeypatch.chdir(DEMO_CONFIG.parents[1])
+    over = [f"experiment.output_dir={tmp_path}", f"tasks.0.model.path={tiny_model_dir}", "tasks.0.model.dtype=float32",
+            "tasks.0.grpo.prompts_per_step=2", "tasks.0.grpo.num_generations=2", "tasks.0.grpo.max_prompt_len=1024",
+            "tasks.0.grpo.max_new_tokens=8", "tasks.0.grpo.mini_batch_size=4", "tasks.0.grpo.micro_batch_size=2",
+            "tasks.0.steps=2", "tasks.0.checkpoint_every=0"]
+    history = train(GSM8K_RECIPE, overrides=over, echo=_silent)["gsm8k"]
+    assert len(history) == 2
+    assert all(m["kl"] >= 0 and math.isfinite(m["loss"]) for m in history)
+    assert history[0]["kl"] == 0.0 and history[1]["kl"] > 0  # the policy moved away from the reference
