@@ -6,6 +6,7 @@ calls is a named method, so the multi-task driver can take the same calls and pu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -116,35 +117,37 @@ class TaskRunner:
     # ---- one step ---------------------------------------------------------------------------------
 
     def step(self, step: int) -> dict[str, Any]:
+        """One GRPO step without a scheduler (the Ray TaskDriver puts locks around the phases)."""
         t0 = time.perf_counter()
+        rollout = self.rollout_phase(step)
+        t1 = time.perf_counter()
+        rewards, reward_errors = self.score(rollout.prompts, rollout.output)  # host work, outside any lock
+        t2 = time.perf_counter()
+        train_metrics = self.train_phase(step, rollout, rewards)
+        t3 = time.perf_counter()
+        return step_metrics(rollout, rewards, reward_errors, train_metrics, self.actor.version,
+                            {"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2,
+                             "time/step_s": t3 - t0})
+
+    def rollout_phase(self, step: int) -> Rollout:
+        """ROLLOUT: the next prompts, generated with the latest published weights."""
         prompts = self.loader.next_batch()
         prompt_ids = self.encode(prompts)
-        rollout = self.generate(prompt_ids, step)  # ROLLOUT phase
-        t1 = time.perf_counter()
-        rewards, reward_errors = self.score(prompts, rollout)  # host work, outside any lock
-        t2 = time.perf_counter()
+        return Rollout(prompts, prompt_ids, self.generate(prompt_ids, step))
+
+    def train_phase(self, step: int, rollout: Rollout, rewards: np.ndarray) -> dict[str, float]:
+        """TRAIN: advantages, GRPO updates, publish weights v+1."""
         advantages = np.asarray(group_advantages(jnp.asarray(rewards), self.cfg.grpo.num_generations,
                                                  normalize_std=self.cfg.grpo.normalize_advantage_std))
-        batch = build_train_batch([prompt_ids[s.prompt_index] for s in rollout.samples],
-                                  [s.token_ids for s in rollout.samples], advantages,
-                                  pad_id=self.tokenizer.pad_token_id)
-        train_metrics = self.actor.train(batch, step=step)  # TRAIN phase
+        samples = rollout.output.samples
+        batch = build_train_batch([rollout.prompt_ids[s.prompt_index] for s in samples],
+                                  [s.token_ids for s in samples], advantages, pad_id=self.tokenizer.pad_token_id)
+        train_metrics = self.actor.train(batch, step=step)
         if train_metrics["skipped"]:
             self.echo(f"[{self.name}] step {step}: non-finite loss or gradient in {train_metrics['skipped']:.0f} "
                       "optimizer step(s); those updates were skipped, the params are unchanged")
         self.publish_weights()
-        t3 = time.perf_counter()
-        lengths = np.array([len(s.token_ids) for s in rollout.samples])
-        return {
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-            "reward/max": float(rewards.max()), "reward/errors": reward_errors,
-            "loss": train_metrics["loss"], "kl": train_metrics["kl"], "clip_frac": train_metrics["clip_frac"],
-            "ratio_mean": train_metrics["ratio_mean"], "grad_norm": train_metrics["grad_norm"],
-            "lr": train_metrics["lr"], "skipped_updates": train_metrics["skipped"],
-            "response_len/mean": float(lengths.mean()), "tokens/generated": int(lengths.sum()),
-            "weight_version": self.actor.version,
-            "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/step_s": t3 - t0,
-        }
+        return train_metrics
 
     def encode(self, prompts: list[D.Prompt]) -> list[np.ndarray]:
         d, limit = self.cfg.data, self.cfg.grpo.max_prompt_len
@@ -204,6 +207,28 @@ class TaskRunner:
             self.tracker.finish()
             self.checkpointer.close()
         return history
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    prompts: list[D.Prompt]
+    prompt_ids: list[np.ndarray]
+    output: RolloutOutput
+
+
+def step_metrics(rollout: Rollout, rewards: np.ndarray, reward_errors: int, train: dict[str, float], version: int,
+                 times: dict[str, float]) -> dict[str, Any]:
+    """The metrics.jsonl line of one step."""
+    lengths = np.array([len(s.token_ids) for s in rollout.output.samples])
+    return {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/max": float(rewards.max()), "reward/errors": reward_errors,
+        "loss": train["loss"], "kl": train["kl"], "clip_frac": train["clip_frac"],
+        "ratio_mean": train["ratio_mean"], "grad_norm": train["grad_norm"],
+        "lr": train["lr"], "skipped_updates": train["skipped"],
+        "response_len/mean": float(lengths.mean()), "tokens/generated": int(lengths.sum()),
+        "weight_version": version, **times,
+    }
 
 
 def progress_line(task: str, step: int, steps: int, m: dict[str, Any]) -> str:
