@@ -61,6 +61,7 @@ class TaskRunner:
             micro_batch_size=self.plan.micro_batch_size, mini_batch_size=self.plan.mini_batch_size,
             epochs=self.plan.epochs_per_step), seed=self.seed)
         self.engine = self._make_engine(model)
+        self.published = self.actor.export_weights()  # v0: what the engine was built from
         R.get_reward(self.cfg.reward.name)  # fail at start, not at the first reward
         self.loader = D.PromptLoader(self._make_source(), g.prompts_per_step, seed=self.seed,
                                      shuffle=self.cfg.data.shuffle)
@@ -109,7 +110,7 @@ class TaskRunner:
         state, meta = self.checkpointer.restore(self.actor.state, step)
         self.actor.state, self.actor.version = state, int(meta["version"])
         self.loader.load_state(meta["loader"])
-        self.publish_weights()
+        self.published = self.actor.export_weights()
         self.step_done = int(meta["step"])
         self.tracker.truncate_after(self.step_done)  # lines written after the checkpoint are replayed
         self.echo(f"[{self.name}] resumed after step {self.step_done} (weights v{self.actor.version})")
@@ -130,7 +131,8 @@ class TaskRunner:
                              "time/step_s": t3 - t0})
 
     def rollout_phase(self, step: int) -> Rollout:
-        """ROLLOUT: the next prompts, generated with the latest published weights."""
+        """ROLLOUT: bring the engine up to the published weights, then generate the next prompts."""
+        self.sync_weights()
         prompts = self.loader.next_batch()
         prompt_ids = self.encode(prompts)
         return Rollout(prompts, prompt_ids, self.generate(prompt_ids, step))
@@ -146,7 +148,7 @@ class TaskRunner:
         if train_metrics["skipped"]:
             self.echo(f"[{self.name}] step {step}: non-finite loss or gradient in {train_metrics['skipped']:.0f} "
                       "optimizer step(s); those updates were skipped, the params are unchanged")
-        self.publish_weights()
+        self.published = self.actor.export_weights()  # only params leave the actor; v+1
         return train_metrics
 
     def encode(self, prompts: list[D.Prompt]) -> list[np.ndarray]:
@@ -161,9 +163,9 @@ class TaskRunner:
         return out
 
     def generate(self, prompt_ids: list[np.ndarray], step: int) -> RolloutOutput:
-        if self.engine.weight_version != self.actor.version:
+        if self.engine.weight_version != self.published.version:
             raise TaskError(f"task {self.name}: the engine holds weights v{self.engine.weight_version} but the "
-                            f"actor published v{self.actor.version}; refusing to generate with stale weights")
+                            f"actor published v{self.published.version}; refusing to generate with stale weights")
         params = SamplingParams(**self.sampling, seed=_rollout_seed(self.seed, step))
         return self.engine.generate(prompt_ids, params)
 
@@ -175,12 +177,14 @@ class TaskRunner:
             self.echo(f"[{self.name}] {result.num_errors} reward error(s) scored 0; first: {result.first_error}")
         return result.rewards, result.num_errors
 
-    def publish_weights(self) -> None:
-        snapshot = self.actor.export_weights()
-        self.engine.update_weights(snapshot.flat, snapshot.version)
+    def sync_weights(self) -> None:
+        """Update the engine if it is behind the published version, then verify its checksum."""
+        snapshot = self.published
+        if self.engine.weight_version != snapshot.version:
+            self.engine.update_weights(snapshot.flat, snapshot.version)
         if self.engine.weight_checksum != snapshot.checksum:
-            raise TaskError(f"task {self.name}: engine checksum differs from the actor's after sync "
-                            f"(v{snapshot.version}); the weights were corrupted in transit")
+            raise TaskError(f"task {self.name}: engine checksum differs from the actor's published v{snapshot.version}"
+                            "; refusing to generate with unverified weights")
 
     def save_checkpoint(self, step: int) -> None:
         meta = {"step": step, "version": self.actor.version, "loader": self.loader.state(), "task": self.name}
