@@ -79,8 +79,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from rlsched.train import train
 
-    train(args.config, overrides=args.set, resume=args.resume, overwrite=args.overwrite)
-    return 0
+    tasks = [t for spec in args.tasks for t in spec.split(",") if t] if args.tasks else None
+    results = train(args.config, overrides=args.set, resume=args.resume, overwrite=args.overwrite, tasks=tasks,
+                    in_process=args.in_process, address=args.address)
+    if args.in_process:
+        return 0
+    failed = {name: r for name, r in results.items() if r["status"] != "ok"}
+    for name, r in failed.items():
+        print(f"error: task {name} failed: {r['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,11 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("train", help="run the GRPO tasks of an experiment config")
-    p.add_argument("config", help="experiment YAML (see configs/)")
+    p.add_argument("config", nargs="+", help="experiment YAML(s) (see configs/); several run as one experiment")
     p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE",
                    help="override a config value, e.g. --set tasks.0.grpo.beta=0.04 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue each task from its last checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    p.add_argument("--tasks", action="append", metavar="NAME[,NAME]", help="run only these tasks")
+    p.add_argument("--address", default=None, help="an existing Ray cluster (default: an embedded local Ray)")
+    p.add_argument("--in-process", action="store_true",
+                   help="no Ray: run the tasks one after another in this process (debugging)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("init-model", help="write a random Qwen3 + tokenizer in Hugging Face format")

@@ -394,8 +394,8 @@ def _format_error(err: dict, label: str, overridden: dict[str, str]) -> str:
     return line
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """Read, override and validate an experiment config; every problem is a `ConfigError`."""
+def read_raw(path: str | Path) -> dict:
+    """The YAML mapping of a config file, before validation; syntax errors name file:line:col."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist" if not path.exists() else f"{path} is not a file")
@@ -409,12 +409,33 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentCo
     if not isinstance(raw, dict):
         got = "an empty file" if raw is None else f"a {type(raw).__name__}"
         raise ConfigError(f"{path}: the top level must be a mapping with experiment:, tasks: and cluster: (got {got})")
+    return raw
+
+
+def validate(raw: dict, overrides: Sequence[str] = (), *, label: str = "config") -> ExperimentConfig:
+    """Apply `--set` overrides to a raw mapping and validate it; every problem is a `ConfigError`."""
     overridden = {_apply_override(raw, o): o for o in overrides}
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:
-        lines = [_format_error(err, str(path), overridden) for err in e.errors()]
+        lines = [_format_error(err, label, overridden) for err in e.errors()]
         raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Read, override and validate an experiment config; every problem is a `ConfigError`."""
+    return validate(read_raw(path), overrides, label=str(path))
+
+
+def load_configs(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Several configs as one experiment: tasks concatenated in order (`tasks.N` overrides index the
+    combined list); experiment: and cluster: come from the first file."""
+    if len(paths) == 1:
+        return load_config(paths[0], overrides)
+    raws = [read_raw(p) for p in paths]
+    merged = dict(raws[0])
+    merged["tasks"] = [t for raw in raws for t in (raw.get("tasks") or [])]
+    return validate(merged, overrides, label="+".join(str(p) for p in paths))
 
 
 def dump_resolved(cfg: ExperimentConfig) -> str:

@@ -11,8 +11,9 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from rlsched.config import ExperimentConfig, dump_resolved, load_config
+from rlsched.config import ConfigError, ExperimentConfig, dump_resolved, load_configs
 
 
 class RunDirError(ValueError):
@@ -39,17 +40,40 @@ def prepare_run_dir(cfg: ExperimentConfig, *, resume: bool, overwrite: bool) -> 
     return run_dir
 
 
-def train(config: str | Path, *, overrides: Sequence[str] = (), resume: bool = False, overwrite: bool = False,
-          echo=print) -> dict[str, list[dict]]:
-    cfg = load_config(config, overrides)
+def select_tasks(cfg: ExperimentConfig, names: Sequence[str] | None) -> ExperimentConfig:
+    if not names:
+        return cfg
+    known = [t.name for t in cfg.tasks]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"--tasks: no task named {', '.join(map(repr, unknown))}; this experiment has {known}")
+    # Pin each task's seed to its place in the full experiment, so a subset computes what it would
+    # have computed as part of the whole.
+    seed = cfg.experiment.seed
+    kept = [t.model_copy(update={"seed": t.resolved_seed(seed, i)}) for i, t in enumerate(cfg.tasks) if t.name in names]
+    return cfg.model_copy(update={"tasks": kept})
+
+
+def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str] = (), resume: bool = False,
+          overwrite: bool = False, tasks: Sequence[str] | None = None, in_process: bool = True,
+          address: str | None = None, echo=print) -> dict[str, Any]:
+    """Validate, prepare runs/<experiment>/, run the tasks.
+
+    in_process=True runs the tasks one after another in this process and returns
+    {task: [metrics per step]}; otherwise they run concurrently under the Ray scheduler and the
+    result is {task: {"status": "ok" | "failed", ...}}.
+    """
+    paths = [configs] if isinstance(configs, str | Path) else list(configs)
+    cfg = select_tasks(load_configs(paths, overrides), tasks)
     for task in cfg.tasks:
         echo(task.batch_plan().describe())
     run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
     echo(f"run directory: {run_dir}")
+    if not in_process:
+        from rlsched.experiment import run_experiment
+
+        return run_experiment(cfg, resume=resume, address=address, echo=echo)
 
     from rlsched.trainer import TaskRunner  # after validation: a config typo should not wait for JAX
 
-    histories = {}
-    for index, task in enumerate(cfg.tasks):
-        histories[task.name] = TaskRunner(cfg, index, resume=resume, echo=echo).run()
-    return histories
+    return {task.name: TaskRunner(cfg, i, resume=resume, echo=echo).run() for i, task in enumerate(cfg.tasks)}

@@ -199,18 +199,25 @@ class TaskRunner:
         try:
             for step in range(self.step_done + 1, last + 1):
                 metrics = self.step(step)
-                self.tracker.log(step, metrics)
+                self.record(step, metrics)
                 history.append(metrics)
-                self.step_done = step
-                if step % self.cfg.log_every == 0 or step == self.cfg.steps:
-                    self.echo(progress_line(self.name, step, self.cfg.steps, metrics))
-                every = self.cfg.checkpoint_every
-                if every and (step % every == 0 or step == self.cfg.steps):
-                    self.save_checkpoint(step)
         finally:
-            self.tracker.finish()
-            self.checkpointer.close()
+            self.close()
         return history
+
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        """After a step: metrics line, progress line, checkpoint when due."""
+        self.tracker.log(step, metrics)
+        self.step_done = step
+        if step % self.cfg.log_every == 0 or step == self.cfg.steps:
+            self.echo(progress_line(self.name, step, self.cfg.steps, metrics))
+        every = self.cfg.checkpoint_every
+        if every and (step % every == 0 or step == self.cfg.steps):
+            self.save_checkpoint(step)
+
+    def close(self) -> None:
+        self.tracker.finish()
+        self.checkpointer.close()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,3 +25,15 @@ def tiny_model(tiny_model_dir):
     from workers.models import load_pretrained
 
     return load_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One embedded local Ray for the whole test session (started on first use)."""
+    import ray
+
+    from rlsched.experiment import init_ray
+
+    init_ray()
+    yield ray
+    ray.shutdown()

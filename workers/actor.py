@@ -180,6 +180,7 @@ class ActorWorker:
         self.ref_params = jax.tree.map(jnp.copy, params) if settings.beta > 0 else None
         self.version = 0
         self.seed = seed
+        self._host = None  # (state, ref_params) while offloaded
 
     # ---- logprobs -------------------------------------------------------------------------------
 
@@ -233,6 +234,22 @@ class ActorWorker:
         optimizer state never leaves the actor)."""
         flat = {k: np.asarray(v) for k, v in jax.device_get(P.to_flat(self.state.params)).items()}
         return WeightSnapshot(flat, self.version, P.checksum(flat))
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def release_memory(self) -> None:
+        """Offload: params, optimizer state and reference params to host memory."""
+        if self._host is None:
+            self._shardings = jax.tree.map(lambda x: x.sharding, (self.state, self.ref_params))
+            self._host = jax.device_get((self.state, self.ref_params))
+            jax.tree.map(lambda x: x.delete(), (self.state, self.ref_params))
+            self.state = self.ref_params = None
+
+    def resume_memory(self) -> None:
+        """Onload what release_memory saved."""
+        if self._host is not None:
+            self.state, self.ref_params = jax.device_put(self._host, self._shardings)
+            self._host = None
 
     def model(self) -> Qwen3ForCausalLM:
         return nnx.merge(self.graphdef, self.state.params)

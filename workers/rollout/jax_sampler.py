@@ -119,11 +119,13 @@ class JaxSampler:
         self._state = None
 
     def resume_memory(self) -> None:
-        """Bring the saved weights back (contents preserved; checksum unchanged)."""
+        """Bring the saved weights back. The cached checksum is dropped: the next `weight_checksum`
+        hashes what is actually on the device, so an onload is verified, never assumed."""
         if self._state is not None:
             return
         self._state = jax.device_put(self._host_state, self._shardings)
         self._host_state = None
+        self._checksum = None
 
     @property
     def released(self) -> bool:
