@@ -24,21 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import statistics
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the checkpoint is local; nothing may come from a hub
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import numpy as np
 
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from datetime import UTC, datetime  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
+from benchmarks.common import count_params, environment, write_atomic  # first: sets JAX to CPU, hubs offline
 
 DEFAULT_MODEL_DIR = Path("runs/bench-models/small")
 SEED = 0  # prompts are the same on every run, so runs compare
@@ -126,36 +120,6 @@ def transformers_call(model_dir: Path, prompts: np.ndarray, new_tokens: int) -> 
         return tokens
 
     return call
-
-
-def environment() -> dict:
-    import flax
-    import jax
-    import torch
-    import transformers
-
-    return dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
-                torch=torch.__version__, transformers=transformers.__version__, numpy=np.__version__,
-                jax_devices=[str(d) for d in jax.devices()], torch_num_threads=torch.get_num_threads(),
-                cpu_count=os.cpu_count(), cpus_usable=len(os.sched_getaffinity(0)), machine=platform.machine())
-
-
-def count_params(model_dir: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for file in sorted(Path(model_dir).glob("*.safetensors")):  # headers only; no tensor is read
-        with safe_open(str(file), framework="numpy") as f:
-            total += sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118
-    return total
-
-
-def write_atomic(path: Path, text: str) -> None:
-    # Same directory, so os.replace is a rename: a reader sees the old file or the new one, never half.
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        f.write(text)
-    os.chmod(f.name, 0o644)  # NamedTemporaryFile creates 0600; results are for everyone to read
-    os.replace(f.name, path)
 
 
 def table(results: dict) -> str:

@@ -149,9 +149,12 @@ def test_stop_token_ends_the_sample_and_is_included(engine, prompt_ids):
 
 def test_release_and_resume_keep_the_weights(tiny_model, prompt_ids):
     model, _ = tiny_model
+    from workers.rollout.jax_sampler import _generate_program
+
     engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=16)
     params = SamplingParams(temperature=0, max_new_tokens=8)
     before, checksum = engine.generate(prompt_ids, params), engine.weight_checksum
+    programs = _generate_program._cache_size()
     engine.release_memory()
     assert engine.released
     with pytest.raises(EngineReleasedError, match="resume_memory"):
@@ -159,6 +162,7 @@ def test_release_and_resume_keep_the_weights(tiny_model, prompt_ids):
     engine.resume_memory()
     after = engine.generate(prompt_ids, params)
     assert engine.weight_checksum == checksum
+    assert _generate_program._cache_size() == programs  # an onload must not cost a recompile
     for x, y in zip(before.samples, after.samples, strict=True):
         np.testing.assert_array_equal(x.token_ids, y.token_ids)
 

@@ -11,7 +11,7 @@ Design decisions:
   stop_gradient (ratio == 1), saving a full forward pass; otherwise the caller passes the logprobs
   computed before the first update.
 - Logprobs are of logits / temperature: the distribution the rollout engine sampled from.
-- Sequences are right-padded [prompt, completion, pad] to a length bucket (multiple of 16) so a run
+- Sequences are right-padded [prompt, completion, pad] to a length bucket (`length_bucket`) so a run
   compiles a few programs, not one per step.
 """
 
@@ -82,11 +82,19 @@ class WeightSnapshot:
     checksum: str
 
 
+def length_bucket(n: int) -> int:
+    """Padded length for n tokens: a power of two up to 256 (at least 8), then multiples of 256.
+    Few distinct shapes (few compiles) without doubling the work of long sequences."""
+    if n <= 256:
+        return max(8, 1 << (n - 1).bit_length())
+    return math.ceil(n / 256) * 256
+
+
 def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], advantages: np.ndarray,
-                      *, pad_id: int, multiple: int = 16) -> TrainBatch:
-    """Right-pad [prompt + completion] rows to a multiple of `multiple` tokens."""
+                      *, pad_id: int) -> TrainBatch:
+    """Right-pad [prompt + completion] rows to `length_bucket` of the longest."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-    t = max(multiple, math.ceil(max(lengths) / multiple) * multiple)
+    t = length_bucket(max(lengths))
     n = len(prompts)
     tokens = np.full((n, t), pad_id, np.int32)
     attn = np.zeros((n, t), bool)

@@ -63,8 +63,9 @@ class JaxSampler:
         self.config = cfg
         self.max_prompt_len, self.max_new_tokens, self.max_batch_size = max_prompt_len, max_new_tokens, max_batch_size
         self._graphdef, self._state = nnx.split(model)
-        if not take_ownership:
-            self._state = jax.tree.map(lambda x: jnp.array(x, copy=True), self._state)
+        # Committed placement from the start, as update_weights/resume_memory produce: otherwise the
+        # first weight update changes the arrays' committedness and recompiles every program.
+        self._state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=take_ownership), self._state)
         self._host_state = None  # set while released
         self._version = weight_version
         self._checksum: str | None = None

@@ -1,0 +1,48 @@
+"""What every benchmark shares: a CPU, offline setup; the environment record; atomic result files.
+
+Importing this module sets JAX to CPU (unless JAX_PLATFORMS is set) and the model hubs offline, so a
+benchmark imports it before anything imports jax or transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # checkpoints are local; nothing may come from a hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def environment() -> dict:
+    import flax
+    import jax
+    import torch
+    import transformers
+
+    return dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
+                torch=torch.__version__, transformers=transformers.__version__, numpy=np.__version__,
+                jax_devices=[str(d) for d in jax.devices()], torch_num_threads=torch.get_num_threads(),
+                cpu_count=os.cpu_count(), cpus_usable=len(os.sched_getaffinity(0)), machine=platform.machine())
+
+
+def count_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):  # headers only; no tensor is read
+        with safe_open(str(file), framework="numpy") as f:
+            total += sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118
+    return total
+
+
+def write_atomic(path: Path, text: str) -> None:
+    # Same directory, so os.replace is a rename: a reader sees the old file or the new one, never half.
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        f.write(text)
+    os.chmod(f.name, 0o644)  # NamedTemporaryFile creates 0600; results are for everyone to read
+    os.replace(f.name, path)
