@@ -143,7 +143,7 @@ class JaxSampler:
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]  # prompt-major
         stop = np.full(_STOP_SLOTS * max(1, -(-len(params.stop_token_ids) // _STOP_SLOTS)), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
-        new_bucket = _bucket(params.max_new_tokens, 16, self.max_new_tokens)
+        new_bucket = _bucket(params.max_new_tokens, 8, self.max_new_tokens)
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start : start + self.max_batch_size]
@@ -154,7 +154,7 @@ class JaxSampler:
     def _generate_chunk(self, state, prompts, chunk, params, seed, stop, new_bucket) -> list[Sample]:
         batch = _bucket(len(chunk), 1, self.max_batch_size)
         longest = max(len(prompts[i]) for i, _ in chunk)
-        plen = _bucket(longest, 16, self.max_prompt_len)
+        plen = _bucket(longest, 8, self.max_prompt_len)
         tokens = np.zeros((batch, plen), np.int32)
         mask = np.zeros((batch, plen), bool)
         prompt_idx = np.zeros(batch, np.int32)
