@@ -125,14 +125,18 @@ def test_compiles_a_handful_of_programs_not_one_per_request(tiny_model):
     model, tok = tiny_model
     from workers.rollout.jax_sampler import _generate_program
 
-    engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=32, max_batch_size=8)
+    engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=32, max_batch_size=4)
     programs_before = _generate_program._cache_size()
     rng = np.random.default_rng(0)
-    for _ in range(12):
-        prompts = [rng.integers(0, 256, size=rng.integers(1, 30)).tolist() for _ in range(rng.integers(1, 5))]
-        engine.generate(prompts, SamplingParams(n=int(rng.integers(1, 3)), max_new_tokens=int(rng.integers(1, 17))))
-    # Batch buckets {1,2,4,8} x prompt buckets {16,32} x one new-token bucket {16} at most.
-    assert len(engine.compiled_shapes) <= 8
+    for _ in range(24):
+        prompts = [rng.integers(0, 256, size=rng.integers(1, 14)).tolist() for _ in range(rng.integers(1, 4))]
+        engine.generate(prompts, SamplingParams(max_new_tokens=int(rng.integers(1, 17))))
+    # 24 requests of arbitrary sizes, but only batch {1,2,4} x prompt {8,16} x new-token {8,16} buckets;
+    # more rows than max_batch_size are chunked, never a new shape.
+    assert {b for b, _, _, _ in engine.compiled_shapes} <= {1, 2, 4}
+    assert {p for _, p, _, _ in engine.compiled_shapes} <= {8, 16}
+    assert {n for _, _, n, _ in engine.compiled_shapes} <= {8, 16}
+    assert len(engine.compiled_shapes) <= 12
     assert _generate_program._cache_size() - programs_before <= len(engine.compiled_shapes)
 
 
