@@ -131,8 +131,7 @@ def test_compiles_a_handful_of_programs_not_one_per_request(tiny_model):
     for _ in range(24):
         prompts = [rng.integers(0, 256, size=rng.integers(1, 14)).tolist() for _ in range(rng.integers(1, 4))]
         engine.generate(prompts, SamplingParams(max_new_tokens=int(rng.integers(1, 17))))
-    # 24 requests of arbitrary sizes, but only batch {1,2,4} x prompt {8,16} x new-token {8,16} buckets;
-    # more rows than max_batch_size are chunked, never a new shape.
+    # 24 requests of arbitrary sizes, but only batch {1,2,4} x prompt {8,16} x new-token {8,16} buckets.
     assert {b for b, _, _, _ in engine.compiled_shapes} <= {1, 2, 4}
     assert {p for _, p, _, _ in engine.compiled_shapes} <= {8, 16}
     assert {n for _, _, n, _ in engine.compiled_shapes} <= {8, 16}
