@@ -1,0 +1,129 @@
+"""Memory accounting per device pool, and the one way to move a role on or off its devices.
+
+Design decisions (and why):
+- **Bytes belong to (task, role, kind).** Offload in the field freed far less than expected because
+  pools were not tagged per task; here every number is reported under its owner, kind ∈
+  params / opt / ref / kv, and totals are sums of those entries, never a separate counter that drifts.
+- **Numbers come from the workers.** On CPU `memory_stats()` is None, so workers report the bytes of
+  the live arrays they hold; this process's RSS is reported beside them (stdlib only, no psutil).
+- **`residency` is the only onload/offload path** (STYLE point 5): it calls the worker's move, updates
+  the pool and emits a timeline span, so accounting and timeline can't miss a move. With `keep=True`
+  the role stays on device at exit: the policy decides later whether to evict it (memory-aware).
+- A timeline is anything with a `span(name, **attrs)` context manager; `NullTimeline` is the no-op twin.
+- Not thread-safe: a pool lives in one single-threaded owner (the scheduler actor or a task driver).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+KINDS = ("params", "opt", "ref", "kv")
+
+
+class Timeline(Protocol):
+    def span(self, name: str, **attrs: Any) -> contextlib.AbstractContextManager[Any]: ...
+
+
+class NullTimeline:
+    """A timeline that records nothing (same API as the real one)."""
+
+    @contextlib.contextmanager
+    def span(self, name: str, **attrs: Any) -> Iterator[None]:
+        yield
+
+
+class MemoryPool:
+    """Bytes held on one pool of devices, by (task, role, kind). `budget` (bytes or None) is for display:
+    admission is decided by `policy.Policy`."""
+
+    def __init__(self, name: str = "default", budget: int | None = None):
+        self.name = name
+        self.budget = budget
+        self._bytes: dict[tuple[str, str, str], int] = {}
+
+    def report(self, task: str, role: str, kind: str, nbytes: int) -> None:
+        """Set (not add) the bytes `task`'s `role` holds of `kind`; 0 removes the entry."""
+        if kind not in KINDS:
+            raise ValueError(f"memory kind must be one of {KINDS}, got {kind!r}")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes for ({task}, {role}, {kind}) must be a non-negative int, got {nbytes!r}")
+        key = (str(task), str(role), kind)
+        if nbytes:
+            self._bytes[key] = nbytes
+        else:
+            self._bytes.pop(key, None)
+
+    def clear(self, task: str, role: str | None = None) -> None:
+        """Forget everything `task` (or just its `role`) holds: it was offloaded or its process died."""
+        for key in [k for k in self._bytes if k[0] == task and (role is None or k[1] == role)]:
+            del self._bytes[key]
+
+    def total(self, task: str | None = None, role: str | None = None, kind: str | None = None) -> int:
+        """Sum of the entries matching every filter given."""
+        return sum(n for (t, r, k), n in self._bytes.items()
+                   if (task is None or t == task) and (role is None or r == role) and (kind is None or k == kind))
+
+    def by(self, field: str) -> dict[str, int]:
+        """Totals grouped by "task", "role" or "kind"."""
+        index = ("task", "role", "kind").index(field)
+        out: dict[str, int] = {}
+        for key, n in self._bytes.items():
+            out[key[index]] = out.get(key[index], 0) + n
+        return out
+
+    @staticmethod
+    def rss_bytes() -> int:
+        """Resident set size of this process now (Linux /proc), else its peak RSS (getrusage)."""
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-safe: totals, per task/role/kind, every entry, and process RSS."""
+        return {
+            "pool": self.name,
+            "budget": self.budget,
+            "total": self.total(),
+            "by_task": self.by("task"),
+            "by_role": self.by("role"),
+            "by_kind": self.by("kind"),
+            "entries": [{"task": t, "role": r, "kind": k, "bytes": n} for (t, r, k), n in sorted(self._bytes.items())],
+            "rss_bytes": self.rss_bytes(),
+        }
+
+
+@contextlib.contextmanager
+def residency(pool: MemoryPool, task: str, role: str, *, onload: Callable[[], int | Mapping[str, int]],
+              offload: Callable[[], None], timeline: Timeline | None = None, keep: bool = False,
+              kind: str = "params") -> Iterator[int]:
+    """Keep `task`'s `role` on device for the body; yields the bytes resident.
+
+    `onload()` moves the role to device and returns the bytes now resident: an int (recorded as
+    `kind`) or a {kind: bytes} mapping (an actor: params, opt, ref). If it raises, the pool is
+    unchanged. At exit `offload()` runs and the role's entries are cleared, unless `keep=True`.
+    If `offload()` raises, the entries stay: the bytes are presumably still on the device.
+    """
+    timeline = timeline or NullTimeline()
+    attrs = {"task": str(task), "role": str(role), "pool": pool.name}
+    with timeline.span("onload", **attrs):
+        reported = onload()
+    sizes = dict(reported) if isinstance(reported, Mapping) else {kind: reported}
+    for k, n in sizes.items():
+        if k not in KINDS or not isinstance(n, int) or n < 0:
+            raise ValueError(f"onload of ({task}, {role}) returned {reported!r}: expected bytes by kind in {KINDS}")
+    pool.clear(task, role)  # a fresh onload replaces what was reported before, it doesn't add to it
+    for k, n in sizes.items():
+        pool.report(task, role, k, n)
+    try:
+        yield sum(sizes.values())
+    finally:
+        if not keep:
+            with timeline.span("offload", bytes=pool.total(task, role), **attrs):
+                offload()
+            pool.clear(task, role)

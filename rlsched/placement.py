@@ -1,0 +1,36 @@
+"""Placement on this machine's devices. On CPU a "device" is a core: pinning a phase to its cores is
+what makes a rollout on one device and a training step on another really run side by side, so
+benchmarks measure scheduling rather than two processes fighting over the same cores.
+
+colocated:     both phases use every device of the group.
+disaggregated: the rollout pool is the first half of the devices, the train pool the second half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from rlsched.policy import Phase
+
+
+def visible_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def phase_cores(placement: str, phase: Phase, cores: list[int]) -> list[int]:
+    if placement == "colocated" or len(cores) < 2:
+        return list(cores)
+    half = len(cores) // 2
+    return cores[:half] if Phase(phase) is Phase.ROLLOUT else cores[half:]
+
+
+def pin_process(cores: list[int]) -> None:
+    """Pin every thread of this process (XLA's pools included) to `cores`.
+
+    sched_setaffinity(pid) affects one thread on Linux, so each thread id is set in turn; threads
+    started later inherit the affinity of the thread that starts them.
+    """
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cores)

@@ -1,0 +1,158 @@
+"""The scheduler: an asyncio object wrapping the pure Policy, made a Ray actor in one place.
+
+Design decisions:
+- Callers `await acquire(task, phase)`; nobody polls. Each request gets an asyncio future that the
+  dispatcher resolves when the policy grants it, so a grant costs one actor round trip.
+- A grant is a **lease**. A holder loses it when it releases, when it overstays `lease_timeout_s`,
+  or when the process holding it dies: every task registers a *lifeline* (an actor method that
+  never returns); Ray fails that call the moment the actor dies, and the scheduler marks the task
+  failed and hands its lock to the next waiter. No heartbeats, no polling of liveness.
+- The scheduler also owns the names that must never collide between tasks: ports (from one
+  allocator, bound-and-released on 127.0.0.1 then reserved) and comm-group names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import time
+from typing import Any
+
+from rlsched.policy import Phase, Policy, PolicyError
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    id: int  # request id, unique per scheduler
+    task: str
+    phase: Phase
+    resource: str  # e.g. "g0/rollout": the lock's identity across tasks
+    moves: tuple  # residency moves the holder must perform before working (see policy.Move)
+    granted_at: float  # scheduler clock (time.monotonic) at grant
+    waited_s: float  # time between request and grant
+
+
+class LeaseLost(RuntimeError):
+    """The task's lease was revoked (timeout or failure) or the task is marked failed."""
+
+
+class Scheduler:
+    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0, experiment: str = "default"):
+        self.policy = policy
+        self.lease_timeout_s = lease_timeout_s
+        self.experiment = experiment
+        self._waiters: dict[int, tuple[asyncio.Future, float]] = {}
+        self._failed: dict[str, str] = {}  # task -> cause
+        self._ports: dict[int, str] = {}
+        self._watchdog: asyncio.Task | None = None
+        self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
+        self.grant_log: list[tuple[float, str, str, str]] = []  # (time, task, phase, resource)
+
+    # ---- locks ------------------------------------------------------------------------------------
+
+    async def acquire(self, task: str, phase: str) -> Lease:
+        self._ensure_watchdog()
+        if task in self._failed:
+            raise LeaseLost(f"task {task} was marked failed: {self._failed[task]}")
+        now = time.monotonic()
+        request_id = self.policy.request(task, Phase(phase), now)
+        future = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = (future, now)
+        self._dispatch()
+        return await future
+
+    async def release(self, task: str, phase: str) -> None:
+        if task in self._failed:
+            return  # its lease is already gone
+        self.policy.release(task, Phase(phase), time.monotonic())
+        self._dispatch()
+
+    def register_driver(self, task: str, handle: Any) -> None:
+        self._drivers[task] = handle
+
+    def _dispatch(self) -> None:
+        now = time.monotonic()
+        for grant in self.policy.grant(now):
+            future, requested_at = self._waiters.pop(grant.request_id)
+            lease = Lease(grant.request_id, grant.task, grant.phase, grant.resource.id, tuple(grant.moves), now,
+                          now - requested_at)
+            self.grant_log.append((now, grant.task, str(grant.phase), grant.resource.id))
+            evictions = [m for m in grant.moves if m.task != grant.task]
+            if evictions:
+                asyncio.get_running_loop().create_task(self._evict_then_grant(evictions, future, lease))
+            elif not future.done():
+                future.set_result(lease)
+
+    async def _evict_then_grant(self, evictions, future: asyncio.Future, lease: Lease) -> None:
+        """Offload other tasks' idle roles (their drivers do it; they hold no lease, so nothing of
+        theirs is running on those buffers), then hand the lease over."""
+        for move in evictions:
+            await self._drivers[move.task].move.remote(str(move.role), str(move.action))
+        if not future.done():
+            future.set_result(lease)
+
+    async def fail(self, task: str, cause: str) -> None:
+        """Mark a task failed: its lease and queued requests go, its waiters get LeaseLost."""
+        if task in self._failed:
+            return
+        self._failed[task] = cause
+        self.policy.fail(task)
+        for request_id, (future, _) in list(self._waiters.items()):
+            if not future.done() and self.policy.request_task(request_id) == task:
+                future.set_exception(LeaseLost(f"task {task} failed: {cause}"))
+                del self._waiters[request_id]
+        self._dispatch()
+
+    def failed(self) -> dict[str, str]:
+        return dict(self._failed)
+
+    # ---- liveness ---------------------------------------------------------------------------------
+
+    async def watch(self, task: str, lifeline: list) -> None:
+        """Await a task's lifeline call ([ObjectRef] that never resolves while the task lives)."""
+        try:
+            await lifeline[0]
+        except Exception as err:  # noqa: BLE001 - any way the holder dies is a death
+            await self.fail(task, f"its process died ({type(err).__name__})")
+
+    def _ensure_watchdog(self) -> None:
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._expire_leases())
+
+    async def _expire_leases(self) -> None:
+        period = min(1.0, self.lease_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            for task in self.policy.expired(time.monotonic(), self.lease_timeout_s):
+                await self.fail(task, f"held its lease longer than lease_timeout_s={self.lease_timeout_s}")
+
+    # ---- names that must not collide ----------------------------------------------------------------
+
+    def allocate_ports(self, task: str, count: int = 1) -> list[int]:
+        """Free 127.0.0.1 ports, never handed to two tasks (the OS picks; we remember)."""
+        ports: list[int] = []
+        while len(ports) < count:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in self._ports:
+                self._ports[port] = task
+                ports.append(port)
+        return ports
+
+    def release_ports(self, task: str) -> None:
+        for port in [p for p, t in self._ports.items() if t == task]:
+            del self._ports[port]
+
+    def comm_group(self, task: str, src: str = "actor", dst: str = "rollout") -> str:
+        return f"{self.experiment}/{task}/{src}->{dst}"
+
+    # ---- introspection ------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {"failed": dict(self._failed), "grants": len(self.grant_log), "snapshot": self.policy.snapshot()}
+
+
+def policy_error_types() -> tuple[type[Exception], ...]:
+    return (PolicyError, LeaseLost)

@@ -1,0 +1,79 @@
+"""Several tasks under the Ray scheduler: isolation, faults, outputs. Real Ray actors, tiny models."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from rlsched.config import validate
+from rlsched.experiment import run_experiment
+from rlsched.tracking import read_metrics
+from rlsched.train import prepare_run_dir, select_tasks
+
+pytestmark = pytest.mark.slow
+
+
+def _experiment(tmp_path, model_dir, name, tasks, steps=3):
+    base = {"grpo": {"prompts_per_step": 4, "num_generations": 4, "max_prompt_len": 16, "max_new_tokens": 4,
+                     "mini_batch_size": 8},
+            "optim": {"lr": 3e-3}, "steps": steps, "checkpoint_every": 0}
+    kinds = {"addition": "addition", "subtraction": "subtraction", "add2": "addition", "sub2": "subtraction"}
+    raw = {"experiment": {"name": name, "output_dir": str(tmp_path), "seed": 0},
+           "tasks": [{"name": t, "seed": 100 + i, "model": {"path": str(model_dir)},
+                      "data": {"kind": kinds[t], "template": "plain"}, "reward": {"name": kinds[t]}, **base}
+                     for i, t in enumerate(tasks)]}
+    cfg = validate(yaml.safe_load(yaml.safe_dump(raw)))
+    prepare_run_dir(cfg, resume=False, overwrite=True)
+    return cfg
+
+
+def _metrics(cfg, task):
+    return [{k: v for k, v in m.items() if not k.startswith("time/")}
+            for m in read_metrics(cfg.run_dir / "tasks" / task / "metrics.jsonl")]
+
+
+def test_isolation_a_task_computes_the_same_alone_or_with_three_others(ray_session, tmp_path, tiny_model_dir):
+    together = _experiment(tmp_path, tiny_model_dir, "together", ["addition", "subtraction", "add2", "sub2"])
+    results = run_experiment(together, echo=lambda *_: None)
+    assert {r["status"] for r in results.values()} == {"ok"}
+    alone = _experiment(tmp_path, tiny_model_dir, "alone", ["addition", "subtraction", "add2", "sub2"])
+    alone = select_tasks(alone, ["addition"])
+    assert run_experiment(alone, echo=lambda *_: None)["addition"]["status"] == "ok"
+    solo, shared = _metrics(alone, "addition"), _metrics(together, "addition")
+    assert len(solo) == 3 and solo == shared  # multiplexing changes when things run, never what they compute
+    assert _metrics(together, "add2") != shared  # a different seed really is a different run
+
+
+def test_killed_task_is_reported_and_the_others_finish_unchanged(ray_session, tmp_path, tiny_model_dir):
+    cfg = _experiment(tmp_path, tiny_model_dir, "fault", ["addition", "subtraction"], steps=6)
+    metrics_path = cfg.run_dir / "tasks" / "subtraction" / "metrics.jsonl"
+    results = run_experiment(cfg, echo=lambda *_: None,
+                             on_started=lambda drivers: _kill_after_first_step(drivers["subtraction"], metrics_path))
+    assert results["addition"]["status"] == "ok"
+    assert results["subtraction"]["status"] == "failed"
+    assert "its process died" in results["subtraction"]["error"]
+    assert 1 <= len(read_metrics(metrics_path)) < 6
+    solo = select_tasks(_experiment(tmp_path, tiny_model_dir, "fault-solo", ["addition", "subtraction"], steps=6),
+                        ["addition"])
+    run_experiment(solo, echo=lambda *_: None)
+    assert _metrics(cfg, "addition") == _metrics(solo, "addition")
+
+
+def _kill_after_first_step(driver, metrics_path, timeout=120.0):
+    import threading
+
+    import ray
+
+    def watch():
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if metrics_path.exists() and metrics_path.read_text().count("\n") >= 1:
+                ray.kill(driver)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread

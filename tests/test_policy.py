@@ -1,0 +1,390 @@
+"""The pure scheduling policy: hand-written scenarios, then a state machine over random schedules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from rlsched.policy import Action, GroupSpec, Move, Phase, Policy, PolicyError, Resource, Role
+
+R, T = Phase.ROLLOUT, Phase.TRAIN
+ENGINE, ACTOR = Role.ENGINE, Role.ACTOR
+
+
+def offload(task, role):
+    return Move(task, role, Action.OFFLOAD)
+
+
+def onload(task, role):
+    return Move(task, role, Action.ONLOAD)
+
+
+def colocated(budget=None, tasks=(("a", 10, 10),), resident=True):
+    policy = Policy({"g0": GroupSpec.colocated(budget)})
+    for name, engine, actor in tasks:
+        policy.register(name, "g0", engine, actor, resident=resident)
+    return policy
+
+
+def granted(policy, now=0.0):
+    return [(g.task, g.phase) for g in policy.grant(now)]
+
+
+# ---- locks --------------------------------------------------------------------------------------------
+
+
+def test_fifo_per_resource_and_phases_overlap():
+    p = colocated(tasks=[("a", 1, 1), ("b", 1, 1), ("c", 1, 1)])
+    for task in "abc":
+        p.request(task, R, 0.0)
+    assert granted(p) == [("a", R)]
+    assert p.queue(Resource("g0", R)) == ["b", "c"]
+    p.release("a", R, 1.0)
+    p.request("a", T, 1.0)
+    # a trains while b rolls out: the overlap the two slots exist for
+    assert granted(p) == [("b", R), ("a", T)]
+    p.release("b", R, 2.0)
+    assert granted(p) == [("c", R)]
+
+
+def test_a_task_never_holds_or_queues_two_phases():
+    p = colocated(tasks=[("a", 1, 1), ("b", 1, 1)])
+    p.request("a", R, 0.0)
+    with pytest.raises(PolicyError, match="while its rollout request is queued"):
+        p.request("a", T, 0.0)
+    with pytest.raises(PolicyError, match="queued"):
+        p.request("a", R, 0.0)
+    p.grant(0.0)
+    with pytest.raises(PolicyError, match="while holding rollout"):
+        p.request("a", T, 0.0)
+    with pytest.raises(PolicyError, match="holds rollout"):
+        p.release("a", T, 0.0)
+    with pytest.raises(PolicyError, match="holds nothing"):
+        p.release("b", R, 0.0)
+    with pytest.raises(PolicyError, match="unknown task"):
+        p.request("zz", R, 0.0)
+
+
+def test_expired_after_timeout():
+    p = colocated(tasks=[("a", 1, 1), ("b", 1, 1)])
+    p.request("a", R, 0.0)
+    p.request("b", T, 5.0)
+    p.grant(10.0)
+    assert p.expired(15.0, timeout=5.0) == []  # exactly the timeout is not more than it
+    assert sorted(p.expired(15.5, timeout=5.0)) == ["a", "b"]
+    p.release("a", R, 16.0)
+    assert p.expired(100.0, timeout=5.0) == ["b"]
+
+
+def test_fail_drops_lease_and_queue_and_memory_and_lets_the_next_waiter_in():
+    p = colocated(budget=20, tasks=[("a", 10, 10), ("b", 10, 10), ("c", 10, 10)], resident=False)
+    ids = {t: p.request(t, R, 0.0) for t in "abc"}
+    assert granted(p) == [("a", R)]
+    p.fail("a")
+    assert p.holder(Resource("g0", R)) is None and not p.resident("a", ENGINE)
+    assert p.used_bytes("g0/shared") == 0
+    assert granted(p) == [("b", R)]
+    p.fail("c")  # a queued waiter fails: its request goes, the scheduler can still map the id to it
+    assert p.queue(Resource("g0", R)) == [] and p.request_task(ids["c"]) == "c"
+    with pytest.raises(PolicyError, match="has failed"):
+        p.request("a", R, 1.0)
+    p.fail("a")  # idempotent
+
+
+# ---- memory ---------------------------------------------------------------------------------------------
+
+
+def test_no_eviction_when_everything_fits():
+    p = colocated(budget=40, tasks=[("a", 10, 10), ("b", 10, 10)])
+    for task in "ab":
+        p.request(task, R, 0.0)
+        (g,) = p.grant(0.0)
+        assert g.moves == ()  # already resident since register, and it stays so
+        p.release(task, R, 1.0)
+        p.request(task, T, 1.0)
+        assert p.grant(1.0)[0].moves == ()
+        p.release(task, T, 2.0)
+    assert all(p.resident(t, r) for t in "ab" for r in Role)
+
+
+def test_eviction_picks_the_least_recently_used_idle_role_of_any_task():
+    p = colocated(budget=30, tasks=[("a", 10, 10), ("b", 10, 10), ("c", 10, 10)], resident=False)
+    for task in "abc":  # a's, then b's, then c's engine come on: 30 bytes, full
+        p.request(task, R, 0.0)
+        assert p.grant(0.0)[0].moves == (onload(task, ENGINE),)
+        p.release(task, R, 0.0)
+    p.request("b", T, 1.0)
+    assert p.grant(1.0)[0].moves == (offload("a", ENGINE), onload("b", ACTOR))
+    p.request("a", R, 1.0)  # b holds TRAIN: its actor is protected, its idle engine is not
+    assert p.grant(1.0)[0].moves == (offload("b", ENGINE), onload("a", ENGINE))
+    assert p.used_bytes("g0/shared") == 30
+
+
+def test_a_lone_task_evicts_its_own_idle_engine_to_train():
+    # engine + actor > budget: without evicting its own engine the only task could never train
+    p = colocated(budget=12, tasks=[("a", 8, 8)])
+    assert p.resident("a", ENGINE) and not p.resident("a", ACTOR)
+    p.request("a", R, 0.0)
+    assert p.grant(0.0)[0].moves == ()
+    p.release("a", R, 1.0)
+    p.request("a", T, 1.0)
+    assert p.grant(1.0)[0].moves == (offload("a", ENGINE), onload("a", ACTOR))
+
+
+def test_a_request_waits_for_memory_and_blocks_its_queue_but_not_the_other_slot():
+    p = colocated(budget=20, tasks=[("a", 5, 15), ("b", 15, 5), ("c", 5, 5)], resident=False)
+    p.request("a", T, 0.0)
+    assert p.grant(0.0)[0].moves == (onload("a", ACTOR),)  # 15 used, protected by a's lease
+    p.request("b", R, 1.0)  # needs 15, only 5 free, nothing idle to evict: waits
+    p.request("c", R, 2.0)  # would fit, but FIFO: behind b on the rollout slot
+    assert p.grant(2.0) == []
+    assert p.queue(Resource("g0", R)) == ["b", "c"]
+    p.release("a", T, 3.0)  # a's actor becomes idle, evictable: b goes, then c behind it
+    assert p.grant(3.0)[0].moves == (offload("a", ACTOR), onload("b", ENGINE))
+    p.release("b", R, 4.0)
+    assert p.grant(4.0)[0].moves == (onload("c", ENGINE),)
+
+
+def test_disaggregated_pools_count_separately():
+    p = Policy({"g0": GroupSpec.disaggregated(rollout_budget=10, train_budget=20)})
+    p.register("a", "g0", 10, 20)
+    p.register("b", "g0", 10, 20)  # neither fits beside a's: told to offload both
+    assert p.pool("a", ENGINE) == "g0/rollout-pool" and p.pool("a", ACTOR) == "g0/train-pool"
+    assert p.used_bytes("g0/rollout-pool") == 10 and p.used_bytes("g0/train-pool") == 20
+    p.request("a", T, 0.0)
+    p.request("b", R, 0.0)  # evicts a's engine only: a's actor lives in another pool
+    grants = {g.task: g.moves for g in p.grant(0.0)}
+    assert grants == {"a": (), "b": (offload("a", ENGINE), onload("b", ENGINE))}
+
+
+def test_register_offloads_what_does_not_fit_and_rejects_impossible_roles():
+    p = colocated(budget=25, tasks=[("a", 10, 10)])
+    assert p.register("b", "g0", 5, 10) == [offload("b", ACTOR)]  # engine first: ROLLOUT comes first
+    assert p.used_bytes("g0/shared") == 25
+    assert p.register("c", "g0", 1, 1, resident=False) == []
+    with pytest.raises(PolicyError, match=r"task 'd': actor needs 26 bytes .* 'g0/shared' .* only 25 bytes"):
+        p.register("d", "g0", 1, 26)
+    with pytest.raises(PolicyError, match="already registered"):
+        p.register("a", "g0", 1, 1)
+    with pytest.raises(PolicyError, match="unknown device group 'g9'"):
+        p.register("e", "g9", 1, 1)
+    with pytest.raises(PolicyError, match="non-negative int"):
+        p.register("f", "g0", -1, 1)
+    with pytest.raises(PolicyError, match="train_budget=5 is not used by a colocated group"):
+        GroupSpec("colocated", train_budget=5)
+
+
+def test_snapshot_is_json_safe():
+    import json
+
+    p = colocated(budget=25, tasks=[("a", 10, 10)])
+    p.request("a", R, 0.0)
+    p.grant(0.0)
+    snap = json.loads(json.dumps(p.snapshot()))
+    assert snap["holders"] == {"g0/rollout": "a"}
+    assert snap["tasks"]["a"]["resident"] == ["engine", "actor"]
+    assert snap["pools"]["g0/shared"] == {"budget": 25, "used": 20}
+
+
+# ---- random schedules -------------------------------------------------------------------------------------
+
+
+def drain(policy: Policy) -> None:
+    """Release every holder and grant until nothing is queued: must terminate with all requests granted."""
+    queued = lambda: [r for r in policy.resources() if policy.queue(r)]  # noqa: E731
+    for _ in range(2 * len(policy.tasks()) + 2):  # each round grants >= 1 request when none is held
+        for r in policy.resources():
+            if (holder := policy.holder(r)) is not None:
+                policy.release(holder, r.phase, 0.0)
+        policy.grant(0.0)
+        if not queued():
+            return
+    raise AssertionError(f"deadlock: {policy.snapshot()}")
+
+
+class Schedules(RuleBasedStateMachine):
+    """1-8 tasks in 1-3 random groups cycle ROLLOUT -> release -> TRAIN -> release under random budgets.
+
+    The model beside the policy keeps: each task's next phase, queued request ids per resource in
+    arrival order, grants per resource, and residency rebuilt only from the moves grants return."""
+
+    @initialize(data=st.data())
+    def setup(self, data):
+        n_groups = data.draw(st.sampled_from([1, 1, 2, 3]), label="groups")  # mostly one: crowded pools
+        n_tasks = data.draw(st.integers(1, 8), label="tasks")
+        sizes = st.integers(0, 100)
+        self.tasks = {f"t{i}": (f"g{data.draw(st.integers(0, n_groups - 1))}", data.draw(sizes), data.draw(sizes))
+                      for i in range(n_tasks)}
+        groups = {}
+        for g in (f"g{i}" for i in range(n_groups)):
+            engines = [e for grp, e, _ in self.tasks.values() if grp == g] or [0]
+            actors = [a for grp, _, a in self.tasks.values() if grp == g] or [0]
+
+            def budget(roles):
+                # None, or the largest role plus a little (constant eviction; in a colocated pool a holder's
+                # role blocks big onloads), up to another role's worth, or up to everything resident at once
+                top, rest = max(roles), sum(roles) - max(roles)
+                extra = st.one_of(st.integers(0, 10), st.integers(0, top), st.integers(0, rest))
+                return data.draw(st.one_of(st.none(), *[extra.map(lambda e: top + e)] * 3))
+
+            # colocated twice as often: only a shared pool makes one slot's holder block the other slot
+            if data.draw(st.sampled_from([True, True, False]), label=f"{g} colocated"):
+                groups[g] = GroupSpec.colocated(budget(engines + actors))
+            else:
+                groups[g] = GroupSpec.disaggregated(budget(engines), budget(actors))
+        self.policy = Policy(groups)
+        self.resident = set()
+        for name, (g, e, a) in self.tasks.items():
+            moves = self.policy.register(name, g, e, a, resident=data.draw(st.booleans()))
+            self.resident |= {(name, r) for r in Role if self.policy.resident(name, r)}
+            assert all(m.task == name and m.action == Action.OFFLOAD for m in moves)
+        self.next_phase = dict.fromkeys(self.tasks, R)
+        self.queued = {r: [] for r in self.policy.resources()}  # request ids in arrival order
+        self.requested = {}  # request id -> (task, resource, grants made on the resource when it arrived)
+        self.grants = dict.fromkeys(self.policy.resources(), 0)
+        self.holding = {}  # task -> phase
+        self.granted_at = {}  # task -> time of its current lease
+        self.failed = set()
+        self.now = 0
+
+    def idle(self):
+        waiting = {self.requested[rid][0] for q in self.queued.values() for rid in q}
+        return [t for t in self.tasks if t not in self.failed and t not in self.holding and t not in waiting]
+
+    # Time moves in whole seconds, so leases reach exactly the timeout (the boundary `expired` must get right).
+    @precondition(lambda self: self.idle())
+    @rule(i=st.integers(0, 7), dt=st.integers(0, 3))
+    def request(self, i, dt):
+        self.now += dt
+        idle = self.idle()
+        self._request(idle[i % len(idle)])
+
+    @precondition(lambda self: len(self.idle()) > 1)
+    @rule(order=st.randoms(use_true_random=False))
+    def request_all(self, order):
+        """Every idle task asks at once: queues build up, so slots and memory are contended."""
+        idle = self.idle()
+        order.shuffle(idle)
+        for task in idle:
+            self._request(task)
+
+    def _request(self, task):
+        phase = self.next_phase[task]
+        rid = self.policy.request(task, phase, self.now)
+        resource = self.policy.resource(task, phase)
+        self.queued[resource].append(rid)
+        self.requested[rid] = (task, resource, self.grants[resource])
+
+    @precondition(lambda self: self.holding)
+    @rule(i=st.integers(0, 7), dt=st.integers(0, 3))
+    def release(self, i, dt):
+        self.now += dt
+        task = sorted(self.holding)[i % len(self.holding)]
+        phase = self.holding.pop(task)
+        self.policy.release(task, phase, self.now)
+        self.next_phase[task] = T if phase is R else R
+
+    def used(self, pool):
+        return sum(self.policy.nbytes(t, r) for t, r in self.resident if self.policy.pool(t, r) == pool)
+
+    @rule()
+    def grant(self):
+        for g in self.policy.grant(self.now):
+            assert self.queued[g.resource][0] == g.request_id, "FIFO: granted ahead of an earlier request"
+            self.queued[g.resource].pop(0)
+            self.grants[g.resource] += 1
+            assert g.task not in self.holding and self.next_phase[g.task] is g.phase
+            self.holding[g.task] = g.phase
+            self.granted_at[g.task] = self.now
+            needed = (g.task, g.phase.role)
+            *evictions, last = g.moves or (None,)
+            if g.moves:
+                assert last == Move(g.task, g.phase.role, Action.ONLOAD) and needed not in self.resident
+                pool = self.policy.pool(g.task, g.phase.role)
+                budget = self.policy.budget(pool)
+                protected = {(t, ph.role) for t, ph in self.holding.items() if t != g.task}
+                used, need = self.used(pool), self.policy.nbytes(*needed)
+                freed = sum(self.policy.nbytes(m.task, m.role) for m in evictions[:-1])
+                assert not evictions or used - freed + need > budget, "needless eviction"
+                for m in evictions:  # only idle roles of the same pool, and only when needed to fit
+                    key = (m.task, m.role)
+                    assert m.action == Action.OFFLOAD and key in self.resident and key not in protected
+                    assert self.policy.pool(m.task, m.role) == pool
+                    self.resident.remove(key)
+                self.resident.add(needed)
+            else:
+                assert needed in self.resident
+        self.check_maximal()
+
+    def check_maximal(self):
+        """After grant(), no free resource's head could have been admitted."""
+        protected = {(t, ph.role) for t, ph in self.holding.items()}
+        for r, q in self.queued.items():
+            if q and self.policy.holder(r) is None:
+                task, role = self.requested[q[0]][0], r.phase.role
+                pool = self.policy.pool(task, role)
+                budget = self.policy.budget(pool)
+                idle = sum(self.policy.nbytes(t, ro) for t, ro in self.resident
+                           if (t, ro) not in protected and self.policy.pool(t, ro) == pool)
+                assert (task, role) not in self.resident and budget is not None
+                assert self.used(pool) - idle + self.policy.nbytes(task, role) > budget
+
+    @precondition(lambda self: len(self.failed) < len(self.tasks) - 1)
+    @rule(i=st.integers(0, 7), coin=st.integers(0, 4))
+    def fail(self, i, coin):
+        if coin:  # failures are rare in practice; keep most of the schedule about locks and memory
+            return
+        task = sorted(self.tasks)[i % len(self.tasks)]
+        self.policy.fail(task)
+        self.failed.add(task)
+        self.holding.pop(task, None)
+        self.resident -= {(task, r) for r in Role}
+        for q in self.queued.values():
+            q[:] = [rid for rid in q if self.requested[rid][0] != task]
+
+    @rule(timeout=st.integers(0, 10))
+    def expired(self, timeout):
+        expected = {t for t in self.holding if self.now - self.granted_at[t] > timeout}
+        assert set(self.policy.expired(self.now, timeout)) == expected
+
+    @invariant()
+    def budgets_and_accounting(self):
+        for pool in self.policy.pools():
+            budget = self.policy.budget(pool)
+            used = self.policy.used_bytes(pool)
+            assert budget is None or used <= budget, f"{pool}: {used} > {budget}"
+            assert used == sum(self.policy.nbytes(t, r) for t, r in self.resident if self.policy.pool(t, r) == pool)
+        assert self.resident == {(t, r) for t in self.tasks for r in Role if self.policy.resident(t, r)}
+
+    @invariant()
+    def locks(self):
+        holders = [self.policy.holder(r) for r in self.policy.resources()]
+        held = [h for h in holders if h is not None]
+        assert len(held) == len(set(held)), "a task holds two locks"
+        assert sorted(held) == sorted(self.holding)
+        for task, phase in self.holding.items():
+            assert self.policy.holder(self.policy.resource(task, phase)) == task
+            assert (task, phase.role) in self.resident, "a holder's role was evicted"
+        for r, q in self.queued.items():
+            assert self.policy.queue(r) == [self.requested[rid][0] for rid in q]
+
+    @invariant()
+    def bounded_waiting(self):
+        n = len(self.tasks)
+        for q in self.queued.values():
+            for rid in q:
+                _, resource, at = self.requested[rid]
+                assert self.grants[resource] - at < n, "a request was overtaken more than N times"
+
+    @invariant()
+    def no_deadlock(self):
+        drain(copy.deepcopy(self.policy))
+
+
+TestSchedules = Schedules.TestCase
+TestSchedules.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                  suppress_health_check=[HealthCheck.too_slow])

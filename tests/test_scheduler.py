@@ -1,0 +1,95 @@
+"""The scheduler's async logic without Ray: awaited locks, FIFO, leases that expire or die."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlsched.policy import GroupSpec, Policy, PolicyError
+from rlsched.scheduler import LeaseLost, Scheduler
+
+
+def _scheduler(tasks=("a", "b", "c"), **kw) -> Scheduler:
+    policy = Policy({"g0": GroupSpec.colocated()})
+    for t in tasks:
+        policy.register(t, "g0", 100, 300)
+    return Scheduler(policy, experiment="exp", **kw)
+
+
+def test_acquire_is_awaited_fifo_and_phases_overlap():
+    async def scenario():
+        s = _scheduler()
+        order = []
+        lease_a = await s.acquire("a", "rollout")
+        assert lease_a.resource == "g0/rollout" and lease_a.moves == ()  # everything fits: nothing moves
+
+        async def take(task, phase):
+            lease = await s.acquire(task, phase)
+            order.append((task, phase))
+            return lease
+
+        waiting_b = asyncio.create_task(take("b", "rollout"))
+        waiting_c = asyncio.create_task(take("c", "rollout"))
+        await asyncio.sleep(0.01)
+        assert order == []  # both wait behind a
+        with pytest.raises(PolicyError):  # a phase never holds two locks: a must release rollout first
+            await s.acquire("a", "train")
+        await s.release("a", "rollout")
+        await asyncio.sleep(0.01)
+        assert order == [("b", "rollout")]  # FIFO: b asked first
+        # a trains while b generates: the two slots are independent
+        lease = await asyncio.wait_for(s.acquire("a", "train"), 1)
+        assert lease.resource == "g0/train"
+        await s.release("b", "rollout")
+        await asyncio.wait_for(waiting_c, 1)
+        assert order == [("b", "rollout"), ("c", "rollout")]
+        await waiting_b
+
+    asyncio.run(scenario())
+
+
+def test_overstaying_holder_loses_its_lease_and_the_next_waiter_proceeds():
+    async def scenario():
+        s = _scheduler(lease_timeout_s=0.2)
+        await s.acquire("a", "rollout")
+        lease_b = await asyncio.wait_for(s.acquire("b", "rollout"), 2)  # granted once a's lease expires
+        assert lease_b.task == "b"
+        assert "held its lease longer than lease_timeout_s=0.2" in s.failed()["a"]
+        with pytest.raises(LeaseLost, match="task a was marked failed"):
+            await s.acquire("a", "train")
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_holder_releases_and_its_waiters_are_told():
+    async def scenario():
+        s = _scheduler()
+        await s.acquire("a", "rollout")
+        b = asyncio.create_task(s.acquire("b", "rollout"))
+        await asyncio.sleep(0.01)
+
+        async def dies():
+            raise RuntimeError("ActorDiedError")
+
+        await s.watch("a", [asyncio.ensure_future(dies())])
+        assert (await asyncio.wait_for(b, 1)).task == "b"
+        assert s.failed() == {"a": "its process died (RuntimeError)"}
+
+        c = asyncio.create_task(s.acquire("c", "rollout"))
+        await asyncio.sleep(0.01)
+        await s.fail("c", "reward function raised")
+        with pytest.raises(LeaseLost, match="task c failed: reward function raised"):
+            await c
+
+    asyncio.run(scenario())
+
+
+def test_ports_and_comm_groups_never_collide():
+    s = _scheduler()
+    ports = [p for t in ("a", "b", "c") for p in s.allocate_ports(t, 3)]
+    assert len(set(ports)) == 9
+    assert len({s.comm_group(t) for t in ("a", "b", "c")}) == 3
+    assert s.comm_group("a") == "exp/a/actor->rollout"
+    s.release_ports("a")
+    assert all(owner != "a" for owner in s._ports.values())
