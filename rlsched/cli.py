@@ -1,6 +1,6 @@
 """`rlsched` command line: thin argument parsing over functions that do the work.
 
-    rlsched demo                       the quickstart job (a tiny model learns addition)
+    rlsched demo                       the quickstart job (two tiny GRPO tasks under the scheduler)
     rlsched train CONFIG.yaml [--set a.b.c=value ...] [--resume]
     rlsched init-model --preset tiny DIR
     rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
@@ -57,23 +57,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_addition.yaml"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEMO_CONFIG = CONFIGS / "demo_addition.yaml"  # one task, in-process: the single-task reference
+DEMO_MULTITASK = CONFIGS / "demo_multitask.yaml"
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """The quickstart job: a random tiny Qwen3 learns single-digit addition with GRPO."""
+    """The quickstart job: two tiny random Qwen3s learn addition and subtraction with GRPO, sharing
+    this machine under the scheduler on an embedded local Ray."""
+    from rlsched.config import load_config
+    from rlsched.tracking import read_metrics
     from rlsched.train import train
 
     out = Path(args.out)
-    overrides = [f"experiment.output_dir={out}", f"tasks.0.model.path={out / 'models' / 'tiny-addition'}",
-                 *args.set]
-    histories = train(DEMO_CONFIG, overrides=overrides, overwrite=True)
-    for task, history in histories.items():
-        rewards = [m["reward/mean"] for m in history]
+    names = [t.name for t in load_config(DEMO_MULTITASK).tasks]
+    overrides = [f"experiment.output_dir={out}",
+                 *(f"tasks.{i}.model.path={out / 'models' / ('tiny-' + n)}" for i, n in enumerate(names)), *args.set]
+    results = train(DEMO_MULTITASK, overrides=overrides, overwrite=True, in_process=False)
+    for task, result in results.items():
+        rewards = [m["reward/mean"] for m in read_metrics(out / "demo-multitask" / "tasks" / task / "metrics.jsonl")]
         k = min(10, len(rewards))
+        if result["status"] != "ok" or not k:
+            print(f"[demo] {task}: {result['status']} {result.get('error', '')}")
+            continue
         print(f"[demo] {task}: mean reward over the first {k} steps {sum(rewards[:k]) / k:.3f}, "
-              f"over the last {k} {sum(rewards[-k:]) / k:.3f}; metrics in {out}/demo-addition/tasks/{task}/")
-    return 0
+              f"over the last {k} {sum(rewards[-k:]) / k:.3f}; metrics in {out}/demo-multitask/tasks/{task}/")
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -94,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlsched", description="Multi-task GRPO post-training scheduler.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="a tiny random Qwen3 learns addition with GRPO (the quickstart job)")
+    p = sub.add_parser("demo", help="two tiny GRPO tasks share this machine under the scheduler (the quickstart)")
     p.add_argument("--out", default="runs", help="output directory (default: runs)")
     p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
     p.set_defaults(func=_cmd_demo)

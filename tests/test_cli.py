@@ -40,10 +40,12 @@ def test_init_model_with_the_real_qwen3_tokenizer(tmp_path, capsys):
     assert cfg["vocab_size"] == 151_680 and cfg["eos_token_id"] == 151_645  # 151,669 tokens rounded up to 128
 
 
-def test_demo_runs(tmp_path, capsys):
-    """The quickstart job, shortened to 3 steps (tests/test_train.py checks that the full one learns)."""
-    assert main(["demo", "--out", str(tmp_path), "--set", "tasks.0.steps=3"]) == 0
+@pytest.mark.slow
+def test_demo_runs(ray_session, tmp_path, capsys):
+    """The quickstart job on Ray, shortened to 3 steps per task (test_train.py checks that a task learns)."""
+    assert main(["demo", "--out", str(tmp_path), "--set", "tasks.0.steps=3", "--set", "tasks.1.steps=3"]) == 0
     out = capsys.readouterr().out
-    assert "creating a random tiny Qwen3" in out and "[addition] step    3/3" in out
-    assert "[demo] addition: mean reward over the first 3 steps" in out
-    assert (tmp_path / "demo-addition" / "tasks" / "addition" / "metrics.jsonl").is_file()
+    for task in ("addition", "subtraction"):
+        assert f"[demo] {task}: mean reward over the first 3 steps" in out
+        assert len((tmp_path / "demo-multitask" / "tasks" / task / "metrics.jsonl").read_text().splitlines()) == 3
+        assert (tmp_path / "models" / f"tiny-{task}" / "config.json").is_file()
