@@ -176,3 +176,33 @@ def test_gsm8k_recipe_runs_on_a_tiny_model(tmp_path, tiny_model_dir, monkeypatch
     assert len(history) == 2
     assert all(m["kl"] >= 0 and math.isfinite(m["loss"]) for m in history)
     assert history[0]["kl"] == 0.0 and history[1]["kl"] > 0  # the policy moved away from the reference
+
+
+def test_stale_or_unverified_engine_weights_are_refused(tmp_path, tiny_model_dir):
+    cfg = load_config(DEMO_CONFIG, _quick(tmp_path, tiny_model_dir))
+    from rlsched.train import prepare_run_dir
+
+    prepare_run_dir(cfg, resume=False, overwrite=False)
+    runner = TaskRunner(cfg, 0, echo=_silent)
+    runner.step(1)  # the actor published v1 at the end of TRAIN; the engine still holds v0
+    prompt_ids = runner.encode(runner.loader.next_batch())
+    with pytest.raises(TaskError, match="holds weights v0 but the actor published v1; refusing"):
+        runner.generate(prompt_ids, 2)
+    runner.sync_weights()
+    greedy = dict(n=1, temperature=0.0, max_new_tokens=4, stop_token_ids=())
+    from workers.rollout import SamplingParams
+
+    before = runner.engine.generate(prompt_ids, SamplingParams(**greedy))
+    runner.engine.release_memory()  # offload -> onload: the contents come back and are re-hashed
+    runner.engine.resume_memory()
+    runner.sync_weights()
+    runner.engine.update_weights(runner.published.flat, runner.published.version)  # swap to identical weights
+    after = runner.engine.generate(prompt_ids, SamplingParams(**greedy))
+    assert [s.token_ids.tolist() for s in before.samples] == [s.token_ids.tolist() for s in after.samples]
+    # An onload that brought back different contents (the field's garbled generations) is caught.
+    runner.engine.release_memory()
+    runner.engine._host_state = jax.tree.map(lambda x: x * 1.01, runner.engine._host_state)
+    runner.engine.resume_memory()
+    with pytest.raises(TaskError, match="checksum differs from the actor's published v1; refusing"):
+        runner.sync_weights()
+    runner.close()
