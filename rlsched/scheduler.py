@@ -19,7 +19,7 @@ import socket
 import time
 from typing import Any
 
-from rlsched.policy import Phase, Policy, PolicyError
+from rlsched.policy import Phase, Policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +152,3 @@ class Scheduler:
 
     def state(self) -> dict[str, Any]:
         return {"failed": dict(self._failed), "grants": len(self.grant_log), "snapshot": self.policy.snapshot()}
-
-
-def policy_error_types() -> tuple[type[Exception], ...]:
-    return (PolicyError, LeaseLost)

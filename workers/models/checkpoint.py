@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
@@ -110,11 +109,3 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | Path, tokenizer=None) -
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
-
-
-def param_bytes(model: Qwen3ForCausalLM) -> int:
-    return P.num_bytes(P.to_flat(nnx.state(model, nnx.Param)))
-
-
-def as_numpy(flat: dict) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in flat.items()}

@@ -6,6 +6,7 @@ lets one checkpoint serve both rollout backends.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from workers.models.checkpoint import abstract_model, save_pretrained
@@ -44,6 +45,4 @@ def init_model(out_dir: str | Path, *, preset: str = "tiny", tokenizer: str = "b
     try:
         return save_pretrained(abstract_model(cfg, seed), out_dir, tokenizer=tok)
     finally:
-        import shutil
-
         shutil.rmtree(staging, ignore_errors=True)

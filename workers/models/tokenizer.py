@@ -11,7 +11,6 @@ Two kinds:
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import shutil
 from pathlib import Path
 
@@ -118,8 +117,3 @@ def check_special_tokens(tok: PreTrainedTokenizerFast, *, source: str) -> None:
             "in tokenizer_config.json to a token in the vocabulary (Qwen3 uses \"<|im_end|>\")")
     if tok.eos_token_id >= len(tok):
         raise TokenizerError(f"{source}: eos_token {tok.eos_token!r} is not in the vocabulary")
-
-
-def tokenizer_summary(tok: PreTrainedTokenizerFast) -> str:
-    return json.dumps({"vocab": len(tok), "eos": tok.eos_token, "pad": tok.pad_token,
-                       "chat_template": tok.chat_template is not None})
