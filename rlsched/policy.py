@@ -23,10 +23,12 @@ Design decisions (and why):
 - **Failure frees memory.** `fail` drops a task's lease and queued request and forgets its memory:
   its process died or, on lease expiry, is being killed by the caller.
 
-Deadlock freedom: every pool's budget is >= each of its roles (checked at register), and a lease
-holder waits for nothing (one lock, its role already resident), so every lease ends. Once a
-resource's lock is free and the other slot's holder releases, no role in the pool is protected, so
-evicting idle roles always makes room for the oldest head; hence every queued request is granted.
+Deadlock freedom: (1) a lease holder waits for nothing (one lock, its role already resident), so
+every lease ends (release, fail or expiry). (2) A pool serves at most two slots (colocated: its
+group's rollout and train; disaggregated: one), so a head at a free slot can only be blocked by the
+role the other slot's holder protects; once that holder releases, nothing in the pool is protected
+and, every budget being >= each of its roles (checked at register), evicting idle roles makes room.
+(3) The oldest head is tried first and each queue is FIFO, so every queued request is granted.
 """
 
 from __future__ import annotations
@@ -351,9 +353,6 @@ class Policy:
 
     def nbytes(self, task: str, role: Role) -> int:
         return self._task(task).nbytes[Role(role)]
-
-    def failed(self, task: str) -> bool:
-        return self._task(task).failed
 
     def tasks(self) -> list[str]:
         return list(self._tasks)

@@ -149,6 +149,15 @@ def test_a_request_waits_for_memory_and_blocks_its_queue_but_not_the_other_slot(
     assert p.grant(4.0)[0].moves == (onload("c", ENGINE),)
 
 
+def test_heads_of_a_shared_pool_are_tried_oldest_first():
+    p = colocated(budget=10, tasks=[("a", 6, 6), ("b", 6, 6)], resident=False)
+    p.request("a", T, 0.0)
+    p.request("b", R, 1.0)  # only one of the two fits; a asked first, so a goes and b waits for a's release
+    assert granted(p) == [("a", T)]
+    p.release("a", T, 2.0)
+    assert p.grant(2.0)[0].moves == (offload("a", ACTOR), onload("b", ENGINE))
+
+
 def test_disaggregated_pools_count_separately():
     p = Policy({"g0": GroupSpec.disaggregated(rollout_budget=10, train_budget=20)})
     p.register("a", "g0", 10, 20)
@@ -206,6 +215,14 @@ def drain(policy: Policy) -> None:
     raise AssertionError(f"deadlock: {policy.snapshot()}")
 
 
+def budgets(roles: list[int]) -> st.SearchStrategy[int | None]:
+    """None (1 in 4), or the largest role plus a little (constant eviction; in a colocated pool a holder's
+    role blocks big onloads), plus up to another role's worth, or plus up to everything resident at once."""
+    top, rest = max(roles), sum(roles) - max(roles)
+    extra = st.one_of(st.integers(0, 10), st.integers(0, top), st.integers(0, rest))
+    return st.one_of(st.none(), *[extra.map(lambda e: top + e)] * 3)
+
+
 class Schedules(RuleBasedStateMachine):
     """1-8 tasks in 1-3 random groups cycle ROLLOUT -> release -> TRAIN -> release under random budgets.
 
@@ -223,24 +240,20 @@ class Schedules(RuleBasedStateMachine):
         for g in (f"g{i}" for i in range(n_groups)):
             engines = [e for grp, e, _ in self.tasks.values() if grp == g] or [0]
             actors = [a for grp, _, a in self.tasks.values() if grp == g] or [0]
-
-            def budget(roles):
-                # None, or the largest role plus a little (constant eviction; in a colocated pool a holder's
-                # role blocks big onloads), up to another role's worth, or up to everything resident at once
-                top, rest = max(roles), sum(roles) - max(roles)
-                extra = st.one_of(st.integers(0, 10), st.integers(0, top), st.integers(0, rest))
-                return data.draw(st.one_of(st.none(), *[extra.map(lambda e: top + e)] * 3))
-
             # colocated twice as often: only a shared pool makes one slot's holder block the other slot
             if data.draw(st.sampled_from([True, True, False]), label=f"{g} colocated"):
-                groups[g] = GroupSpec.colocated(budget(engines + actors))
+                groups[g] = GroupSpec.colocated(data.draw(budgets(engines + actors)))
             else:
-                groups[g] = GroupSpec.disaggregated(budget(engines), budget(actors))
+                groups[g] = GroupSpec.disaggregated(data.draw(budgets(engines)), data.draw(budgets(actors)))
         self.policy = Policy(groups)
         self.resident = set()
+        # (task, role) -> tick of its last grant or release: the LRU order evictions must follow
+        self.tick, self.last_use = 0, {}
         for name, (g, e, a) in self.tasks.items():
             moves = self.policy.register(name, g, e, a, resident=data.draw(st.booleans()))
-            self.resident |= {(name, r) for r in Role if self.policy.resident(name, r)}
+            for role in (r for r in Role if self.policy.resident(name, r)):
+                self.resident.add((name, role))
+                self.touch(name, role)
             assert all(m.task == name and m.action == Action.OFFLOAD for m in moves)
         self.next_phase = dict.fromkeys(self.tasks, R)
         self.queued = {r: [] for r in self.policy.resources()}  # request ids in arrival order
@@ -250,6 +263,10 @@ class Schedules(RuleBasedStateMachine):
         self.granted_at = {}  # task -> time of its current lease
         self.failed = set()
         self.now = 0
+
+    def touch(self, task, role):
+        self.tick += 1
+        self.last_use[task, role] = self.tick
 
     def idle(self):
         waiting = {self.requested[rid][0] for q in self.queued.values() for rid in q}
@@ -286,6 +303,7 @@ class Schedules(RuleBasedStateMachine):
         task = sorted(self.holding)[i % len(self.holding)]
         phase = self.holding.pop(task)
         self.policy.release(task, phase, self.now)
+        self.touch(task, phase.role)
         self.next_phase[task] = T if phase is R else R
 
     def used(self, pool):
@@ -293,7 +311,8 @@ class Schedules(RuleBasedStateMachine):
 
     @rule()
     def grant(self):
-        for g in self.policy.grant(self.now):
+        grants = self.policy.grant(self.now)
+        for g in grants:
             assert self.queued[g.resource][0] == g.request_id, "FIFO: granted ahead of an earlier request"
             self.queued[g.resource].pop(0)
             self.grants[g.resource] += 1
@@ -310,6 +329,9 @@ class Schedules(RuleBasedStateMachine):
                 used, need = self.used(pool), self.policy.nbytes(*needed)
                 freed = sum(self.policy.nbytes(m.task, m.role) for m in evictions[:-1])
                 assert not evictions or used - freed + need > budget, "needless eviction"
+                lru = sorted((k for k in self.resident if k not in protected and self.policy.pool(*k) == pool),
+                             key=self.last_use.__getitem__)
+                assert [(m.task, m.role) for m in evictions] == lru[:len(evictions)], "not least recently used"
                 for m in evictions:  # only idle roles of the same pool, and only when needed to fit
                     key = (m.task, m.role)
                     assert m.action == Action.OFFLOAD and key in self.resident and key not in protected
@@ -318,7 +340,13 @@ class Schedules(RuleBasedStateMachine):
                 self.resident.add(needed)
             else:
                 assert needed in self.resident
+            self.touch(*needed)
         self.check_maximal()
+        # Across a pool's two slots: a head left waiting for memory was never passed by a younger request.
+        for r, q in self.queued.items():
+            if q and self.policy.holder(r) is None:
+                pool = self.policy.pool(self.requested[q[0]][0], r.phase.role)
+                assert all(g.request_id < q[0] for g in grants if self.policy.pool(g.task, g.phase.role) == pool)
 
     def check_maximal(self):
         """After grant(), no free resource's head could have been admitted."""
@@ -386,5 +414,5 @@ class Schedules(RuleBasedStateMachine):
 
 
 TestSchedules = Schedules.TestCase
-TestSchedules.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+TestSchedules.settings = settings(max_examples=300, stateful_step_count=50, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])

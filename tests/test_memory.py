@@ -1,0 +1,136 @@
+"""MemoryPool accounting and the residency context manager, with a hand-written fake timeline."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+
+from rlsched.memory import MemoryPool, NullTimeline, residency
+
+
+class FakeTimeline:
+    """Records (event, name, attrs) so tests can check the order of spans and what ran inside them."""
+
+    def __init__(self):
+        self.events = []
+
+    @contextlib.contextmanager
+    def span(self, name, **attrs):
+        self.events.append(("begin", name, attrs))
+        yield
+        self.events.append(("end", name, attrs))
+
+
+class FakeWorker:
+    def __init__(self, nbytes, timeline=None):
+        self.nbytes, self.timeline, self.on_device, self.calls = nbytes, timeline, False, []
+
+    def onload(self):
+        self.calls.append("onload")
+        if self.timeline is not None:  # the move must happen inside its span
+            assert self.timeline.events[-1][:2] == ("begin", "onload")
+        self.on_device = True
+        return self.nbytes
+
+    def offload(self):
+        self.calls.append("offload")
+        self.on_device = False
+
+
+def test_pool_accounting_by_task_role_kind():
+    pool = MemoryPool("g0/shared", budget=1000)
+    pool.report("a", "actor", "params", 100)
+    pool.report("a", "actor", "opt", 200)
+    pool.report("a", "actor", "ref", 100)
+    pool.report("a", "engine", "kv", 50)
+    pool.report("b", "engine", "params", 70)
+    pool.report("a", "actor", "params", 120)  # a report replaces, it doesn't add
+    assert pool.total() == 120 + 200 + 100 + 50 + 70
+    assert pool.total(task="a") == 470 and pool.total(task="a", role="actor") == 420
+    assert pool.total(kind="params") == 190
+    assert pool.by("task") == {"a": 470, "b": 70}
+    assert pool.by("role") == {"actor": 420, "engine": 120}
+    assert pool.by("kind") == {"params": 190, "opt": 200, "ref": 100, "kv": 50}
+    pool.report("a", "engine", "kv", 0)  # zero removes the entry
+    pool.clear("a", "actor")
+    assert pool.by("task") == {"b": 70}
+    pool.clear("b")
+    assert pool.total() == 0
+
+
+def test_pool_rejects_unknown_kinds_and_bad_sizes():
+    pool = MemoryPool()
+    with pytest.raises(ValueError, match="one of .*'grads'"):
+        pool.report("a", "actor", "grads", 1)
+    with pytest.raises(ValueError, match="non-negative int, got -1"):
+        pool.report("a", "actor", "params", -1)
+
+
+def test_snapshot_is_json_safe_and_rss_is_positive():
+    pool = MemoryPool("g0/shared", budget=10)
+    pool.report("a", "engine", "params", 7)
+    snap = json.loads(json.dumps(pool.snapshot()))
+    assert snap["total"] == 7 and snap["by_task"] == {"a": 7}
+    assert snap["entries"] == [{"task": "a", "role": "engine", "kind": "params", "bytes": 7}]
+    assert snap["rss_bytes"] > 0 and MemoryPool.rss_bytes() > 1 << 20  # a Python process is > 1 MiB
+
+
+def test_residency_onloads_on_enter_and_offloads_on_exit_inside_spans():
+    pool, timeline = MemoryPool("g0/shared"), FakeTimeline()
+    worker = FakeWorker(300, timeline)
+    with residency(pool, "a", "engine", onload=worker.onload, offload=worker.offload, timeline=timeline) as nbytes:
+        assert nbytes == 300 and worker.on_device
+        assert pool.total(task="a", role="engine", kind="params") == 300
+    assert worker.calls == ["onload", "offload"] and not worker.on_device
+    assert pool.total() == 0
+    attrs = {"task": "a", "role": "engine", "pool": "g0/shared"}
+    freed = {"bytes": 300, **attrs}
+    assert timeline.events == [("begin", "onload", attrs), ("end", "onload", attrs),
+                               ("begin", "offload", freed), ("end", "offload", freed)]
+
+
+def test_residency_keep_leaves_the_role_resident_and_accounted():
+    pool, worker = MemoryPool(), FakeWorker(300)
+    with residency(pool, "a", "actor", onload=lambda: {"params": 100, "opt": 200}, offload=worker.offload, keep=True):
+        pass
+    assert worker.calls == [] and pool.by("kind") == {"params": 100, "opt": 200}
+    # the next onload replaces the entries instead of adding to them (the role was already counted)
+    with residency(pool, "a", "actor", onload=lambda: {"params": 100}, offload=worker.offload):
+        assert pool.total() == 100
+    assert pool.total() == 0
+
+
+def test_failed_onload_leaves_the_pool_unchanged():
+    pool = MemoryPool()
+    pool.report("b", "engine", "params", 5)
+    offloads = []
+
+    def broken():
+        raise RuntimeError("device OOM")
+
+    with pytest.raises(RuntimeError, match="device OOM"), residency(pool, "a", "engine", onload=broken,
+                                                                     offload=lambda: offloads.append(1)):
+        pytest.fail("the body must not run")
+    assert pool.snapshot()["entries"] == [{"task": "b", "role": "engine", "kind": "params", "bytes": 5}]
+    assert offloads == []
+    with pytest.raises(ValueError, match="returned -3"), residency(pool, "a", "engine", onload=lambda: -3,
+                                                                    offload=lambda: None):
+        pass
+    assert pool.total() == 5
+
+
+def test_an_error_in_the_body_still_offloads_but_a_failed_offload_keeps_the_bytes():
+    pool, worker = MemoryPool(), FakeWorker(10)
+    with pytest.raises(KeyError), residency(pool, "a", "engine", onload=worker.onload, offload=worker.offload):
+        raise KeyError("generate failed")
+    assert worker.calls == ["onload", "offload"] and pool.total() == 0
+
+    def stuck():
+        raise RuntimeError("offload failed")
+
+    with pytest.raises(RuntimeError, match="offload failed"), residency(pool, "a", "engine", onload=worker.onload,
+                                                                        offload=stuck, timeline=NullTimeline()):
+        pass
+    assert pool.total(task="a") == 10  # the bytes are presumably still on the device
