@@ -87,8 +87,15 @@ class Scheduler:
     async def _evict_then_grant(self, evictions, future: asyncio.Future, lease: Lease) -> None:
         """Offload other tasks' idle roles (their drivers do it; they hold no lease, so nothing of
         theirs is running on those buffers), then hand the lease over."""
-        for move in evictions:
-            await self._drivers[move.task].move.remote(str(move.role), str(move.action))
+        try:
+            for move in evictions:
+                if move.task not in self._drivers:
+                    raise LeaseLost(f"cannot evict {move.role} of task {move.task}: no driver registered for it")
+                await self._drivers[move.task].move.remote(str(move.role), str(move.action))
+        except Exception as err:  # noqa: BLE001 - the waiter must hear of it, never hang
+            if not future.done():
+                future.set_exception(err)
+            return
         if not future.done():
             future.set_result(lease)
 

@@ -93,3 +93,41 @@ def test_ports_and_comm_groups_never_collide():
     assert s.comm_group("a") == "exp/a/actor->rollout"
     s.release_ports("a")
     assert all(owner != "a" for owner in s._ports.values())
+
+
+def test_evictions_are_done_by_the_victims_driver_before_the_grant():
+    class FakeDriver:  # the shape of a Ray actor handle: driver.move.remote(role, action) is awaitable
+        def __init__(self, log):
+            outer = self
+
+            class _Move:
+                @staticmethod
+                async def remote(role, action):
+                    log.append((outer.name, role, action))
+
+            self.move, self.name = _Move, None
+
+    async def scenario():
+        # colocated budget 400: a's engine (100) + actor (300) fill it; b's engine (100) must evict.
+        policy = Policy({"g0": GroupSpec.colocated(400)})
+        policy.register("a", "g0", 100, 300)
+        policy.register("b", "g0", 100, 300)  # nothing left: b starts offloaded
+        s = Scheduler(policy, experiment="exp")
+        log = []
+        for name in ("a", "b"):
+            driver = FakeDriver(log)
+            driver.name = name
+            s.register_driver(name, driver)
+        await s.acquire("a", "rollout")
+        await s.release("a", "rollout")
+        lease = await asyncio.wait_for(s.acquire("b", "rollout"), 1)
+        assert log and all(entry[0] == "a" and entry[2] == "offload" for entry in log)  # a's idle role went first
+        assert lease.moves[-1].task == "b" and str(lease.moves[-1].action) == "onload"
+
+        s2 = Scheduler(Policy({"g0": GroupSpec.colocated(400)}), experiment="exp")
+        s2.policy.register("a", "g0", 100, 300)
+        s2.policy.register("b", "g0", 100, 300)
+        with pytest.raises(LeaseLost, match="no driver registered"):  # an error, never a hang
+            await asyncio.wait_for(s2.acquire("b", "rollout"), 1)
+
+    asyncio.run(scenario())
