@@ -46,3 +46,14 @@ def write_atomic(path: Path, text: str) -> None:
         f.write(text)
     os.chmod(f.name, 0o644)  # NamedTemporaryFile creates 0600; results are for everyone to read
     os.replace(f.name, path)
+
+
+def save_results(out: Path, title: str, results: dict, report: str) -> None:
+    """Print the report and save results.json + report.md into `out`, each atomically."""
+    import json
+
+    print("\n" + report)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+    write_atomic(out / "report.md", f"# {title}\n\n{report}\n")
+    print(f"\nsaved {out / 'results.json'} and {out / 'report.md'}")

@@ -19,14 +19,13 @@ core 1, so one task's rollout and another's training really run side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.common import environment, write_atomic
+from benchmarks.common import environment, save_results
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_addition.yaml"
 
@@ -163,10 +162,7 @@ def main(argv=None) -> dict:
         f"lock acquire+release round trip: p50 {results['lock_round_trip_ms']['p50']:.2f} ms, "
         f"p99 {results['lock_round_trip_ms']['p99']:.2f} ms (goal p50 <= 5 ms)",
     ])
-    print("\n" + report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "results.json", json.dumps(results, indent=2) + "\n")
-    write_atomic(args.out / "report.md", "# Multi-task benchmark\n\n" + report + "\n")
+    save_results(args.out, "Multi-task benchmark", results, report)
     return results
 
 

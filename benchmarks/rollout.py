@@ -23,7 +23,6 @@ Design decisions:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import count_params, environment, write_atomic  # first: sets JAX to CPU, hubs offline
+from benchmarks.common import count_params, environment, save_results  # first: sets JAX to CPU, hubs offline
 
 DEFAULT_MODEL_DIR = Path("runs/bench-models/small")
 SEED = 0  # prompts are the same on every run, so runs compare
@@ -160,12 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         agreement=float(np.mean(np.all(outputs["jax_sampler"] == outputs["transformers"], axis=1))),
         env=env, timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
     )
-    report = table(results)
-    print("\n" + report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "results.json", json.dumps(results, indent=2) + "\n")
-    write_atomic(args.out / "report.md", "# Rollout benchmark\n\n" + report + "\n")
-    print(f"\nsaved {args.out / 'results.json'} and {args.out / 'report.md'}")
+    save_results(args.out, "Rollout benchmark", results, table(results))
     return results
 
 

@@ -28,14 +28,13 @@ Design decisions:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.common import count_params, environment, write_atomic  # first: sets JAX to CPU, hubs offline
+from benchmarks.common import count_params, environment, save_results  # first: sets JAX to CPU, hubs offline
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_addition.yaml"
 PHASES = ("rollout_s", "reward_s", "train_s", "step_s")
@@ -215,12 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         phase_ratios={p: torch_side[f"median_{p}"] / rlsched[f"median_{p}"] for p in PHASES[:3]},
         env=env, timestamp=datetime.now(UTC).isoformat(timespec="seconds"),
     )
-    report = table(results)
-    print("\n" + report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "results.json", json.dumps(results, indent=2) + "\n")
-    write_atomic(args.out / "report.md", "# GRPO step benchmark\n\n" + report + "\n")
-    print(f"\nsaved {args.out / 'results.json'} and {args.out / 'report.md'}")
+    save_results(args.out, "GRPO step benchmark", results, table(results))
     return results
 
 
