@@ -63,6 +63,17 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True)
 
 
+class TrackingSection(_Section):
+    wandb: bool = False
+    """Also log to Weights & Biases: one run per task and one for the scheduler, grouped by experiment."""
+    project: str = "rlsched"
+    """W&B project the runs belong to."""
+    mode: Literal["offline", "online", "disabled"] | None = None
+    """W&B mode; None = the `WANDB_MODE` environment variable, else `offline` (sync later with `wandb sync`)."""
+    tags: list[str] = Field(default_factory=list)
+    """W&B tags added to every run of the experiment."""
+
+
 class ExperimentSection(_Section):
     name: Name
     """Experiment name; the run directory is `<output_dir>/<name>`."""
@@ -70,6 +81,8 @@ class ExperimentSection(_Section):
     """Directory (relative to the working directory) that holds one sub-directory per experiment."""
     seed: int = 0
     """Base seed; a task without its own seed gets `seed + task index`."""
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    """Where metrics go besides each task's metrics.jsonl (always written)."""
 
 
 class ClusterConfig(_Section):

@@ -6,7 +6,7 @@ Design decisions (and why):
   params / opt / ref / kv, and totals are sums of those entries, never a separate counter that drifts.
 - **Numbers come from the workers.** On CPU `memory_stats()` is None, so workers report the bytes of
   the live arrays they hold; this process's RSS is reported beside them (stdlib only, no psutil).
-- **`residency` is the only onload/offload path** (STYLE point 5): it calls the worker's move, updates
+- **`Residency` is the only onload/offload path** (STYLE point 5): it calls the worker's move, updates
   the pool and emits a timeline span, so accounting and timeline can't miss a move. With `keep=True`
   the role stays on device at exit: the policy decides later whether to evict it (memory-aware).
 - A timeline is anything with a `span(name, **attrs)` context manager; `NullTimeline` is the no-op twin.
@@ -98,32 +98,88 @@ class MemoryPool:
         }
 
 
+class Residency:
+    """Where one role of one task lives, device or host; the only way to move it.
+
+    `onload()` runs the worker's onload inside an "onload" span and records the bytes it reports
+    (an int, recorded as `kind`, or a {kind: bytes} mapping) under (task, role); `offload()` runs the
+    worker's offload inside an "offload" span and clears them. Both are no-ops when the role is
+    already where it is asked to be. `on_change(task, role, sizes)` (optional) hears every change,
+    e.g. to mirror it into the scheduler's pool. As a context manager it onloads at entry and, unless
+    `keep`, offloads at exit: memory-aware residency keeps roles on device and lets the policy evict.
+    """
+
+    def __init__(self, pool: MemoryPool, task: str, role: str, *, onload: Callable[[], int | Mapping[str, int]],
+                 offload: Callable[[], None], timeline: Timeline | None = None, resident: bool = False,
+                 sizes: int | Mapping[str, int] | None = None, kind: str = "params", keep: bool = False,
+                 on_change: Callable[[str, str, dict[str, int]], None] | None = None):
+        self.pool, self.task, self.role, self.kind, self.keep = pool, str(task), str(role), kind, keep
+        self._onload, self._offload, self._on_change = onload, offload, on_change
+        self.timeline = timeline or NullTimeline()
+        self.resident = resident
+        if resident and sizes is not None:
+            self._record(self._sizes(sizes))
+
+    def _sizes(self, reported: int | Mapping[str, int]) -> dict[str, int]:
+        sizes = dict(reported) if isinstance(reported, Mapping) else {self.kind: reported}
+        for k, n in sizes.items():
+            if k not in KINDS or not isinstance(n, int) or n < 0:
+                raise ValueError(f"onload of ({self.task}, {self.role}) returned {reported!r}: "
+                                 f"expected bytes by kind in {KINDS}")
+        return sizes
+
+    def _record(self, sizes: dict[str, int]) -> None:
+        self.pool.clear(self.task, self.role)  # a fresh onload replaces what was reported before
+        for k, n in sizes.items():
+            self.pool.report(self.task, self.role, k, n)
+        if self._on_change is not None:
+            self._on_change(self.task, self.role, sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.total(self.task, self.role)
+
+    def onload(self, **attrs: Any) -> int:
+        """Bring the role onto its devices; returns the bytes resident. If the worker raises, the pool
+        is unchanged."""
+        if self.resident:
+            return self.nbytes
+        with self.timeline.span("onload", task=self.task, role=self.role, pool=self.pool.name, **attrs) as span:
+            sizes = self._sizes(self._onload())
+            if isinstance(span, dict):
+                span["bytes"] = sum(sizes.values())
+        self._record(sizes)
+        self.resident = True
+        return sum(sizes.values())
+
+    def offload(self, **attrs: Any) -> None:
+        """Move the role to host memory. If the worker raises, the entries stay: the bytes are
+        presumably still on the device."""
+        if not self.resident:
+            return
+        with self.timeline.span("offload", task=self.task, role=self.role, pool=self.pool.name, bytes=self.nbytes,
+                                **attrs):
+            self._offload()
+        self.pool.clear(self.task, self.role)
+        self.resident = False
+        if self._on_change is not None:
+            self._on_change(self.task, self.role, {})
+
+    def __enter__(self) -> Residency:
+        self.onload()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.keep:
+            self.offload()
+
+
 @contextlib.contextmanager
 def residency(pool: MemoryPool, task: str, role: str, *, onload: Callable[[], int | Mapping[str, int]],
               offload: Callable[[], None], timeline: Timeline | None = None, keep: bool = False,
               kind: str = "params") -> Iterator[int]:
-    """Keep `task`'s `role` on device for the body; yields the bytes resident.
-
-    `onload()` moves the role to device and returns the bytes now resident: an int (recorded as
-    `kind`) or a {kind: bytes} mapping (an actor: params, opt, ref). If it raises, the pool is
-    unchanged. At exit `offload()` runs and the role's entries are cleared, unless `keep=True`.
-    If `offload()` raises, the entries stay: the bytes are presumably still on the device.
-    """
-    timeline = timeline or NullTimeline()
-    attrs = {"task": str(task), "role": str(role), "pool": pool.name}
-    with timeline.span("onload", **attrs):
-        reported = onload()
-    sizes = dict(reported) if isinstance(reported, Mapping) else {kind: reported}
-    for k, n in sizes.items():
-        if k not in KINDS or not isinstance(n, int) or n < 0:
-            raise ValueError(f"onload of ({task}, {role}) returned {reported!r}: expected bytes by kind in {KINDS}")
-    pool.clear(task, role)  # a fresh onload replaces what was reported before, it doesn't add to it
-    for k, n in sizes.items():
-        pool.report(task, role, k, n)
-    try:
-        yield sum(sizes.values())
-    finally:
-        if not keep:
-            with timeline.span("offload", bytes=pool.total(task, role), **attrs):
-                offload()
-            pool.clear(task, role)
+    """Keep `task`'s `role` on device for the body (it starts on host); yields the bytes resident.
+    A one-off `Residency`, for code that moves a role for one block only."""
+    with Residency(pool, task, role, onload=onload, offload=offload, timeline=timeline, keep=keep,
+                   kind=kind) as r:
+        yield r.nbytes

@@ -19,7 +19,8 @@ import socket
 import time
 from typing import Any
 
-from rlsched.policy import Phase, Policy
+from rlsched.memory import MemoryPool
+from rlsched.policy import Phase, Policy, Role
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,12 @@ class Scheduler:
         self._watchdog: asyncio.Task | None = None
         self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
         self.grant_log: list[tuple[float, str, str, str]] = []  # (time, task, phase, resource)
+        # Measured bytes per pool, as the tasks' residency moves report them (the policy decides on
+        # its own estimates; these are what the workers really hold, shown side by side).
+        self.measured = {name: MemoryPool(name, policy.budget(name)) for name in policy.pools()}
+        from rlsched.timeline import Timeline
+
+        self.timeline = Timeline("scheduler")  # counters: lock queue lengths, measured memory per pool
 
     # ---- locks ------------------------------------------------------------------------------------
 
@@ -60,6 +67,7 @@ class Scheduler:
         future = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = (future, now)
         self._dispatch()
+        self._count_queues()
         return await future
 
     async def release(self, task: str, phase: str) -> None:
@@ -67,6 +75,11 @@ class Scheduler:
             return  # its lease is already gone
         self.policy.release(task, Phase(phase), time.monotonic())
         self._dispatch()
+        self._count_queues()
+
+    def _count_queues(self) -> None:
+        for resource in self.policy.resources():
+            self.timeline.counter(f"queue/{resource.id}", {"waiting": len(self.policy.queue(resource))})
 
     def register_driver(self, task: str, handle: Any) -> None:
         self._drivers[task] = handle
@@ -155,7 +168,21 @@ class Scheduler:
     def comm_group(self, task: str, src: str = "actor", dst: str = "rollout") -> str:
         return f"{self.experiment}/{task}/{src}->{dst}"
 
+    # ---- memory ---------------------------------------------------------------------------------------
+
+    def report_memory(self, task: str, role: str, sizes: dict[str, int]) -> None:
+        """Record what `task`'s `role` holds now, by kind ({} after an offload)."""
+        pool = self.measured[self.policy.pool(task, Role(role))]
+        pool.clear(task, role)
+        for kind, nbytes in sizes.items():
+            pool.report(task, role, kind, int(nbytes))
+        self.timeline.counter(f"memory/{pool.name}", {t: pool.total(task=t) for t in self.policy.tasks()})
+
+    def events(self) -> list[dict]:
+        return self.timeline.events()
+
     # ---- introspection ------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return {"failed": dict(self._failed), "grants": len(self.grant_log), "snapshot": self.policy.snapshot()}
+        return {"failed": dict(self._failed), "grants": len(self.grant_log), "snapshot": self.policy.snapshot(),
+                "measured": {name: pool.snapshot() for name, pool in self.measured.items()}}

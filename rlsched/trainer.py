@@ -15,16 +15,15 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from rlsched.checkpoints import TaskCheckpointer
+from rlsched.comm import WeightMessage, comm_group_name, make_channel
 from rlsched.config import ExperimentConfig, TaskConfig
-from rlsched.tracking import JsonlTracker
+from rlsched.tracking import make_trackers
 from workers import data as D
 from workers import rewards as R
-from workers.actor import ActorSettings, ActorWorker, build_train_batch
+from workers.actor import build_train_batch
 from workers.grpo import group_advantages
-from workers.models import init_model, load_pretrained
+from workers.models import init_model, load_tokenizer
 from workers.rollout import RolloutOutput, SamplingParams
-from workers.rollout.jax_sampler import JaxSampler
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +32,25 @@ class TaskError(RuntimeError):
     """A task cannot go on; the message names the task and the cause."""
 
 
+def _timeline(task: str):
+    from rlsched.timeline import Timeline
+
+    return Timeline("driver", task=task)
+
+
 def _rollout_seed(task_seed: int, step: int) -> int:
     # A pure function of (seed, step): a resumed run samples exactly what the uninterrupted one did.
     return (task_seed * 1_000_003 + step) % (2**31)
 
 
 class TaskRunner:
-    def __init__(self, experiment: ExperimentConfig, index: int, *, resume: bool = False, echo=print):
+    """One task's step loop over its two roles (rlsched.roles), which live in this process
+    (`spawn=spawn_local`, the default) or in Ray actor processes of their own (the TaskDriver's)."""
+
+    def __init__(self, experiment: ExperimentConfig, index: int, *, resume: bool = False, echo=print,
+                 spawn=None, channel: str = "local", timeline=None):
+        from rlsched.roles import ActorRole, EngineRole, spawn_local
+
         self.cfg: TaskConfig = experiment.tasks[index]
         self.index = index
         self.name = self.cfg.name
@@ -47,33 +58,37 @@ class TaskRunner:
         self.plan = self.cfg.batch_plan()
         self.dir = experiment.run_dir / "tasks" / self.name
         self.echo = echo
+        self.timeline = timeline if timeline is not None else _timeline(self.name)
+        self.where: dict[str, str] = {}  # phase and resource of the lock held now (set by the TaskDriver)
         g = self.cfg.grpo
 
-        model, self.tokenizer = self._load_model()
+        if self.cfg.rollout.engine != "jax_sampler":
+            raise TaskError(f"task {self.name}: rollout.engine {self.cfg.rollout.engine!r} is not available for "
+                            "`rlsched train` yet; use jax_sampler")
+        self.tokenizer = load_tokenizer(self._ensure_model())
         self.stop_ids = (self.tokenizer.eos_token_id,)
         self.sampling = dict(n=g.num_generations, temperature=g.temperature, top_p=g.top_p,
                              max_new_tokens=g.max_new_tokens, stop_token_ids=self.stop_ids)
-        self.actor = ActorWorker(model, ActorSettings(
-            lr=self.cfg.optim.lr, total_steps=self.plan.total_optimizer_steps, warmup_steps=self.plan.warmup_steps,
-            weight_decay=self.cfg.optim.weight_decay, grad_clip=self.cfg.optim.grad_clip, b1=self.cfg.optim.b1,
-            b2=self.cfg.optim.b2, epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta,
-            aggregation=g.loss_aggregation, temperature=g.temperature,
-            micro_batch_size=self.plan.micro_batch_size, mini_batch_size=self.plan.mini_batch_size,
-            epochs=self.plan.epochs_per_step), seed=self.seed)
-        self.engine = self._make_engine(model)
-        self.published = self.actor.export_weights()  # v0: what the engine was built from
         R.get_reward(self.cfg.reward.name)  # fail at start, not at the first reward
         self.loader = D.PromptLoader(self._make_source(), g.prompts_per_step, seed=self.seed,
                                      shuffle=self.cfg.data.shuffle)
-        self.checkpointer = TaskCheckpointer(self.dir / "checkpoints")
-        self.tracker = JsonlTracker(self.dir / "metrics.jsonl")
+        # The task's own comm group: made here, handed to its two roles only.
+        self.channel = make_channel(channel, comm_group_name(experiment.experiment.name, self.name))
+        raw = experiment.model_dump(mode="json")
+        spawn = spawn or spawn_local
+        self.actor = spawn(ActorRole, raw, index, channel=self.channel, role="actor")
+        self.engine = spawn(EngineRole, raw, index, channel=self.channel, role="engine")
+        self.tracker = make_trackers(experiment.experiment.tracking, run_dir=self.dir,
+                                     experiment=experiment.experiment.name, task=self.name,
+                                     hparams=self.cfg.model_dump(mode="json"))
         self.step_done = 0
         if resume:
             self._resume()
+        self.published = self._publish()  # what the engine must hold before it generates
 
     # ---- setup ----------------------------------------------------------------------------------
 
-    def _load_model(self):
+    def _ensure_model(self) -> Path:
         m = self.cfg.model
         path = Path(m.path)
         if m.init_preset is not None and not (path / "config.json").is_file():
@@ -84,15 +99,7 @@ class TaskRunner:
                 f"task {self.name}: model.path {path} does not exist. Point it at a local Hugging Face Qwen3 "
                 f"directory (--set tasks.{self.index}.model.path=/path/to/Qwen3) or set model.init_preset "
                 "to create a random model there; rlsched never downloads weights")
-        return load_pretrained(path, dtype=m.dtype)
-
-    def _make_engine(self, model):
-        r, g = self.cfg.rollout, self.cfg.grpo
-        if r.engine != "jax_sampler":
-            raise TaskError(f"task {self.name}: rollout.engine {r.engine!r} is not available for `rlsched train` yet; "
-                            "use jax_sampler")
-        return JaxSampler(model, max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
-                          max_batch_size=r.max_batch_size, seed=self.seed, **r.engine_args)
+        return path
 
     def _make_source(self):
         d = self.cfg.data
@@ -103,17 +110,14 @@ class TaskRunner:
         return D.make_source(d.kind, path=d.path, question_field=d.question_field, answer_field=d.answer_field)
 
     def _resume(self) -> None:
-        step = self.checkpointer.latest_step()
-        if step is None:
-            self.echo(f"[{self.name}] --resume: no checkpoint in {self.checkpointer.directory}; starting fresh")
+        meta = self.actor.restore_latest()
+        if meta is None:
+            self.echo(f"[{self.name}] --resume: no checkpoint in {self.actor.checkpoint_dir()}; starting fresh")
             return
-        state, meta = self.checkpointer.restore(self.actor.state, step)
-        self.actor.state, self.actor.version = state, int(meta["version"])
         self.loader.load_state(meta["loader"])
-        self.published = self.actor.export_weights()
         self.step_done = int(meta["step"])
         self.tracker.truncate_after(self.step_done)  # lines written after the checkpoint are replayed
-        self.echo(f"[{self.name}] resumed after step {self.step_done} (weights v{self.actor.version})")
+        self.echo(f"[{self.name}] resumed after step {self.step_done} (weights v{meta['version']})")
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -126,30 +130,44 @@ class TaskRunner:
         t2 = time.perf_counter()
         train_metrics = self.train_phase(step, rollout, rewards)
         t3 = time.perf_counter()
-        return step_metrics(rollout, rewards, reward_errors, train_metrics, self.actor.version,
+        return step_metrics(rollout, rewards, reward_errors, train_metrics, self.published.version,
                             {"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2,
                              "time/step_s": t3 - t0})
 
     def rollout_phase(self, step: int) -> Rollout:
-        """ROLLOUT: bring the engine up to the published weights, then generate the next prompts."""
+        """ROLLOUT: bring the engine up to the published weights, verify them, generate the next prompts."""
         self.sync_weights()
         prompts = self.loader.next_batch()
         prompt_ids = self.encode(prompts)
-        return Rollout(prompts, prompt_ids, self.generate(prompt_ids, step))
+        with self.timeline.span("generate", **self.where) as span:
+            output = self.generate(prompt_ids, step)
+            span["tokens"] = output.num_tokens
+        return Rollout(prompts, prompt_ids, output)
 
     def train_phase(self, step: int, rollout: Rollout, rewards: np.ndarray) -> dict[str, float]:
-        """TRAIN: advantages, GRPO updates, publish weights v+1."""
+        """TRAIN: advantages, GRPO updates (logprobs inside), publish weights v+1."""
         advantages = np.asarray(group_advantages(jnp.asarray(rewards), self.cfg.grpo.num_generations,
                                                  normalize_std=self.cfg.grpo.normalize_advantage_std))
         samples = rollout.output.samples
         batch = build_train_batch([rollout.prompt_ids[s.prompt_index] for s in samples],
                                   [s.token_ids for s in samples], advantages, pad_id=self.tokenizer.pad_token_id)
-        train_metrics = self.actor.train(batch, step=step)
+        with self.timeline.span("train", samples=batch.size, **self.where):
+            train_metrics, events = self.actor.train(batch, step)
+        self._extend(events)
         if train_metrics["skipped"]:
             self.echo(f"[{self.name}] step {step}: non-finite loss or gradient in {train_metrics['skipped']:.0f} "
                       "optimizer step(s); those updates were skipped, the params are unchanged")
-        self.published = self.actor.export_weights()  # only params leave the actor; v+1
+        self.published = self._publish()  # only params leave the actor; v+1
         return train_metrics
+
+    def _publish(self) -> WeightMessage:
+        message, events = self.actor.publish()
+        self._extend(events)
+        return message
+
+    def _extend(self, events: list[dict]) -> None:
+        """Add spans recorded inside a role, placed on the lock's phase and resource."""
+        self.timeline.extend([{**e, **{k: v for k, v in self.where.items() if e.get(k) is None}} for e in events])
 
     def encode(self, prompts: list[D.Prompt]) -> list[np.ndarray]:
         d, limit = self.cfg.data, self.cfg.grpo.max_prompt_len
@@ -163,32 +181,40 @@ class TaskRunner:
         return out
 
     def generate(self, prompt_ids: list[np.ndarray], step: int) -> RolloutOutput:
-        if self.engine.weight_version != self.published.version:
-            raise TaskError(f"task {self.name}: the engine holds weights v{self.engine.weight_version} but the "
+        engine_version = self.engine.version()
+        if engine_version != self.published.version:
+            raise TaskError(f"task {self.name}: the engine holds weights v{engine_version} but the "
                             f"actor published v{self.published.version}; refusing to generate with stale weights")
         params = SamplingParams(**self.sampling, seed=_rollout_seed(self.seed, step))
         return self.engine.generate(prompt_ids, params)
 
     def score(self, prompts: list[D.Prompt], rollout: RolloutOutput) -> tuple[np.ndarray, int]:
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
-        answers = [prompts[s.prompt_index].answer for s in rollout.samples]
-        result = R.score(self.cfg.reward.name, texts, answers, task=self.name, on_error=self.cfg.reward.on_error)
+        with self.timeline.span("reward"):
+            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in rollout.samples]
+            answers = [prompts[s.prompt_index].answer for s in rollout.samples]
+            result = R.score(self.cfg.reward.name, texts, answers, task=self.name, on_error=self.cfg.reward.on_error)
         if result.num_errors:
             self.echo(f"[{self.name}] {result.num_errors} reward error(s) scored 0; first: {result.first_error}")
         return result.rewards, result.num_errors
 
-    def sync_weights(self) -> None:
-        """Update the engine if it is behind the published version, then verify its checksum."""
-        snapshot = self.published
-        if self.engine.weight_version != snapshot.version:
-            self.engine.update_weights(snapshot.flat, snapshot.version)
-        if self.engine.weight_checksum != snapshot.checksum:
-            raise TaskError(f"task {self.name}: engine checksum differs from the actor's published v{snapshot.version}"
+    def sync_weights(self) -> dict[str, int]:
+        """Update the engine if it is behind the published version, then verify its checksum against
+        the one the actor computed before the weights left. Returns the swap's stats (or {})."""
+        message, stats = self.published, {}
+        if self.engine.version() != message.version:
+            with self.timeline.span("sync_weights", bytes=message.nbytes, **self.where) as span:
+                stats, events = self.engine.update_weights(message)
+                span.update(stats)
+            self._extend(events)
+        with self.timeline.span("verify", **self.where):
+            checksum = self.engine.verify()
+        if checksum != message.checksum:
+            raise TaskError(f"task {self.name}: engine checksum differs from the actor's published v{message.version}"
                             "; refusing to generate with unverified weights")
+        return stats
 
     def save_checkpoint(self, step: int) -> None:
-        meta = {"step": step, "version": self.actor.version, "loader": self.loader.state(), "task": self.name}
-        self.checkpointer.save(step, self.actor.state, meta)
+        self.actor.save(step, {"step": step, "loader": self.loader.state(), "task": self.name})
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -201,13 +227,15 @@ class TaskRunner:
                 metrics = self.step(step)
                 self.record(step, metrics)
                 history.append(metrics)
-        finally:
-            self.close()
+        except BaseException:
+            self.close(exit_code=1)  # the W&B run is finished as failed, never left open
+            raise
+        self.close()
         return history
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
-        """After a step: metrics line, progress line, checkpoint when due."""
-        self.tracker.log(step, metrics)
+        """After a step: metrics line (with the memory each role holds now), progress line, checkpoint when due."""
+        self.tracker.log(step, {**metrics, **self.actor.memory_probe(), **self.engine.memory_probe()})
         self.step_done = step
         if step % self.cfg.log_every == 0 or step == self.cfg.steps:
             self.echo(progress_line(self.name, step, self.cfg.steps, metrics))
@@ -215,9 +243,12 @@ class TaskRunner:
         if every and (step % every == 0 or step == self.cfg.steps):
             self.save_checkpoint(step)
 
-    def close(self) -> None:
-        self.tracker.finish()
-        self.checkpointer.close()
+    def close(self, exit_code: int = 0) -> None:
+        try:
+            self.tracker.finish(exit_code)
+        finally:
+            self.actor.close()
+            self.engine.close()
 
 
 @dataclasses.dataclass(frozen=True)

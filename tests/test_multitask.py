@@ -15,12 +15,12 @@ from rlsched.train import prepare_run_dir, select_tasks
 pytestmark = pytest.mark.slow
 
 
-def _experiment(tmp_path, model_dir, name, tasks, steps=3):
+def _experiment(tmp_path, model_dir, name, tasks, steps=3, cluster=None):
     base = {"grpo": {"prompts_per_step": 4, "num_generations": 4, "max_prompt_len": 16, "max_new_tokens": 4,
                      "mini_batch_size": 8},
             "optim": {"lr": 3e-3}, "steps": steps, "checkpoint_every": 0}
     kinds = {"addition": "addition", "subtraction": "subtraction", "add2": "addition", "sub2": "subtraction"}
-    raw = {"experiment": {"name": name, "output_dir": str(tmp_path), "seed": 0},
+    raw = {"experiment": {"name": name, "output_dir": str(tmp_path), "seed": 0}, "cluster": cluster or {},
            "tasks": [{"name": t, "seed": 100 + i, "model": {"path": str(model_dir)},
                       "data": {"kind": kinds[t], "template": "plain"}, "reward": {"name": kinds[t]}, **base}
                      for i, t in enumerate(tasks)]}
@@ -30,7 +30,7 @@ def _experiment(tmp_path, model_dir, name, tasks, steps=3):
 
 
 def _metrics(cfg, task):
-    return [{k: v for k, v in m.items() if not k.startswith("time/")}
+    return [{k: v for k, v in m.items() if not k.startswith(("time/", "mem/"))}
             for m in read_metrics(cfg.run_dir / "tasks" / task / "metrics.jsonl")]
 
 
@@ -38,12 +38,62 @@ def test_isolation_a_task_computes_the_same_alone_or_with_three_others(ray_sessi
     together = _experiment(tmp_path, tiny_model_dir, "together", ["addition", "subtraction", "add2", "sub2"])
     results = run_experiment(together, echo=lambda *_: None)
     assert {r["status"] for r in results.values()} == {"ok"}
+    _check_trace(together.run_dir / "timeline.json", ["addition", "subtraction", "add2", "sub2"], steps=3)
     alone = _experiment(tmp_path, tiny_model_dir, "alone", ["addition", "subtraction", "add2", "sub2"])
     alone = select_tasks(alone, ["addition"])
     assert run_experiment(alone, echo=lambda *_: None)["addition"]["status"] == "ok"
     solo, shared = _metrics(alone, "addition"), _metrics(together, "addition")
     assert len(solo) == 3 and solo == shared  # multiplexing changes when things run, never what they compute
     assert _metrics(together, "add2") != shared  # a different seed really is a different run
+
+
+def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_session, tmp_path, tiny_model_dir):
+    """Colocated, with room for one task's engine + actor but not two: the scheduler evicts idle roles
+    (LRU) before each onload; every move is a span in the trace; results equal the task run alone."""
+    import json
+
+    from rlsched.experiment import estimate_bytes
+
+    probe = _experiment(tmp_path, tiny_model_dir, "probe", ["addition"])
+    engine, actor = estimate_bytes(probe.tasks[0])
+    budget_gb = (engine + actor + min(engine, actor) // 2) / 2**30  # one task fits, two never do
+    cluster = {"placement": "colocated", "memory_budget_gb": budget_gb}
+    cfg = _experiment(tmp_path, tiny_model_dir, "tight", ["addition", "subtraction"], cluster=cluster)
+    results = run_experiment(cfg, echo=lambda *_: None)
+    assert {r["status"] for r in results.values()} == {"ok"}
+    summary = json.loads((cfg.run_dir / "summary.json").read_text())
+    trace = json.loads((cfg.run_dir / "timeline.json").read_text())["traceEvents"]
+    moves = [e for e in trace if e.get("ph") == "X" and e["name"] in ("onload", "offload")]
+    assert {e["name"] for e in moves} == {"onload", "offload"}, "roles were never swapped out and back"
+    assert summary["tasks"]["addition"]["status"] == "ok"
+    measured = summary["scheduler"]["measured"]["g0/shared"]
+    assert measured["budget"] == int(budget_gb * 2**30)
+    alone = select_tasks(_experiment(tmp_path, tiny_model_dir, "tight-solo", ["addition", "subtraction"],
+                                     cluster=cluster), ["addition"])
+    run_experiment(alone, echo=lambda *_: None)
+    assert _metrics(cfg, "addition") == _metrics(alone, "addition")  # offload -> onload changed nothing
+
+
+def _check_trace(path, tasks, steps):
+    """What a user can verify from timeline.json alone: the locks held, phases overlapped, nothing missing."""
+    import json
+
+    from rlsched.timeline import check_lock_exclusivity, overlaps, read_trace
+
+    assert json.loads(path.read_text())["traceEvents"], "not a Chrome trace"
+    events = read_trace(path)
+    assert check_lock_exclusivity(events) == []  # per resource, no two tasks' phases ever overlap
+    locks = [e for e in events if e["kind"] == "span" and e["name"] in ("ROLLOUT", "TRAIN")]
+    for task in tasks:
+        mine = [e for e in locks if e["task"] == task]
+        assert sorted(e["name"] for e in mine) == ["ROLLOUT"] * steps + ["TRAIN"] * steps
+        for lock in mine:  # every phase's work is inside its lock hold, on the lock's resource
+            inner = [e for e in events if e["kind"] == "span" and e["task"] == task and e is not lock
+                     and e["resource"] == lock["resource"] and lock["start"] <= e["start"] and e["end"] <= lock["end"]]
+            want = {"generate", "verify"} if lock["name"] == "ROLLOUT" else {"train", "publish", "update"}
+            assert want <= {e["name"] for e in inner}, (lock, inner)
+    # One task's rollout overlapped another's training: the point of the scheduler.
+    assert max(overlaps(events, a, "rollout", b, "train") for a in tasks for b in tasks if a != b) > 0
 
 
 def test_killed_task_is_reported_and_the_others_finish_unchanged(ray_session, tmp_path, tiny_model_dir):
@@ -61,7 +111,29 @@ def test_killed_task_is_reported_and_the_others_finish_unchanged(ray_session, tm
     assert _metrics(cfg, "addition") == _metrics(solo, "addition")
 
 
-def _kill_after_first_step(driver, metrics_path, timeout=120.0):
+def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_path, tiny_model_dir):
+    """A role dies mid-run (here: the engine, as a crash or OOM would end it): its task fails with a
+    cause that names the role, releases its lease, and the other task computes what it would alone."""
+    import ray
+
+    cfg = _experiment(tmp_path, tiny_model_dir, "engine-fault", ["addition", "subtraction"], steps=6)
+    metrics_path = cfg.run_dir / "tasks" / "subtraction" / "metrics.jsonl"
+
+    def kill_engine(drivers):
+        engine = ray.get(drivers["subtraction"].role_handles.remote())["engine"]
+        _kill_after_first_step(engine, metrics_path)
+
+    results = run_experiment(cfg, echo=lambda *_: None, on_started=kill_engine)
+    assert results["addition"]["status"] == "ok"
+    assert results["subtraction"]["status"] == "failed"
+    assert "its engine process died" in results["subtraction"]["error"]
+    solo = select_tasks(_experiment(tmp_path, tiny_model_dir, "engine-fault-solo", ["addition", "subtraction"],
+                                    steps=6), ["addition"])
+    run_experiment(solo, echo=lambda *_: None)
+    assert _metrics(cfg, "addition") == _metrics(solo, "addition")
+
+
+def _kill_after_first_step(actor, metrics_path, timeout=120.0):
     import threading
 
     import ray
@@ -70,7 +142,7 @@ def _kill_after_first_step(driver, metrics_path, timeout=120.0):
         deadline = time.time() + timeout
         while time.time() < deadline:
             if metrics_path.exists() and metrics_path.read_text().count("\n") >= 1:
-                ray.kill(driver)
+                ray.kill(actor)
                 return
             time.sleep(0.05)
 

@@ -24,7 +24,7 @@ from workers.data import DataError
 
 REQUIRED_METRICS = ["step", "reward/mean", "reward/std", "reward/max", "loss", "kl", "clip_frac", "grad_norm", "lr",
                     "response_len/mean", "tokens/generated", "time/rollout_s", "time/reward_s", "time/train_s",
-                    "time/step_s"]
+                    "time/step_s", "mem/actor/process/rss_bytes", "mem/engine/device0/bytes_in_use"]
 
 
 def _quick(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
@@ -78,7 +78,7 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
     train(DEMO_CONFIG, overrides=_quick(interrupted, tiny_model_dir), resume=True, echo=_silent)
 
     def comparable(path):
-        return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in read_metrics(path)]
+        return [{k: v for k, v in m.items() if not k.startswith(("time/", "mem/"))} for m in read_metrics(path)]
 
     a = comparable(straight / "demo-addition/tasks/addition/metrics.jsonl")
     b = comparable(interrupted / "demo-addition/tasks/addition/metrics.jsonl")
@@ -184,25 +184,47 @@ def test_stale_or_unverified_engine_weights_are_refused(tmp_path, tiny_model_dir
 
     prepare_run_dir(cfg, resume=False, overwrite=False)
     runner = TaskRunner(cfg, 0, echo=_silent)
-    runner.step(1)  # the actor published v1 at the end of TRAIN; the engine still holds v0
+    assert runner.engine.version() == -1  # the engine holds nothing of the actor's until the first sync
+    runner.step(1)  # ROLLOUT synced v0; the actor published v1 at the end of TRAIN; the engine still holds v0
     prompt_ids = runner.encode(runner.loader.next_batch())
     with pytest.raises(TaskError, match="holds weights v0 but the actor published v1; refusing"):
         runner.generate(prompt_ids, 2)
-    runner.sync_weights()
+    stats = runner.sync_weights()
+    # A swap never holds two full copies on the device: at most one leaf beyond the steady state.
+    assert stats["params_bytes"] > 4 * stats["largest_leaf_bytes"] > 0
+    assert 0 <= stats["peak_extra_bytes"] <= stats["largest_leaf_bytes"]
     greedy = dict(n=1, temperature=0.0, max_new_tokens=4, stop_token_ids=())
     from workers.rollout import SamplingParams
 
     before = runner.engine.generate(prompt_ids, SamplingParams(**greedy))
-    runner.engine.release_memory()  # offload -> onload: the contents come back and are re-hashed
-    runner.engine.resume_memory()
+    runner.engine.offload()  # offload -> onload: the contents come back and are re-hashed
+    assert runner.engine.memory()["params"] == 0
+    assert runner.engine.onload()["params"] == stats["params_bytes"]
     runner.sync_weights()
-    runner.engine.update_weights(runner.published.flat, runner.published.version)  # swap to identical weights
+    runner.engine.update_weights(runner.published)  # swap to identical weights
     after = runner.engine.generate(prompt_ids, SamplingParams(**greedy))
     assert [s.token_ids.tolist() for s in before.samples] == [s.token_ids.tolist() for s in after.samples]
     # An onload that brought back different contents (the field's garbled generations) is caught.
-    runner.engine.release_memory()
-    runner.engine._host_state = jax.tree.map(lambda x: x * 1.01, runner.engine._host_state)
-    runner.engine.resume_memory()
+    runner.engine.offload()
+    sampler = runner.engine.engine
+    sampler._host_state = jax.tree.map(lambda x: x * 1.01, sampler._host_state)
+    runner.engine.onload()
     with pytest.raises(TaskError, match="checksum differs from the actor's published v1; refusing"):
         runner.sync_weights()
+    runner.close()
+
+
+def test_weights_altered_in_transit_are_refused(tmp_path, tiny_model_dir):
+    """The engine verifies what it holds against the checksum the actor computed before sending."""
+    from rlsched.comm import FakeChannel
+    from rlsched.train import prepare_run_dir
+
+    cfg = load_config(DEMO_CONFIG, _quick(tmp_path, tiny_model_dir))
+    prepare_run_dir(cfg, resume=False, overwrite=False)
+    runner = TaskRunner(cfg, 0, echo=_silent, channel="fake")
+    assert isinstance(runner.channel, FakeChannel) and runner.channel.name == "demo-addition/addition/actor->rollout"
+    runner.channel.corrupt_next = True
+    runner.published = runner._publish()  # v0 again, altered on the way
+    with pytest.raises(TaskError, match="checksum differs from the actor's published v0; refusing"):
+        runner.rollout_phase(1)
     runner.close()

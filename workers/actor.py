@@ -17,6 +17,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from functools import partial
@@ -172,6 +173,11 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorS
     return new_state, metrics
 
 
+@contextlib.contextmanager
+def _no_span(name: str, **attrs):
+    yield {}
+
+
 class ActorWorker:
     """Holds the policy's TrainState (and frozen reference params when beta > 0)."""
 
@@ -204,36 +210,45 @@ class ActorWorker:
 
     # ---- update ---------------------------------------------------------------------------------
 
-    def train(self, batch: TrainBatch, *, step: int) -> dict[str, float]:
+    def train(self, batch: TrainBatch, *, step: int, timeline=None) -> dict[str, float]:
         """The GRPO update for one step's samples: epochs x mini-batches of optimizer steps.
 
-        Returns metrics averaged over the optimizer steps (skipped counts them).
+        Returns metrics averaged over the optimizer steps (skipped counts them). `timeline`
+        (anything with `span(name, **attrs)`) gets a `logprobs` and an `update` span.
         """
+        span = timeline.span if timeline is not None else _no_span
         s = self.settings
         if batch.size % s.mini_batch_size:
             raise ValueError(f"{batch.size} samples do not split into mini-batches of {s.mini_batch_size}")
         arrays = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask,
                   "advantages": batch.advantages}
         off_policy = s.epochs > 1 or batch.size > s.mini_batch_size
-        if off_policy:  # the policy moves between optimizer steps: freeze the rollout-time logprobs
-            arrays["old_logp"] = self.logprobs(batch)
-        if s.beta > 0:
-            arrays["ref_logp"] = self.logprobs(batch, reference=True)
+        with span("logprobs", samples=batch.size):
+            if off_policy:  # the policy moves between optimizer steps: freeze the rollout-time logprobs
+                arrays["old_logp"] = self.logprobs(batch)
+            if s.beta > 0:
+                arrays["ref_logp"] = self.logprobs(batch, reference=True)
         rng = np.random.default_rng([self.seed, step])
         history = []
-        for _ in range(s.epochs):
-            order = rng.permutation(batch.size) if off_policy else np.arange(batch.size)
-            for start in range(0, batch.size, s.mini_batch_size):
-                idx = order[start : start + s.mini_batch_size]
-                acc = s.mini_batch_size // s.micro_batch_size
-                mini = {k: v[idx].reshape(acc, s.micro_batch_size, *v.shape[1:]) for k, v in arrays.items()}
-                self.state, metrics = train_step(self.state, mini, graphdef=self.graphdef, tx=self.tx, settings=s)
-                history.append(metrics)
+        with span("update", samples=batch.size):
+            self._update(arrays, off_policy, rng, history)
         self.version += 1
         out = {k: float(np.mean([float(m[k]) for m in history])) for k in history[0]}
         out["skipped"] = float(sum(float(m["skipped"]) for m in history))
         out["lr"] = float(make_schedule(s)(self.state.step))  # the rate the next update will use
         return out
+
+    def _update(self, arrays: dict[str, np.ndarray], off_policy: bool, rng, history: list) -> None:
+        s, size = self.settings, len(arrays["tokens"])
+        for _ in range(s.epochs):
+            order = rng.permutation(size) if off_policy else np.arange(size)
+            for start in range(0, size, s.mini_batch_size):
+                idx = order[start : start + s.mini_batch_size]
+                acc = s.mini_batch_size // s.micro_batch_size
+                mini = {k: v[idx].reshape(acc, s.micro_batch_size, *v.shape[1:]) for k, v in arrays.items()}
+                self.state, metrics = train_step(self.state, mini, graphdef=self.graphdef, tx=self.tx, settings=s)
+                history.append(metrics)
+        jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
 
     # ---- weights --------------------------------------------------------------------------------
 
@@ -258,6 +273,15 @@ class ActorWorker:
         if self._host is not None:
             self.state, self.ref_params = jax.device_put(self._host, self._shardings)
             self._host = None
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes on the devices by kind (params, opt, ref), from the live arrays this worker holds."""
+        def size(tree) -> int:
+            return int(sum(x.nbytes for x in jax.tree.leaves(tree))) if tree is not None else 0
+
+        if self.state is None:
+            return {"params": 0, "opt": 0, "ref": 0}
+        return {"params": size(self.state.params), "opt": size(self.state.opt_state), "ref": size(self.ref_params)}
 
     def model(self) -> Qwen3ForCausalLM:
         return nnx.merge(self.graphdef, self.state.params)

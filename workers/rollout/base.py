@@ -12,6 +12,11 @@ Contract (every implementation, tested in tests/test_rollout_contract.py):
 - Weights: `update_weights(flat_params, version)` installs a full flat parameter dict (Hugging Face
   names, see workers.models.params) and records `weight_version` and `weight_checksum`. Names,
   shapes and dtypes must match the engine's model exactly, or it raises and keeps its old weights.
+  It returns what the swap held on the devices ({"params_bytes", "largest_leaf_bytes",
+  "peak_extra_bytes"}): a swap never holds two full copies of the params, so the peak over the
+  steady state is at most one leaf.
+- `memory_bytes()` is {"params": bytes, "kv": bytes} the engine holds on its devices now, counted
+  from its live arrays (on CPU there are no device memory statistics).
 - Memory: `release_memory()` frees the engine's device memory (weights and KV cache);
   `resume_memory()` takes it back. Whether weight *contents* survive is backend-specific (sglang
   releases rather than saves), so callers treat a resumed engine as unverified until its checksum
@@ -101,7 +106,9 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput: ...
 
-    def update_weights(self, flat_params: Mapping[str, object], version: int) -> None: ...
+    def update_weights(self, flat_params: Mapping[str, object], version: int) -> dict[str, int]: ...
+
+    def memory_bytes(self) -> dict[str, int]: ...
 
     def release_memory(self) -> None: ...
 

@@ -35,6 +35,7 @@ class FakeEngine:
         # Optional expected weight layout, so update_weights can be checked like a real engine.
         self._shapes = dict(param_shapes) if param_shapes is not None else None
         self._version, self._checksum, self._released = 0, None, False
+        self._params_bytes = 0
         self.calls = 0
 
     @property
@@ -49,7 +50,7 @@ class FakeEngine:
     def released(self) -> bool:
         return self._released
 
-    def update_weights(self, flat_params: Mapping[str, object], version: int) -> None:
+    def update_weights(self, flat_params: Mapping[str, object], version: int) -> dict[str, int]:
         if self._released:
             raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
         if self._shapes is not None:
@@ -57,6 +58,13 @@ class FakeEngine:
             if got != self._shapes:
                 raise P.WeightMismatchError(f"update_weights(version={version}): shapes differ from the engine's")
         self._version, self._checksum = int(version), P.checksum(flat_params)
+        self._params_bytes = int(sum(np.asarray(v).nbytes for v in flat_params.values()))
+        largest = max((np.asarray(v).nbytes for v in flat_params.values()), default=0)
+        return {"params_bytes": self._params_bytes, "largest_leaf_bytes": int(largest), "peak_extra_bytes": 0}
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What a real engine would hold: the last weights installed (no device memory here)."""
+        return {"params": 0 if self._released else self._params_bytes, "kv": 0}
 
     def release_memory(self) -> None:
         self._released = True

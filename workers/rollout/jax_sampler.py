@@ -40,6 +40,12 @@ from workers.rollout.sampling import sample_tokens
 _STOP_SLOTS = 8  # stop-id array size (static); more stop ids -> next multiple of 8
 
 
+def _live_bytes() -> int:
+    """Bytes of every live JAX array of this process: what "on the device" means where the backend
+    keeps no memory statistics (CPU)."""
+    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
+
+
 def _bucket(n: int, minimum: int, cap: int) -> int:
     """Smallest power of two >= n (at least `minimum`), never above `cap`."""
     b = max(minimum, 1 << max(0, (n - 1).bit_length()))
@@ -94,20 +100,41 @@ class JaxSampler:
             raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
         return self._state
 
-    def update_weights(self, flat_params: Mapping[str, object], version: int) -> None:
+    def update_weights(self, flat_params: Mapping[str, object], version: int) -> dict[str, int]:
+        """Swap in `flat_params` as weights `version`; returns what the swap held on the devices:
+        {"params_bytes", "largest_leaf_bytes", "peak_extra_bytes"} (peak over the steady state,
+        measured from the live arrays after every leaf: the swap's promise is <= one leaf)."""
         current = self._live_state()
         incoming = P.from_flat(current, flat_params, source=f"update_weights(version={version})")
+        # Until the last leaf is in place the engine holds neither version: a failure midway leaves
+        # it refusing to generate rather than generating with half-old weights.
+        self._version, self._checksum = -1, None
+        before = _live_bytes()
+        peak = before
+        largest = 0
 
         def swap(old: jax.Array, new) -> jax.Array:
+            nonlocal peak, largest
             # Free each old tensor before placing its successor, so a swap never holds two full
             # copies on the device; may_alias=False: the engine owns its buffers (the caller's
             # array may be a read-only object-store view or the actor's live parameter).
             sharding = old.sharding
+            largest = max(largest, old.nbytes)
             old.delete()
-            return jax.device_put(new, sharding, may_alias=False)
+            placed = jax.device_put(new, sharding, may_alias=False)
+            peak = max(peak, _live_bytes())
+            return placed
 
         self._state = jax.tree.map(swap, current, incoming)
         self._version, self._checksum = int(version), None
+        return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": largest,
+                "peak_extra_bytes": max(0, peak - before)}
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this engine holds on its devices by kind; the KV cache exists only inside `generate`."""
+        state = self._state
+        params = 0 if state is None else sum(x.nbytes for x in jax.tree.leaves(state))
+        return {"params": int(params), "kv": 0}
 
     def release_memory(self) -> None:
         """Move weights to host memory and drop them from the device (the KV cache lives only

@@ -1,0 +1,144 @@
+"""Comm groups: the named, per-task channel that carries weights from a task's actor to its engine.
+
+    channel = ObjectStoreChannel("exp/addition/actor->rollout")
+    message = channel.send(flat, version, checksum)     # in the actor's process
+    flat = channel.receive(message)                      # in the engine's process
+
+Design decisions (and why):
+- **One channel per (experiment, task, actor->rollout), nothing global.** The task makes its channel
+  from the name the scheduler hands out and gives it to its own two roles only, so two tasks cannot
+  share a group or a port by construction (shared groups were the first cause of the field's
+  weight-sync hang). A message names its group, and a channel refuses a message of another group.
+- **A message is (group, version, checksum, bytes, payload).** The payload is opaque to the driver
+  that forwards it: an object reference here, a rendezvous id for a collective later. The driver never
+  holds the weights, only the message.
+- **Host numpy in, host numpy out.** The receiver copies onto its devices (`device_put(...,
+  may_alias=False)` in the engine): object-store arrays are read-only views, and the engine must own
+  its buffers. The engine then hashes what it holds and the driver compares that with
+  `message.checksum`: verification never trusts the transport.
+- Implementations: `LocalChannel` (one process: the payload is the dict itself), `ObjectStoreChannel`
+  (one node, several processes: `ray.put` in the sender, `ray.get` in the receiver), `FakeChannel`
+  (tests: records what was sent and can corrupt a payload to prove verification catches it). A
+  cross-node collective (an NCCL/ICI broadcast from the actor's ranks to the engine's) fills the same
+  two methods: `send` starts the broadcast and returns its rendezvous, `receive` joins it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+Flat = Mapping[str, np.ndarray]
+
+
+class ChannelError(RuntimeError):
+    """A message reached the wrong channel or its payload is gone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightMessage:
+    group: str  # the channel's name: "<experiment>/<task>/actor->rollout"
+    version: int  # the actor's weight version after the TRAIN that published it
+    checksum: str  # params.checksum of the payload, computed by the sender before it left
+    nbytes: int  # total bytes of the params carried
+    payload: Any  # transport-specific: the dict itself, or an object reference
+
+
+class WeightChannel(Protocol):
+    name: str
+
+    def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage: ...
+
+    def receive(self, message: WeightMessage) -> Flat: ...
+
+
+def comm_group_name(experiment: str, task: str, src: str = "actor", dst: str = "rollout") -> str:
+    return f"{experiment}/{task}/{src}->{dst}"
+
+
+def _nbytes(flat: Flat) -> int:
+    return int(sum(np.asarray(v).nbytes for v in flat.values()))
+
+
+class _Channel:
+    def __init__(self, name: str):
+        if not name or "->" not in name:
+            raise ValueError(f"a comm group name looks like '<experiment>/<task>/actor->rollout', got {name!r}")
+        self.name = name
+
+    def _check(self, message: WeightMessage) -> None:
+        if message.group != self.name:
+            raise ChannelError(f"channel {self.name!r} received a message of group {message.group!r}: "
+                               "weights never cross between tasks")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class LocalChannel(_Channel):
+    """Sender and receiver in one process: the payload is the host dict itself (no copy here; the
+    receiver copies onto its devices)."""
+
+    def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
+        return WeightMessage(self.name, int(version), checksum, _nbytes(flat), dict(flat))
+
+    def receive(self, message: WeightMessage) -> Flat:
+        self._check(message)
+        return message.payload
+
+
+class ObjectStoreChannel(_Channel):
+    """One node, several processes: the params go through Ray's shared-memory object store once.
+
+    The reference is created in the sender's process, which owns it: if that process dies, so do
+    the weights it published, and the receiver's `ray.get` fails with the cause.
+    """
+
+    def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
+        import ray
+
+        return WeightMessage(self.name, int(version), checksum, _nbytes(flat), ray.put(dict(flat)))
+
+    def receive(self, message: WeightMessage) -> Flat:
+        import ray
+
+        self._check(message)
+        try:
+            return ray.get(message.payload)
+        except ray.exceptions.ObjectLostError as err:
+            raise ChannelError(f"{self.name}: the weights of v{message.version} are gone from the object store "
+                               f"(their sender died?): {err}") from err
+
+
+class FakeChannel(_Channel):
+    """For tests: keeps every message sent; `corrupt_next` scales the next payload so that the
+    receiver ends up with weights whose checksum differs from the message's."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.sent: list[WeightMessage] = []
+        self.corrupt_next = False
+
+    def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
+        payload = {k: np.array(v, copy=True) for k, v in flat.items()}
+        if self.corrupt_next:
+            payload = {k: (v * 1.01).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v
+                       for k, v in payload.items()}
+            self.corrupt_next = False
+        message = WeightMessage(self.name, int(version), checksum, _nbytes(flat), payload)
+        self.sent.append(message)
+        return message
+
+    def receive(self, message: WeightMessage) -> Flat:
+        self._check(message)
+        return message.payload
+
+
+def make_channel(kind: str, name: str) -> WeightChannel:
+    channels = {"local": LocalChannel, "object_store": ObjectStoreChannel, "fake": FakeChannel}
+    if kind not in channels:
+        raise ValueError(f"unknown weight channel {kind!r}; choose one of {sorted(channels)}")
+    return channels[kind](name)

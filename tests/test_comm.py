@@ -1,0 +1,85 @@
+"""Comm channels: weights arrive intact, only on their own task's channel, across processes too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlsched.comm import (
+    ChannelError,
+    FakeChannel,
+    LocalChannel,
+    ObjectStoreChannel,
+    WeightMessage,
+    comm_group_name,
+    make_channel,
+)
+
+
+def _flat():
+    rng = np.random.default_rng(0)
+    return {"model.embed_tokens.weight": rng.standard_normal((6, 4)).astype(np.float32),
+            "model.norm.weight": np.ones(4, np.float32)}
+
+
+def test_local_channel_delivers_the_message_with_its_version_checksum_and_size():
+    channel = LocalChannel(comm_group_name("exp", "a"))
+    flat = _flat()
+    message = channel.send(flat, 3, "abc")
+    assert (message.group, message.version, message.checksum) == ("exp/a/actor->rollout", 3, "abc")
+    assert message.nbytes == 6 * 4 * 4 + 4 * 4  # float32: 24 + 4 values x 4 bytes
+    got = channel.receive(message)
+    assert got.keys() == flat.keys() and all(np.array_equal(got[k], flat[k]) for k in flat)
+
+
+def test_a_message_never_crosses_to_another_tasks_channel():
+    a, b = LocalChannel("exp/a/actor->rollout"), LocalChannel("exp/b/actor->rollout")
+    with pytest.raises(ChannelError, match="'exp/b/actor->rollout' received a message of group 'exp/a/actor->rollout'"):
+        b.receive(a.send(_flat(), 1, "x"))
+
+
+def test_channel_names_are_checked_and_kinds_named():
+    with pytest.raises(ValueError, match="looks like '<experiment>/<task>/actor->rollout'"):
+        LocalChannel("shared")
+    with pytest.raises(ValueError, match="unknown weight channel 'nccl'; choose one of"):
+        make_channel("nccl", "e/t/actor->rollout")
+    assert isinstance(make_channel("fake", "e/t/actor->rollout"), FakeChannel)
+
+
+def test_fake_channel_records_messages_and_corrupts_on_request():
+    channel = FakeChannel("e/t/actor->rollout")
+    flat = _flat()
+    clean = channel.receive(channel.send(flat, 0, "c0"))
+    channel.corrupt_next = True
+    bad = channel.receive(channel.send(flat, 1, "c1"))
+    assert [m.version for m in channel.sent] == [0, 1] and not channel.corrupt_next
+    assert np.array_equal(clean["model.norm.weight"], flat["model.norm.weight"])
+    np.testing.assert_allclose(bad["model.norm.weight"], 1.01)  # scaled: a checksum of it must differ
+    assert bad["model.norm.weight"].dtype == np.float32
+
+
+def test_object_store_channel_carries_weights_between_processes(ray_session):
+    ray = ray_session
+    name = comm_group_name("exp", "t")
+
+    @ray.remote(num_cpus=0)
+    class Sender:
+        def send(self, flat):
+            return ObjectStoreChannel(name).send(flat, 7, "sum7")
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def receive(self, message):
+            flat = ObjectStoreChannel(name).receive(message)
+            return {k: (v.copy(), v.flags.writeable) for k, v in flat.items()}
+
+    sender, receiver = Sender.remote(), Receiver.remote()
+    message = ray.get(sender.send.remote(_flat()))
+    assert isinstance(message, WeightMessage) and message.version == 7 and message.checksum == "sum7"
+    got = ray.get(receiver.receive.remote(message))
+    expected = _flat()
+    assert all(np.array_equal(got[k][0], expected[k]) for k in expected)
+    # Object-store arrays are read-only views: the engine must copy them into buffers of its own.
+    assert not any(writeable for _, writeable in got.values())
+    ray.kill(sender)
+    ray.kill(receiver)
