@@ -21,13 +21,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def environment() -> dict:
     import flax
     import jax
-    import torch
     import transformers
 
-    return dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
-                torch=torch.__version__, transformers=transformers.__version__, numpy=np.__version__,
-                jax_devices=[str(d) for d in jax.devices()], torch_num_threads=torch.get_num_threads(),
-                cpu_count=os.cpu_count(), cpus_usable=len(os.sched_getaffinity(0)), machine=platform.machine())
+    env = dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
+               transformers=transformers.__version__, numpy=np.__version__, jax_devices=[str(d) for d in jax.devices()],
+               cpu_count=os.cpu_count(), cpus_usable=len(os.sched_getaffinity(0)), machine=platform.machine())
+    try:  # the torch reference is a test extra: benchmarks that compare against it need it, others don't
+        import torch
+
+        env.update(torch=torch.__version__, torch_num_threads=torch.get_num_threads())
+    except ImportError:
+        pass
+    return env
 
 
 def count_params(model_dir: Path) -> int:

@@ -2,6 +2,9 @@
 
     rlsched demo                       the quickstart job (two tiny GRPO tasks under the scheduler)
     rlsched train CONFIG.yaml [--set a.b.c=value ...] [--resume]
+    rlsched timeline RUN_DIR           per-task table (phases, lock waits, switch cost, busy) + timeline.png
+    rlsched bench [--tasks 1,2,3,4]    throughput of N concurrent tasks vs sequential vs the ideal bound
+    rlsched simulate [--profile NAME]  project throughput to 1-64 tasks with the scheduler's own policy
     rlsched init-model --preset tiny DIR
     rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
 """
@@ -99,6 +102,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_timeline(args: argparse.Namespace) -> int:
+    from rlsched.timeline import report
+
+    print(report(Path(args.run_dir), render=not args.no_png))
+    if not args.no_png:
+        print(f"wrote {Path(args.run_dir) / 'timeline.png'}")
+    return 0
+
+
+def _cmd_passthrough(module: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).main(args.args) or 0)
+
+    return run
+
+
+PASSTHROUGH = {"bench": "benchmarks.bench", "simulate": "benchmarks.simulate"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlsched", description="Multi-task GRPO post-training scheduler.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="no Ray: run the tasks one after another in this process (debugging)")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("timeline", help="per-task time table of a run and its Gantt chart (timeline.png)")
+    p.add_argument("run_dir", help="runs/<experiment>: a run of `rlsched train` or `rlsched demo`")
+    p.add_argument("--no-png", action="store_true", help="print the table only")
+    p.set_defaults(func=_cmd_timeline)
+
+    texts = {"bench": "1-4 concurrent tasks vs each alone: speedup, bound, efficiency, learning parity",
+             "simulate": "project throughput to many tasks with the scheduler's own policy"}
+    for name, module in PASSTHROUGH.items():
+        p = sub.add_parser(name, help=texts[name], add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER, help=f"options of `python -m {module}` (try --help)")
+        p.set_defaults(func=_cmd_passthrough(module))
 
     p = sub.add_parser("init-model", help="write a random Qwen3 + tokenizer in Hugging Face format")
     p.add_argument("dir", help="output model directory")
@@ -146,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in PASSTHROUGH:  # their options belong to their own parsers, --help included
+        return _cmd_passthrough(PASSTHROUGH[argv[0]])(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     from rlsched.checkpoints import CheckpointError
     from rlsched.trainer import TaskError
