@@ -34,7 +34,11 @@ def process_rss_bytes() -> int:
 
 def _live_bytes_by_device(jax) -> dict[Any, int]:
     used: dict[Any, int] = {}
+    from workers.offload import on_device
+
     for array in jax.live_arrays():
+        if not on_device(array):  # offloaded to pinned host memory: live, but not on the device
+            continue
         for shard in array.addressable_shards:
             used[shard.device] = used.get(shard.device, 0) + shard.data.nbytes
     return used

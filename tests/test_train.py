@@ -207,7 +207,10 @@ def test_stale_or_unverified_engine_weights_are_refused(tmp_path, tiny_model_dir
     # An onload that brought back different contents (the field's garbled generations) is caught.
     runner.engine.offload()
     sampler = runner.engine.engine
-    sampler._host_state = jax.tree.map(lambda x: x * 1.01, sampler._host_state)
+    off = sampler._host_state
+    assert off.memory_kind == "pinned_host"  # JAX's CPU backend has the memory kind too
+    off.tree = jax.tree.map(lambda x: np.asarray(x) * 1.01, off.tree)  # the onload brings back other contents
+    off.memory_kind = "numpy"
     runner.engine.onload()
     with pytest.raises(TaskError, match="checksum differs from the actor's published v1; refusing"):
         runner.sync_weights()

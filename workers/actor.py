@@ -32,6 +32,7 @@ from flax import nnx
 from workers import grpo
 from workers.models import params as P
 from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.offload import offload, onload
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -261,17 +262,16 @@ class ActorWorker:
     # ---- memory ---------------------------------------------------------------------------------
 
     def release_memory(self) -> None:
-        """Offload: params, optimizer state and reference params to host memory."""
+        """Offload: params, optimizer state and reference params to host memory (pinned host where
+        the backend has it), freed on the device."""
         if self._host is None:
-            self._shardings = jax.tree.map(lambda x: x.sharding, (self.state, self.ref_params))
-            self._host = jax.device_get((self.state, self.ref_params))
-            jax.tree.map(lambda x: x.delete(), (self.state, self.ref_params))
+            self._host = offload((self.state, self.ref_params))
             self.state = self.ref_params = None
 
     def resume_memory(self) -> None:
         """Onload what release_memory saved."""
         if self._host is not None:
-            self.state, self.ref_params = jax.device_put(self._host, self._shardings)
+            self.state, self.ref_params = onload(self._host)
             self._host = None
 
     def memory_bytes(self) -> dict[str, int]:

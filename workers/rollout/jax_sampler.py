@@ -27,6 +27,7 @@ from flax import nnx
 from workers.models import params as P
 from workers.models.checkpoint import load_pretrained
 from workers.models.qwen3 import Qwen3ForCausalLM, init_cache
+from workers.offload import device_bytes, offload, onload
 from workers.rollout.base import (
     EngineReleasedError,
     FinishReason,
@@ -38,12 +39,6 @@ from workers.rollout.base import (
 from workers.rollout.sampling import sample_tokens
 
 _STOP_SLOTS = 8  # stop-id array size (static); more stop ids -> next multiple of 8
-
-
-def _live_bytes() -> int:
-    """Bytes of every live JAX array of this process: what "on the device" means where the backend
-    keeps no memory statistics (CPU)."""
-    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
 
 
 def _bucket(n: int, minimum: int, cap: int) -> int:
@@ -109,7 +104,7 @@ class JaxSampler:
         # Until the last leaf is in place the engine holds neither version: a failure midway leaves
         # it refusing to generate rather than generating with half-old weights.
         self._version, self._checksum = -1, None
-        before = _live_bytes()
+        before = device_bytes()
         peak = before
         largest = 0
 
@@ -122,7 +117,7 @@ class JaxSampler:
             largest = max(largest, old.nbytes)
             old.delete()
             placed = jax.device_put(new, sharding, may_alias=False)
-            peak = max(peak, _live_bytes())
+            peak = max(peak, device_bytes())
             return placed
 
         self._state = jax.tree.map(swap, current, incoming)
@@ -137,13 +132,11 @@ class JaxSampler:
         return {"params": int(params), "kv": 0}
 
     def release_memory(self) -> None:
-        """Move weights to host memory and drop them from the device (the KV cache lives only
-        inside a generate call, so it is already gone)."""
+        """Move weights to host memory (pinned host where the backend has it) and free them on the
+        device; the KV cache lives only inside a generate call, so it is already gone."""
         if self._state is None:
             return
-        self._shardings = jax.tree.map(lambda x: x.sharding, self._state)
-        self._host_state = jax.device_get(self._state)
-        jax.tree.map(lambda x: x.delete(), self._state)
+        self._host_state = offload(self._state)
         self._state = None
 
     def resume_memory(self) -> None:
@@ -151,7 +144,7 @@ class JaxSampler:
         hashes what is actually on the device, so an onload is verified, never assumed."""
         if self._state is not None:
             return
-        self._state = jax.device_put(self._host_state, self._shardings)
+        self._state = onload(self._host_state)
         self._host_state = None
         self._checksum = None
 
