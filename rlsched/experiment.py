@@ -140,6 +140,25 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     return results
 
 
+def _scheduler_run(cfg: ExperimentConfig, events: list[dict], summary: dict[str, Any], *, ok: bool) -> None:
+    """The scheduler's own W&B run: memory per pool and lock queues over time, then per-task lock
+    waits, switch costs and per-resource busy fractions as its summary."""
+    from rlsched.tracking import make_trackers
+
+    tracker = make_trackers(cfg.experiment.tracking, run_dir=cfg.run_dir / "scheduler", experiment=cfg.experiment.name,
+                            task="scheduler", job_type="scheduler", hparams=cfg.model_dump(mode="json"))
+    try:
+        counters = sorted((e for e in events if e.get("kind") == "counter"), key=lambda e: e["ts"])
+        for i, c in enumerate(counters):
+            tracker.log(i, {f"{c['name']}/{k}": v for k, v in c["values"].items()})
+        timeline = summary["timeline"]
+        values = {f"task/{t}/{k}": v for t, row in timeline["tasks"].items() for k, v in row.items()}
+        values |= {f"resource/{r}/{k}": v for r, row in timeline["resources"].items() for k, v in row.items()}
+        tracker.summary(values)
+    finally:
+        tracker.finish(0 if ok else 1)
+
+
 def write_run_outputs(cfg: ExperimentConfig, events: list[dict], results: dict[str, dict[str, Any]],
                       scheduler_state: dict[str, Any] | None = None, *, echo=print) -> None:
     """runs/<exp>/timeline.json (Chrome trace), timeline.png (Gantt) and summary.json, each written
@@ -162,4 +181,6 @@ def write_run_outputs(cfg: ExperimentConfig, events: list[dict], results: dict[s
                "timeline": summarize(events),
                "scheduler": scheduler_state or {}}
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+    if cfg.experiment.tracking.wandb:
+        _scheduler_run(cfg, events, summary, ok=all(r["status"] == "ok" for r in results.values()))
     echo(f"timeline: {run_dir / 'timeline.json'} (opens in Perfetto), summary: {run_dir / 'summary.json'}")

@@ -127,23 +127,28 @@ class TaskDriver:
             return {"task": self.task, "status": "failed", "steps": 0, "error": f"{type(err).__name__}: {err}",
                     "traceback": traceback.format_exc()}
         r = self.runner
+        exit_code = 1  # until the last step is recorded: trackers of a failed task finish as failed
         try:
             for step in range(r.step_done + 1, r.cfg.steps + 1):
                 t0 = time.perf_counter()
+                prompts = await asyncio.to_thread(r.next_prompts)  # host work stays outside the locks
+                asked = time.perf_counter()
                 async with self.lock(Phase.ROLLOUT):
                     t1 = time.perf_counter()
-                    rollout = await asyncio.to_thread(r.rollout_phase, step)  # sync weights, verify, generate
+                    rollout = await asyncio.to_thread(r.rollout_phase, step, prompts)  # sync, verify, generate
                 t2 = time.perf_counter()
                 rewards, reward_errors = await asyncio.to_thread(r.score, rollout.prompts, rollout.output)
+                batch = await asyncio.to_thread(r.train_batch, rollout, rewards)  # advantages, padding
                 t3 = time.perf_counter()
                 async with self.lock(Phase.TRAIN):
                     t4 = time.perf_counter()
-                    train = await asyncio.to_thread(r.train_phase, step, rollout, rewards)  # updates, publish
+                    train = await asyncio.to_thread(r.train_phase, step, batch)  # updates, publish
                 t5 = time.perf_counter()
                 await asyncio.to_thread(self.record, step, rollout, rewards, reward_errors, train, {
                     "time/rollout_s": t2 - t1, "time/reward_s": t3 - t2, "time/train_s": t5 - t4,
-                    "time/lock_wait_s": (t1 - t0) + (t4 - t3), "time/step_s": t5 - t0,
+                    "time/lock_wait_s": (t1 - asked) + (t4 - t3), "time/step_s": t5 - t0,
                     "time/end_unix": time.time()})
+            exit_code = 0
             return {"task": self.task, "status": "ok", "steps": r.step_done}
         except Exception as err:  # noqa: BLE001 - reported to the user with the cause, others go on
             await self.scheduler.fail.remote(self.task, f"{type(err).__name__}: {err}")
@@ -151,7 +156,7 @@ class TaskDriver:
                     "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
         finally:
             with contextlib.suppress(Exception):  # a dead role cannot close; the result above says why
-                r.close()
+                await asyncio.to_thread(r.close, exit_code)
 
     def record(self, step, rollout, rewards, reward_errors, train, times) -> None:
         from rlsched.trainer import step_metrics

@@ -20,7 +20,7 @@ from rlsched.config import ExperimentConfig, TaskConfig
 from rlsched.tracking import make_trackers
 from workers import data as D
 from workers import rewards as R
-from workers.actor import build_train_batch
+from workers.actor import TrainBatch, build_train_batch
 from workers.grpo import group_advantages
 from workers.models import init_model, load_tokenizer
 from workers.rollout import RolloutOutput, SamplingParams
@@ -127,30 +127,39 @@ class TaskRunner:
         rollout = self.rollout_phase(step)
         t1 = time.perf_counter()
         rewards, reward_errors = self.score(rollout.prompts, rollout.output)  # host work, outside any lock
+        batch = self.train_batch(rollout, rewards)
         t2 = time.perf_counter()
-        train_metrics = self.train_phase(step, rollout, rewards)
+        train_metrics = self.train_phase(step, batch)
         t3 = time.perf_counter()
         return step_metrics(rollout, rewards, reward_errors, train_metrics, self.published.version,
                             {"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2,
                              "time/step_s": t3 - t0})
 
-    def rollout_phase(self, step: int) -> Rollout:
-        """ROLLOUT: bring the engine up to the published weights, verify them, generate the next prompts."""
-        self.sync_weights()
+    def next_prompts(self) -> tuple[list[D.Prompt], list[np.ndarray]]:
+        """The step's prompts, drawn and tokenized on the host (before the ROLLOUT lock is asked for)."""
         prompts = self.loader.next_batch()
-        prompt_ids = self.encode(prompts)
+        return prompts, self.encode(prompts)
+
+    def rollout_phase(self, step: int, prompts: tuple[list[D.Prompt], list[np.ndarray]] | None = None) -> Rollout:
+        """ROLLOUT: bring the engine up to the published weights, verify them, generate for `prompts`
+        (default: the next ones)."""
+        prompts, prompt_ids = prompts if prompts is not None else self.next_prompts()
+        self.sync_weights()
         with self.timeline.span("generate", **self.where) as span:
             output = self.generate(prompt_ids, step)
             span["tokens"] = output.num_tokens
         return Rollout(prompts, prompt_ids, output)
 
-    def train_phase(self, step: int, rollout: Rollout, rewards: np.ndarray) -> dict[str, float]:
-        """TRAIN: advantages, GRPO updates (logprobs inside), publish weights v+1."""
+    def train_batch(self, rollout: Rollout, rewards: np.ndarray) -> TrainBatch:
+        """Group advantages and the padded batch: host work, done before the TRAIN lock is asked for."""
         advantages = np.asarray(group_advantages(jnp.asarray(rewards), self.cfg.grpo.num_generations,
                                                  normalize_std=self.cfg.grpo.normalize_advantage_std))
         samples = rollout.output.samples
-        batch = build_train_batch([rollout.prompt_ids[s.prompt_index] for s in samples],
-                                  [s.token_ids for s in samples], advantages, pad_id=self.tokenizer.pad_token_id)
+        return build_train_batch([rollout.prompt_ids[s.prompt_index] for s in samples],
+                                 [s.token_ids for s in samples], advantages, pad_id=self.tokenizer.pad_token_id)
+
+    def train_phase(self, step: int, batch: TrainBatch) -> dict[str, float]:
+        """TRAIN: GRPO updates (logprobs inside), publish weights v+1."""
         with self.timeline.span("train", samples=batch.size, **self.where):
             train_metrics, events = self.actor.train(batch, step)
         self._extend(events)

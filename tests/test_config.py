@@ -255,3 +255,11 @@ def test_missing_file(tmp_path):
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError) and ExperimentConfig.model_config["frozen"]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")))
+def test_every_shipped_config_validates(name):
+    cfg = load_config(Path(__file__).parents[1] / "configs" / name)
+    assert cfg.tasks and len({t.name for t in cfg.tasks}) == len(cfg.tasks)
+    for task in cfg.tasks:
+        task.batch_plan()  # the batch arithmetic of every task works out

@@ -15,12 +15,13 @@ from rlsched.train import prepare_run_dir, select_tasks
 pytestmark = pytest.mark.slow
 
 
-def _experiment(tmp_path, model_dir, name, tasks, steps=3, cluster=None):
+def _experiment(tmp_path, model_dir, name, tasks, steps=3, cluster=None, tracking=None):
     base = {"grpo": {"prompts_per_step": 4, "num_generations": 4, "max_prompt_len": 16, "max_new_tokens": 4,
                      "mini_batch_size": 8},
             "optim": {"lr": 3e-3}, "steps": steps, "checkpoint_every": 0}
     kinds = {"addition": "addition", "subtraction": "subtraction", "add2": "addition", "sub2": "subtraction"}
-    raw = {"experiment": {"name": name, "output_dir": str(tmp_path), "seed": 0}, "cluster": cluster or {},
+    raw = {"experiment": {"name": name, "output_dir": str(tmp_path), "seed": 0, "tracking": tracking or {}},
+           "cluster": cluster or {},
            "tasks": [{"name": t, "seed": 100 + i, "model": {"path": str(model_dir)},
                       "data": {"kind": kinds[t], "template": "plain"}, "reward": {"name": kinds[t]}, **base}
                      for i, t in enumerate(tasks)]}
@@ -116,7 +117,8 @@ def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_pa
     cause that names the role, releases its lease, and the other task computes what it would alone."""
     import ray
 
-    cfg = _experiment(tmp_path, tiny_model_dir, "engine-fault", ["addition", "subtraction"], steps=6)
+    cfg = _experiment(tmp_path, tiny_model_dir, "engine-fault", ["addition", "subtraction"], steps=6,
+                      tracking={"wandb": True, "mode": "offline"})
     metrics_path = cfg.run_dir / "tasks" / "subtraction" / "metrics.jsonl"
 
     def kill_engine(drivers):
@@ -127,10 +129,22 @@ def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_pa
     assert results["addition"]["status"] == "ok"
     assert results["subtraction"]["status"] == "failed"
     assert "its engine process died" in results["subtraction"]["error"]
+    # One W&B run per task and one for the scheduler, each finished, the failed task's as failed.
+    assert _wandb_exit(cfg.run_dir / "tasks" / "addition") == 0
+    assert _wandb_exit(cfg.run_dir / "tasks" / "subtraction") == 1
+    assert _wandb_exit(cfg.run_dir / "scheduler") == 1
     solo = select_tasks(_experiment(tmp_path, tiny_model_dir, "engine-fault-solo", ["addition", "subtraction"],
                                     steps=6), ["addition"])
     run_experiment(solo, echo=lambda *_: None)
     assert _metrics(cfg, "addition") == _metrics(solo, "addition")
+
+
+def _wandb_exit(run_dir):
+    from rlsched.tracking import read_wandb_log
+
+    (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")  # exactly one run per task, never shared
+    exits = [r.exit.exit_code for r in read_wandb_log(log) if r.WhichOneof("record_type") == "exit"]
+    return exits[-1] if exits else None
 
 
 def _kill_after_first_step(actor, metrics_path, timeout=120.0):
