@@ -29,10 +29,12 @@ from benchmarks.common import environment, save_results
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_addition.yaml"
 # The demo task reshaped so that ROLLOUT and TRAIN take about as long (the 2x bound needs R == T):
-# fewer, longer completions, as in real RL where generation dominates. The demo's own shape (16 x 16
-# samples of 4 tokens) is train-bound on this CPU (rollout ~0.08 s vs train ~0.12 s).
+# fewer, longer completions decoded one sequence at a time, as on accelerators where decode is
+# latency-bound. On one CPU core a training step costs ~3x the flops of generating the same tokens, so
+# the demo's own shape is train-bound (rollout ~0.08 s vs train ~0.16 s per step); with engine batch 1
+# the phases measure ~0.14 s vs ~0.17 s.
 BALANCED = {"grpo.prompts_per_step": 4, "grpo.num_generations": 8, "grpo.max_new_tokens": 32,
-            "grpo.mini_batch_size": 32, "rollout.max_batch_size": 4}
+            "grpo.mini_batch_size": 32, "rollout.max_batch_size": 1}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
