@@ -39,8 +39,11 @@ def plot_gantt(events: list[dict[str, Any]], path: str | Path, *, title: str | N
         rows += [(task, r) for r in resources] + [(task, "host")]
     index = {row: i for i, row in enumerate(rows)}
 
-    fig, (ax, mem) = plt.subplots(2, 1, figsize=(12, 1.2 + 0.55 * len(rows) + 2.0), sharex=True,
-                                  gridspec_kw={"height_ratios": [max(2, len(rows)), 2]})
+    pools = sorted({c["name"] for c in counters})
+    panels = max(1, len(pools))  # one memory panel per pool: stacking two pools would read as one total
+    fig, axes = plt.subplots(1 + panels, 1, figsize=(12, 1.2 + 0.55 * len(rows) + 1.6 * panels), sharex=True,
+                             gridspec_kw={"height_ratios": [max(2, len(rows))] + [1.6] * panels})
+    ax, mems = axes[0], list(axes[1:])
     used = set()
     for e in sorted(spans, key=lambda e: (e["name"] not in LOCK_EDGE, e["start"])):  # lock boxes first, below
         if e["task"] is None:
@@ -69,22 +72,20 @@ def plot_gantt(events: list[dict[str, Any]], path: str | Path, *, title: str | N
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_title(title or "rlsched timeline")
 
-    pools = sorted({c["name"] for c in counters})
-    for pool in pools:
+    for pool, mem in zip(pools, mems, strict=False):
         series = sorted((c for c in counters if c["name"] == pool), key=lambda c: c["ts"])
         names = sorted({k for c in series for k in c["values"]})
         series.append({**series[-1], "ts": max(t1, series[-1]["ts"])})  # a level holds until the next change
         xs = [c["ts"] - t0 for c in series]
         ys = [[c["values"].get(n, 0.0) / 2**20 for c in series] for n in names]
-        mem.stackplot(xs, *ys, step="post", labels=[f"{pool.removeprefix('memory/')}: {n}" for n in names],
-                      alpha=0.7)
-    if pools:
+        mem.stackplot(xs, *ys, step="post", labels=names, alpha=0.7)
         mem.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    else:
-        mem.text(0.5, 0.5, "no memory counters recorded", ha="center", va="center", transform=mem.transAxes)
-    mem.set_ylabel("MiB on device")
-    mem.set_xlabel("seconds since the run started")
-    mem.grid(alpha=0.3)
+        mem.set_ylabel(f"{pool.removeprefix('memory/')}\nMiB", fontsize=8)
+    if not pools:
+        mems[0].text(0.5, 0.5, "no memory counters recorded", ha="center", va="center", transform=mems[0].transAxes)
+    for mem in mems:
+        mem.grid(alpha=0.3)
+    mems[-1].set_xlabel("seconds since the run started")
     fig.tight_layout()
 
     path = Path(path)
