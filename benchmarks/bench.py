@@ -83,16 +83,11 @@ def make_config(root: Path, name: str, names: list[str], placement: str, args):
     if preset["tiny"]:
         template["model"] = {"path": str(root / "model"), "init_preset": "tiny"}
     template.update(steps=args.steps, checkpoint_every=0)
-    for key, value in {**preset["set"], **dict(o.split("=", 1) for o in args.overrides)}.items():
-        *parents, leaf = key.split(".")
-        node = template
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(str(value))
     raw["tasks"] = [{**template, "name": n, "seed": 1000 + int(n[1:])} for n in names]
+    settings = [f"{k}={v}" for k, v in preset["set"].items()] + list(args.overrides)
     raw["experiment"] = {**raw.get("experiment", {}), "name": name, "output_dir": str(root)}
     raw["cluster"] = {**raw.get("cluster", {}), "placement": placement}
-    cfg = validate(raw, label=name)
+    cfg = validate(raw, [f"tasks.{i}.{o}" for i in range(len(names)) for o in settings], label=name)
     prepare_run_dir(cfg, resume=False, overwrite=True)
     return cfg
 

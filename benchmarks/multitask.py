@@ -60,16 +60,11 @@ def experiment(root: Path, name: str, tasks: list[str], args):
     template = raw["tasks"][0]
     template["model"] = {"path": str(root / "model"), "init_preset": "tiny"}
     template.update(steps=args.steps, checkpoint_every=0)
-    for key, value in {**BALANCED, **dict(o.split("=", 1) for o in args.overrides)}.items():
-        *parents, leaf = key.split(".")
-        node = template
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(str(value))
     raw["tasks"] = [{**template, "name": t, "seed": 7} for t in tasks]  # identical tasks: same work
+    settings = [f"{k}={v}" for k, v in BALANCED.items()] + list(args.overrides)
     raw["experiment"] = {"name": name, "output_dir": str(root), "seed": 0}
     raw["cluster"] = {"placement": args.placement}
-    cfg = validate(raw, label=name)
+    cfg = validate(raw, [f"tasks.{i}.{o}" for i in range(len(tasks)) for o in settings], label=name)
     prepare_run_dir(cfg, resume=False, overwrite=True)
     return cfg
 
