@@ -37,12 +37,6 @@ def _task(experiment: dict, index: int):
     return cfg, cfg.tasks[index]
 
 
-def _probe(role: str) -> dict[str, int]:
-    from rlsched.memprobe import memory_metrics
-
-    return memory_metrics(prefix=f"mem/{role}")
-
-
 def _timeline(process: str, task: str):
     from rlsched.timeline import Timeline
 
@@ -53,8 +47,34 @@ class RoleDied(RuntimeError):
     """The process of one of the task's roles died (crash, OOM, ray.kill); the task cannot go on."""
 
 
-class ActorRole:
+class _Role:
+    """What both roles do alike: move what they hold (`_held`: a worker with release_memory,
+    resume_memory and memory_bytes) and report its bytes."""
+
+    kind = "role"
+    _held: Any
+
+    def offload(self) -> None:
+        self._held.release_memory()
+
+    def onload(self) -> dict[str, int]:
+        self._held.resume_memory()
+        return self.memory()
+
+    def memory(self) -> dict[str, int]:
+        return self._held.memory_bytes()
+
+    def memory_probe(self) -> dict[str, int]:
+        """This process's RSS and device bytes, named `mem/<kind>/...` (see rlsched.memprobe)."""
+        from rlsched.memprobe import memory_metrics
+
+        return memory_metrics(prefix=f"mem/{self.kind}")
+
+
+class ActorRole(_Role):
     """The task's JAX actor worker (params, optimizer state, reference params) and its checkpoints."""
+
+    kind = "actor"
 
     def __init__(self, experiment: dict, index: int, *, channel: WeightChannel, cores: list[int] | None = None):
         if cores:
@@ -76,6 +96,7 @@ class ActorRole:
         self.channel = channel
         self.checkpointer = TaskCheckpointer(cfg.run_dir / "tasks" / task.name / "checkpoints")
         self.timeline = _timeline("actor", task.name)
+        self._held = self.worker
 
     def train(self, batch, step: int) -> tuple[dict[str, float], list[dict]]:
         """Logprobs and the GRPO updates of one step; (metrics, spans)."""
@@ -92,20 +113,6 @@ class ActorRole:
 
     def version(self) -> int:
         return self.worker.version
-
-    def offload(self) -> None:
-        self.worker.release_memory()
-
-    def onload(self) -> dict[str, int]:
-        self.worker.resume_memory()
-        return self.memory()
-
-    def memory(self) -> dict[str, int]:
-        return self.worker.memory_bytes()
-
-    def memory_probe(self) -> dict[str, int]:
-        """This process's RSS and device bytes, named `mem/actor/...` (see rlsched.memprobe)."""
-        return _probe("actor")
 
     def save(self, step: int, meta: dict[str, Any]) -> None:
         self.checkpointer.save(step, self.worker.state, {**meta, "version": self.worker.version})
@@ -125,8 +132,10 @@ class ActorRole:
         self.checkpointer.close()
 
 
-class EngineRole:
+class EngineRole(_Role):
     """The task's rollout engine, holding only weights that arrived through the comm channel."""
+
+    kind = "engine"
 
     def __init__(self, experiment: dict, index: int, *, channel: WeightChannel, cores: list[int] | None = None):
         if cores:
@@ -136,19 +145,12 @@ class EngineRole:
         self.name = task.name
         self.channel = channel
         self.timeline = _timeline("engine", task.name)
-        if r.engine == "jax_sampler":
-            from workers.rollout.jax_sampler import JaxSampler
+        from workers.rollout import make_engine
 
-            self.engine = JaxSampler.from_pretrained(
-                task.model.path, dtype=task.model.dtype, max_prompt_len=g.max_prompt_len,
-                max_new_tokens=g.max_new_tokens, max_batch_size=r.max_batch_size, weight_version=-1,
-                seed=task.resolved_seed(cfg.experiment.seed, index), **r.engine_args)
-        else:
-            from workers.rollout import make_engine
-
-            self.engine = make_engine(r.engine, task.model.path, dtype=task.model.dtype,
-                                      max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
-                                      max_batch_size=r.max_batch_size, **r.engine_args)
+        self.engine = make_engine(r.engine, task.model.path, dtype=task.model.dtype, max_prompt_len=g.max_prompt_len,
+                                  max_new_tokens=g.max_new_tokens, max_batch_size=r.max_batch_size, weight_version=-1,
+                                  seed=task.resolved_seed(cfg.experiment.seed, index), **r.engine_args)
+        self._held = self.engine
 
     def version(self) -> int:
         return self.engine.weight_version
@@ -169,20 +171,6 @@ class EngineRole:
 
     def generate(self, prompt_ids, params):
         return self.engine.generate(prompt_ids, params)
-
-    def offload(self) -> None:
-        self.engine.release_memory()
-
-    def onload(self) -> dict[str, int]:
-        self.engine.resume_memory()
-        return self.memory()
-
-    def memory(self) -> dict[str, int]:
-        return self.engine.memory_bytes()
-
-    def memory_probe(self) -> dict[str, int]:
-        """This process's RSS and device bytes, named `mem/engine/...` (see rlsched.memprobe)."""
-        return _probe("engine")
 
     def close(self) -> None:
         pass
@@ -239,4 +227,4 @@ def spawn_ray(cls, experiment: dict, index: int, *, channel: WeightChannel, plac
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group, placement_group_bundle_index=bundle)
     handle = ray.remote(cls).options(**options).remote(experiment, index, channel=channel, cores=cores)
-    return RemoteRole(handle, {"ActorRole": "actor", "EngineRole": "engine"}.get(cls.__name__, cls.__name__))
+    return RemoteRole(handle, cls.kind)
