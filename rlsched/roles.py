@@ -206,9 +206,25 @@ class RemoteRole:
     def handle(self):
         return self._handle
 
+    def terminate(self) -> None:
+        """End the role's process (its owner ends it anyway when it exits; this frees it now)."""
+        import ray
+
+        ray.kill(self._handle, no_restart=True)
+
 
 def spawn_local(cls, experiment: dict, index: int, *, channel: WeightChannel, **_placement):
     return cls(experiment, index, channel=channel)
+
+
+def spawn_process(cls, experiment: dict, index: int, *, channel: WeightChannel, **_placement) -> RemoteRole:
+    """Start `cls` in a Ray actor process of its own on the local Ray (started if it is not), with no
+    placement group: for a role that must not share the caller's process (see
+    workers.rollout.OWN_PROCESS_ENGINES) when the caller runs its task in-process."""
+    from rlsched.experiment import init_ray
+
+    init_ray()
+    return spawn_ray(cls, experiment, index, channel=channel)
 
 
 def spawn_ray(cls, experiment: dict, index: int, *, channel: WeightChannel, placement_group=None, bundle: int = 0,

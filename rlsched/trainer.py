@@ -23,7 +23,7 @@ from workers import rewards as R
 from workers.actor import TrainBatch, build_train_batch
 from workers.grpo import group_advantages
 from workers.models import init_model, load_tokenizer
-from workers.rollout import RolloutOutput, SamplingParams
+from workers.rollout import OWN_PROCESS_ENGINES, RolloutOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class TaskRunner:
 
     def __init__(self, experiment: ExperimentConfig, index: int, *, resume: bool = False, echo=print,
                  spawn=None, channel: str = "local", timeline=None):
-        from rlsched.roles import ActorRole, EngineRole, spawn_local
+        from rlsched.roles import ActorRole, EngineRole, spawn_local, spawn_process
 
         self.cfg: TaskConfig = experiment.tasks[index]
         self.index = index
@@ -62,9 +62,6 @@ class TaskRunner:
         self.where: dict[str, str] = {}  # phase and resource of the lock held now (set by the TaskDriver)
         g = self.cfg.grpo
 
-        if self.cfg.rollout.engine != "jax_sampler":
-            raise TaskError(f"task {self.name}: rollout.engine {self.cfg.rollout.engine!r} is not available for "
-                            "`rlsched train` yet; use jax_sampler")
         self.tokenizer = load_tokenizer(self._ensure_model())
         self.stop_ids = (self.tokenizer.eos_token_id,)
         self.sampling = dict(n=g.num_generations, temperature=g.temperature, top_p=g.top_p,
@@ -72,12 +69,18 @@ class TaskRunner:
         R.get_reward(self.cfg.reward.name)  # fail at start, not at the first reward
         self.loader = D.PromptLoader(self._make_source(), g.prompts_per_step, seed=self.seed,
                                      shuffle=self.cfg.data.shuffle)
+        spawn = spawn or spawn_local
+        spawn_engine = spawn
+        if spawn is spawn_local and self.cfg.rollout.engine in OWN_PROCESS_ENGINES:
+            # In-process runs too: this engine's crash must end its own process, never the caller's.
+            spawn_engine = spawn_process
+            channel = "object_store" if channel == "local" else channel
+        self._engine_process_is_ours = spawn_engine is spawn_process
         # The task's own comm group: made here, handed to its two roles only.
         self.channel = make_channel(channel, comm_group_name(experiment.experiment.name, self.name))
         raw = experiment.model_dump(mode="json")
-        spawn = spawn or spawn_local
         self.actor = spawn(ActorRole, raw, index, channel=self.channel, role="actor")
-        self.engine = spawn(EngineRole, raw, index, channel=self.channel, role="engine")
+        self.engine = spawn_engine(EngineRole, raw, index, channel=self.channel, role="engine")
         self.tracker = make_trackers(experiment.experiment.tracking, run_dir=self.dir,
                                      experiment=experiment.experiment.name, task=self.name,
                                      hparams=self.cfg.model_dump(mode="json"))
@@ -258,6 +261,8 @@ class TaskRunner:
         finally:
             self.actor.close()
             self.engine.close()
+            if self._engine_process_is_ours:
+                self.engine.terminate()
 
 
 @dataclasses.dataclass(frozen=True)

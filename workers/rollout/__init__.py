@@ -2,6 +2,8 @@
 
 - `jax_sampler` (default): KV-cached pure-JAX sampler over the Flax Qwen3 model.
 - `fake`: seeded lengths and latency, no model; for scheduler tests.
+- `sglang_jax`: the sglang-jax offline engine with rlsched's weight/memory/seed hooks (extra `sglang`,
+  Python >= 3.12); run it in a process of its own (a Ray actor).
 """
 
 from workers.rollout.base import (
@@ -14,7 +16,10 @@ from workers.rollout.base import (
     SamplingParams,
 )
 
-ENGINES = ("jax_sampler", "fake")
+ENGINES = ("jax_sampler", "fake", "sglang_jax")
+# Engines that must live in a process of their own, whatever the caller asked: sglang-jax's scheduler
+# kills its whole process on any error (SIGQUIT), and its single-process mode aborts at exit.
+OWN_PROCESS_ENGINES = frozenset({"sglang_jax"})
 
 
 def make_engine(name: str, model_path: str | None = None, **kwargs) -> RolloutEngine:
@@ -29,10 +34,16 @@ def make_engine(name: str, model_path: str | None = None, **kwargs) -> RolloutEn
         from workers.rollout.fake import FakeEngine
 
         return FakeEngine(**kwargs)
+    if name == "sglang_jax":
+        from workers.rollout.sglang_jax import SglangJaxEngine
+
+        if model_path is None:
+            raise ValueError("the sglang_jax engine needs a model_path")
+        return SglangJaxEngine(model_path, **kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; choose one of {ENGINES}")
 
 
 __all__ = [
-    "ENGINES", "EngineReleasedError", "FinishReason", "RolloutEngine", "RolloutInputError", "RolloutOutput",
-    "Sample", "SamplingParams", "make_engine",
+    "ENGINES", "OWN_PROCESS_ENGINES", "EngineReleasedError", "FinishReason", "RolloutEngine", "RolloutInputError",
+    "RolloutOutput", "Sample", "SamplingParams", "make_engine",
 ]

@@ -4,7 +4,9 @@ Contract (every implementation, tested in tests/test_rollout_contract.py):
 - `generate(prompt_ids, params)` returns `len(prompt_ids) * params.n` samples, prompt-major: sample j
   of prompt i is `output.samples[i * n + j]`. Each sample's `logprobs[k]` is the log-probability of
   `token_ids[k]` under the distribution it was drawn from (temperature-scaled, top-p renormalised;
-  for greedy, temperature 0, the model's own log-softmax). A stop token that ends a sample is
+  for greedy, temperature 0, the model's own log-softmax), or NaN where the backend cannot compute
+  it (sglang_jax: its `return_logprob` crashes 0.0.2's scheduler). Training never reads them: the
+  actor computes old and reference logprobs itself. A stop token that ends a sample is
   included in `token_ids` (the policy must learn to emit it) and `finish_reason` is "stop";
   otherwise the sample has exactly `max_new_tokens` tokens and `finish_reason` is "length".
 - Seeds: with `params.seed` set, the same prompts and weights give the same samples; the n samples
@@ -78,7 +80,7 @@ class SamplingParams:
 class Sample:
     prompt_index: int  # which prompt of the request this continues
     token_ids: np.ndarray  # int32 (L,), completion only, stop token included when finish_reason == "stop"
-    logprobs: np.ndarray  # float32 (L,), log p(token_ids[k]) under the sampling distribution
+    logprobs: np.ndarray  # float32 (L,), log p(token_ids[k]) under the sampling distribution, or NaN (see above)
     finish_reason: FinishReason
 
 

@@ -1,0 +1,324 @@
+"""The sglang-jax rollout backend (workers/rollout/sglang_jax.py) and its shims (sglang_compat.py).
+
+These run in the Python 3.12 stage (.ci/sglang_stage.sh); elsewhere tests/conftest.py deselects
+them. The engine always lives in a Ray actor of its own, as in a run: its crashes kill that process,
+never pytest. Each shim's defect is shown in a fresh interpreter with that one shim left out.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from workers.models import params as P
+from workers.rollout import EngineReleasedError, FinishReason, SamplingParams
+
+STOP = 258  # <|im_end|> in the byte tokenizer
+PROMPTS = [[72, 105], [50, 43, 50, 61], [1], list(range(60, 90))]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=(STOP,))
+ENGINE_KW = dict(max_prompt_len=32, max_new_tokens=16, max_batch_size=16)
+
+
+def test_missing_sglang_names_the_extra(monkeypatch, tiny_model_dir):
+    """Runs everywhere (no marker): without sglang-jax the engine says how to get it."""
+    from workers.rollout import make_engine
+
+    monkeypatch.setitem(sys.modules, "sgl_jax", None)  # import sgl_jax... -> ImportError
+    monkeypatch.delitem(sys.modules, "sgl_jax.srt.entrypoints.engine", raising=False)
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[sglang\]' \(needs Python >= 3\.12\)"):
+        make_engine("sglang_jax", str(tiny_model_dir), **ENGINE_KW)
+
+
+
+def _flat(model) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in P.to_flat(nnx.state(model, nnx.Param)).items()}
+
+
+def _tokens(out) -> list[list[int]]:
+    return [s.token_ids.tolist() for s in out.samples]
+
+
+@pytest.fixture(scope="module")
+def remote(ray_session, tiny_model_dir):
+    """One sglang-jax engine in its own Ray actor for the module; `remote(method, *args)` calls it."""
+    import ray
+
+    from workers.rollout.sglang_jax import SglangJaxEngine
+
+    actor = ray.remote(SglangJaxEngine).options(num_cpus=0).remote(str(tiny_model_dir), seed=0, **ENGINE_KW)
+
+    def call(method, *args, **kwargs):
+        return ray.get(getattr(actor, method).remote(*args, **kwargs))
+
+    call.actor = actor
+    yield call
+    ray.kill(actor)
+
+
+def _attr(remote, fn):
+    """Evaluate fn(engine) inside the engine's actor."""
+    import ray
+
+    return ray.get(remote.actor.__ray_call__.remote(fn))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """The built-in sampler on the same weights: what greedy output must equal."""
+    from workers.rollout.jax_sampler import JaxSampler
+
+    model, _ = tiny_model
+    return JaxSampler(model, **ENGINE_KW)
+
+
+@pytest.fixture
+def synced(remote, tiny_model):
+    """The engine holding the tiny model's weights as version 1."""
+    flat = _flat(tiny_model[0])
+    remote("update_weights", flat, 1)
+    return flat
+
+
+@pytest.mark.sglang
+def test_is_a_rollout_engine(remote):
+    from workers.rollout import RolloutEngine
+
+    assert _attr(remote, lambda e: isinstance(e, RolloutEngine))
+
+
+@pytest.mark.sglang
+def test_update_weights_then_greedy_equals_builtin_sampler(remote, synced, reference):
+    stats = remote("update_weights", synced, 2)
+    # Leaf by leaf: the swap never holds more than one leaf beyond the steady state.
+    assert stats["params_bytes"] == P.num_bytes(synced) and stats["peak_extra_bytes"] <= stats["largest_leaf_bytes"]
+    out = remote("generate", PROMPTS, GREEDY)
+    assert out.weight_version == 2
+    ref = reference.generate(PROMPTS, GREEDY)
+    assert _tokens(out) == _tokens(ref)  # fp32, tied head, peaked weights: no near-ties to flip
+    assert [s.finish_reason for s in out.samples] == [s.finish_reason for s in ref.samples]
+
+
+@pytest.mark.sglang
+def test_samples_are_prompt_major_and_end_as_promised(remote, synced):
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, stop_token_ids=(STOP,), seed=0)
+    out = remote("generate", PROMPTS[:3], params)
+    assert [s.prompt_index for s in out.samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for s in out.samples:
+        assert s.token_ids.dtype == np.int32 and s.logprobs.dtype == np.float32
+        assert s.token_ids.shape == s.logprobs.shape and np.isnan(s.logprobs).all()  # not computed: see module doc
+        assert STOP not in s.token_ids[:-1].tolist()
+        if s.finish_reason == FinishReason.STOP:
+            assert s.token_ids[-1] == STOP and 1 <= len(s.token_ids) <= 12
+        else:
+            assert len(s.token_ids) == 12
+
+
+@pytest.mark.sglang
+def test_stops_at_the_callers_stop_ids_and_nowhere_else(remote, synced, reference):
+    # A stop id that greedy decoding of prompt 0 emits early: the sample ends on it, EOS included.
+    first = _tokens(reference.generate(PROMPTS[:1], GREEDY))[0]
+    stop_at = first[2]
+    out = remote("generate", PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=(stop_at,)))
+    assert _tokens(out)[0] == first[: first.index(stop_at) + 1] and out.samples[0].finish_reason == FinishReason.STOP
+    # No stop ids: the model's own EOS does not end a sample either.
+    out = remote("generate", PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=16))
+    assert all(len(s.token_ids) == 16 and s.finish_reason == FinishReason.LENGTH for s in out.samples)
+
+
+@pytest.mark.sglang
+def test_seeds_reproduce_and_diversify(remote, synced):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=9)
+    a, b = remote("generate", PROMPTS[:2], params), remote("generate", PROMPTS[:2], params)
+    assert _tokens(a) == _tokens(b)  # same seed, same samples
+    assert len({tuple(t) for t in _tokens(a)[:4]}) == 4  # the n samples of one prompt differ
+    c = remote("generate", PROMPTS[:2], SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=10))
+    assert _tokens(c) != _tokens(a)
+    unseeded = SamplingParams(n=4, temperature=1.0, max_new_tokens=10)
+    assert _tokens(remote("generate", PROMPTS[:2], unseeded)) != _tokens(remote("generate", PROMPTS[:2], unseeded))
+    # Sample j of prompt i depends on (seed, i, j) only, not on what else is in the batch.
+    more = remote("generate", PROMPTS[:3], params)
+    assert _tokens(more)[:8] == _tokens(a)
+
+
+@pytest.mark.sglang
+def test_weight_version_checksum_and_refusals(remote, synced):
+    assert _attr(remote, lambda e: (e.weight_version, e.weight_checksum)) == (1, P.checksum(synced))
+    before = _tokens(remote("generate", PROMPTS, GREEDY))
+    bad_shape = {**synced, "model.norm.weight": np.ones(3, np.float32)}
+    with pytest.raises(P.WeightMismatchError, match=r"model\.norm\.weight is float32\(3,\)"):
+        remote("update_weights", bad_shape, 2)
+    bad_dtype = {**synced, "model.norm.weight": synced["model.norm.weight"].astype(np.float16)}
+    with pytest.raises(P.WeightMismatchError, match="float16"):
+        remote("update_weights", bad_dtype, 2)
+    missing = {k: v for k, v in synced.items() if k != "model.norm.weight"}
+    with pytest.raises(P.WeightMismatchError, match=r"missing \['model\.norm\.weight'\]"):
+        remote("update_weights", missing, 2)
+    # Refused updates keep the old weights, version and checksum.
+    assert _attr(remote, lambda e: (e.weight_version, e.weight_checksum)) == (1, P.checksum(synced))
+    assert _tokens(remote("generate", PROMPTS, GREEDY)) == before
+    # Different weights, different checksum: a driver comparing against the published one refuses.
+    perturbed = {k: v + np.float32(0.01) for k, v in synced.items()}
+    remote("update_weights", perturbed, 2)
+    assert _attr(remote, lambda e: e.weight_checksum) == P.checksum(perturbed) != P.checksum(synced)
+
+
+@pytest.mark.sglang
+def test_offload_onload_frees_memory_and_keeps_outputs(remote, synced):
+    from workers.offload import device_bytes
+
+    before = _tokens(remote("generate", PROMPTS, GREEDY))
+    held = remote("memory_bytes")
+    assert held["params"] == P.num_bytes(synced) and held["kv"] > 0
+    on_device = _attr(remote, lambda e: device_bytes())
+    remote("release_memory")
+    assert remote("memory_bytes") == {"params": 0, "kv": 0}
+    # Measured from the live arrays in the engine's process: weights and KV cache left the device.
+    assert on_device - _attr(remote, lambda e: device_bytes()) >= held["params"] + held["kv"]
+    with pytest.raises(EngineReleasedError):
+        remote("generate", PROMPTS, GREEDY)
+    with pytest.raises(EngineReleasedError):
+        remote("update_weights", synced, 3)
+    remote("resume_memory")
+    # The checksum was dropped at onload and is hashed again from the device.
+    assert _attr(remote, lambda e: e._checksum) is None
+    assert _attr(remote, lambda e: e.weight_checksum) == P.checksum(synced)
+    assert _tokens(remote("generate", PROMPTS, GREEDY)) == before
+
+
+@pytest.mark.sglang
+def test_checksum_after_onload_sees_a_corrupted_weight(remote, synced):
+    remote("release_memory")
+    remote("resume_memory")
+
+    def corrupt(e):
+        import jax
+
+        x = e._leaves[0]
+        e._leaves[0] = jax.device_put(np.asarray(x) + np.float32(1.0), x.sharding)
+        return e.weight_checksum
+
+    assert _attr(remote, corrupt) != P.checksum(synced)  # hashed from the device, never assumed
+
+
+@pytest.mark.sglang
+def test_a_crash_inside_sglang_jax_kills_only_its_actor(ray_session, tiny_model_dir):
+    import ray
+
+    from workers.rollout.sglang_jax import SglangJaxEngine
+
+    actor = ray.remote(SglangJaxEngine).options(num_cpus=0).remote(str(tiny_model_dir), **ENGINE_KW)
+    assert ray.get(actor.__ray_call__.remote(lambda e: e.weight_version)) == -1  # dummy weights: no version
+    # return_logprob=True raises in sglang-jax 0.0.2's scheduler thread: SIGQUIT -> its process tree dies.
+    crash = actor.__ray_call__.remote(lambda e: e._engine.generate(
+        input_ids=[[1, 2]], sampling_params={"max_new_tokens": 2}, return_logprob=True))
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(crash, timeout=300)
+    # This process is alive and Ray still serves other work.
+    assert ray.get(ray.remote(lambda: 1 + 1).remote()) == 2
+
+
+# ---- each shim's defect, shown in the installed version without that shim ------------------------
+
+
+def _run_without(shim: str, code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "RLSCHED_SGLANG_SKIP_SHIMS": shim, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+START = """
+import os
+from workers.rollout.sglang_jax import SglangJaxEngine
+e = SglangJaxEngine({path!r}, max_prompt_len=32, max_new_tokens=16, max_batch_size=16)
+"""
+
+
+@pytest.mark.sglang
+def test_shims_are_applied_only_for_affected_versions():
+    from workers.rollout import sglang_compat as C
+
+    assert C.installed_version() == "0.0.2"
+    assert all(s.versions == {"0.0.2"} for s in C.SHIMS)
+    r = _run_without("", "from workers.rollout import sglang_compat as C; print(C.apply_shims('9.9.9'))")
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-2000:]
+
+
+@pytest.mark.sglang
+def test_defect_native_attention_pytree(tiny_model_dir):
+    r = _run_without("native_attention_pytree", START.format(path=str(tiny_model_dir)) + "os._exit(0)")
+    assert r.returncode != 0 and "Duplicate custom PyTreeDef type registration" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.sglang
+def test_defect_loader_without_eager_sharding(tiny_model_dir):
+    r = _run_without("loader_without_eager_sharding", START.format(path=str(tiny_model_dir)) + "os._exit(0)")
+    assert r.returncode != 0 and "An auto mesh context or metadata is required" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.sglang
+def test_defect_min_p_filter_operands(tiny_model_dir):
+    code = START.format(path=str(tiny_model_dir)) + """
+from workers.rollout import SamplingParams
+e.generate([[1, 2]], SamplingParams(temperature=0.0, max_new_tokens=2))
+print("generated"); os._exit(0)
+"""
+    r = _run_without("min_p_filter_operands", code)
+    assert "generated" not in r.stdout and "too many values to unpack (expected 2)" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.sglang
+def test_defect_seeded_sampling_on_probs():
+    # 4000 seeded draws from p = (0.9, 0.1): the fraction of token 0 should be ~0.9; the unshimmed
+    # CPU path samples from softmax(p) through its hash noise and lands near 0.5 (measured 0.499).
+    code = """
+import jax.numpy as jnp
+from workers.rollout import sglang_compat as C
+C.apply_shims()
+from sgl_jax.srt.layers import sampler as S
+def freq():
+    n = 4000
+    probs = jnp.tile(jnp.array([[0.9, 0.1]], jnp.float32), (n, 1))
+    idx = S.multinomial_with_seed((probs, jnp.arange(n, dtype=jnp.int32), jnp.full((n,), 7, jnp.int32), None))
+    return float((idx == 0).mean())
+before = freq()
+C._seeded_sampling_on_probs()
+print(before, freq())
+"""
+    r = _run_without("seeded_sampling_on_probs", code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    unshimmed, shimmed = map(float, r.stdout.split())
+    assert unshimmed < 0.75 and abs(shimmed - 0.9) < 0.03, (unshimmed, shimmed)
+
+
+@pytest.mark.sglang
+def test_defect_lm_head_dtype(tmp_path):
+    from workers.models import init_model
+
+    untied = init_model(tmp_path / "small", preset="small", seed=0)  # small: lm_head not tied
+    code = START.format(path=str(untied)) + """
+import numpy as np
+print(dict(zip(e._names, (str(x.dtype) for x in e._leaves)))["lm_head.kernel"]); os._exit(0)
+"""
+    r = _run_without("lm_head_dtype", code)
+    assert r.returncode == 0 and r.stdout.strip() == "bfloat16", r.stderr[-2000:]
+    r = _run_without("", code)
+    assert r.returncode == 0 and r.stdout.strip() == "float32", r.stderr[-2000:]
+
+
+@pytest.mark.sglang
+def test_defect_idle_scheduler_busy_wait(tiny_model_dir):
+    code = START.format(path=str(tiny_model_dir)) + """
+import time
+t = time.process_time(); time.sleep(2.0); print(time.process_time() - t); os._exit(0)
+"""
+    busy, idle = _run_without("idle_scheduler_busy_wait", code), _run_without("", code)
+    assert busy.returncode == 0 and idle.returncode == 0, busy.stderr[-2000:] + idle.stderr[-2000:]
+    # CPU seconds over 2 s of idling: a spinning thread takes most of a core, a blocked one ~none.
+    assert float(busy.stdout) > 0.8 and float(idle.stdout) < 0.2, (busy.stdout, idle.stdout)

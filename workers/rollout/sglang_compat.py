@@ -1,0 +1,202 @@
+"""Version-gated shims for defects of the released sglang-jax, applied by `workers.rollout.sglang_jax`.
+
+Each shim is a minimal wrapper around one upstream function (no upstream code is copied) and is
+applied only for the sglang-jax versions listed in its `versions`. tests/test_sglang_jax.py shows
+each defect in the installed version *without* the shim, so the day upstream releases a fix that
+test fails and the shim (and its version entry) is deleted.
+
+Defects of sglang-jax 0.0.2 (PyPI) on CPU with the flax the `sglang` extra pins (0.12.6), and what
+each shim does:
+- `native_attention_pytree`: `NativeAttention` (an `nnx.Module`, which flax 0.12 already registers
+  as a pytree) is decorated with `register_pytree_node_class` -> "Duplicate custom PyTreeDef type
+  registration" when the CPU attention backend is imported. Shim: import it with a registration
+  that keeps flax's registration on exactly that error.
+- `loader_without_eager_sharding`: flax >= 0.12.1 shards variables eagerly, which needs a mesh
+  context that 0.0.2's model loaders do not set -> "An auto mesh context or metadata is required"
+  at engine start. Shim: run the loaders with eager sharding off (the engine shards the weights
+  itself right after).
+- `min_p_filter_operands`: the CPU sampling path passes 3 operands to `_apply_min_p_filter`, which
+  unpacks 2 -> every non-greedy (and, since `lax.cond` traces both branches, every greedy) batch
+  raises. Shim: drop the extra operand.
+- `seeded_sampling_on_probs`: per-request seeds (`sampling_seed`, our reproducible GRPO groups) go
+  through `multinomial_with_seed`, which softmaxes its input; the CPU path hands it probabilities,
+  so it samples from softmax(p) (close to uniform), not p. Shim: hand it log-probabilities there.
+- `lm_head_dtype`: an untied LM head is built in bfloat16 whatever the model dtype, so greedy output
+  diverges from fp32 at near-ties. Shim: cast the head to the model dtype after construction.
+- `idle_scheduler_busy_wait`: the scheduler's event loop polls its sockets without blocking, so an
+  idle engine burns a full core (measured: 2.0 CPU-s per 2 s idle) — on a shared 2-core machine
+  that starves the other task's workers. Shim: when idle and nothing arrived, block in zmq poll.
+
+Also here: `model_state_leaves(runner)`, the list of weight arrays the jitted forward reads. Later
+upstream code keeps it as `model_runner.model_state_leaves`; 0.0.2 keeps it only in the closure of
+`model_runner.jitted_run_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import os
+from collections.abc import Callable
+
+SGLANG_DIST = "sglang-jax"
+_IDLE_POLL_MS = 100  # how long an idle scheduler blocks before re-checking; a request wakes it at once
+
+
+def installed_version() -> str:
+    return importlib.metadata.version(SGLANG_DIST)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shim:
+    name: str
+    versions: frozenset[str]  # released versions that have the defect
+    apply: Callable[[], None]
+
+
+# ---- the shims ----------------------------------------------------------------------------------
+
+
+def _native_attention_pytree() -> None:
+    import jax
+
+    real = jax.tree_util.register_pytree_node_class
+
+    def register_unless_flax_did(cls):
+        try:
+            return real(cls)
+        except ValueError as e:
+            if "Duplicate custom PyTreeDef" not in str(e):
+                raise
+            return cls  # flax registered this nnx.Module already; its flatten is the one to keep
+
+    jax.tree_util.register_pytree_node_class = register_unless_flax_did
+    try:
+        importlib.import_module("sgl_jax.srt.layers.attention.native_backend")
+    finally:
+        jax.tree_util.register_pytree_node_class = real
+
+
+def _loader_without_eager_sharding() -> None:
+    from flax import nnx
+    from sgl_jax.srt.model_loader import loader
+
+    if not hasattr(nnx, "use_eager_sharding"):  # flax 0.12.0: variables are never sharded eagerly
+        return
+    for cls in (loader.JAXModelLoader, loader.JAXDummyModelLoader):
+        real = cls.load_model
+
+        def load_model(self, *args, _real=real, **kwargs):
+            with nnx.use_eager_sharding(False):
+                return _real(self, *args, **kwargs)
+
+        cls.load_model = load_model
+
+
+def _min_p_filter_operands() -> None:
+    from sgl_jax.srt.layers import sampler
+
+    real = sampler._apply_min_p_filter
+    sampler._apply_min_p_filter = lambda operands: real(tuple(operands[:2]))
+
+
+def _seeded_sampling_on_probs() -> None:
+    import jax.numpy as jnp
+    from sgl_jax.srt.layers import sampler
+
+    real = sampler.multinomial_with_seed
+
+    def multinomial_with_seed(operands):
+        probs, seeds, positions, rng = operands
+        if seeds is None or sampler.is_tpu_runtime():  # the TPU path passes logits, as the function expects
+            return real(operands)
+        # softmax(log p) == p, and masked (zero) entries stay at probability 0.
+        return real((jnp.log(probs), seeds, positions, rng))
+
+    sampler.multinomial_with_seed = multinomial_with_seed
+
+
+def _lm_head_dtype() -> None:
+    from sgl_jax.srt.models import qwen3
+
+    cls = qwen3.Qwen3ForCausalLM
+    real_init = cls.__init__
+
+    def __init__(self, config, dtype=None, *args, **kwargs):
+        real_init(self, config, dtype, *args, **kwargs)
+        head = getattr(self, "lm_head", None)
+        if head is not None and dtype is not None and head.embedding.value.dtype != dtype:
+            head.embedding.value = head.embedding.value.astype(dtype)
+            head.dtype = dtype  # the compute dtype `attend` promotes to
+
+    cls.__init__ = __init__
+
+
+def _idle_scheduler_busy_wait() -> None:
+    import zmq
+    from sgl_jax.srt.managers.scheduler import Scheduler
+
+    real = Scheduler.recv_requests
+
+    def recv_requests(self):
+        reqs = real(self)
+        idle = (not reqs and self.recv_from_tokenizer is not None and self.cur_batch is None
+                and self.last_batch is None and not self.waiting_queue and self.running_batch.is_empty()
+                and self.chunked_req is None)
+        if idle:
+            poller = zmq.Poller()
+            poller.register(self.recv_from_tokenizer, zmq.POLLIN)
+            poller.register(self.recv_from_rpc, zmq.POLLIN)
+            if poller.poll(_IDLE_POLL_MS):
+                reqs = real(self)
+        return reqs
+
+    Scheduler.recv_requests = recv_requests
+
+
+V002 = frozenset({"0.0.2"})
+SHIMS = (
+    Shim("native_attention_pytree", V002, _native_attention_pytree),
+    Shim("loader_without_eager_sharding", V002, _loader_without_eager_sharding),
+    Shim("min_p_filter_operands", V002, _min_p_filter_operands),
+    Shim("seeded_sampling_on_probs", V002, _seeded_sampling_on_probs),
+    Shim("lm_head_dtype", V002, _lm_head_dtype),
+    Shim("idle_scheduler_busy_wait", V002, _idle_scheduler_busy_wait),
+)
+_applied: set[str] = set()
+
+
+def apply_shims(version: str | None = None) -> list[str]:
+    """Apply (once per process) every shim whose versions include the installed sglang-jax; returns
+    the names of the shims in effect. `RLSCHED_SGLANG_SKIP_SHIMS=name,...` leaves those out (the
+    defect tests use it to show each defect still exists in the installed version)."""
+    version = version or installed_version()
+    skip = set(filter(None, os.environ.get("RLSCHED_SGLANG_SKIP_SHIMS", "").split(",")))
+    unknown = skip - {s.name for s in SHIMS}
+    if unknown:
+        raise ValueError(f"RLSCHED_SGLANG_SKIP_SHIMS names unknown shims {sorted(unknown)}")
+    for shim in SHIMS:
+        if version in shim.versions and shim.name not in _applied and shim.name not in skip:
+            shim.apply()
+            _applied.add(shim.name)
+    return sorted(_applied)
+
+
+# ---- reaching the engine's weights --------------------------------------------------------------
+
+
+def model_state_leaves(model_runner) -> list:
+    """The list of weight arrays `model_runner`'s jitted forward receives on every call. Callers
+    replace its items in place (same list object), so the forward sees new weights with no rebuild."""
+    leaves = getattr(model_runner, "model_state_leaves", None)
+    if isinstance(leaves, list):
+        return leaves
+    fn = model_runner.jitted_run_model  # 0.0.2: a closure over the list
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+    if "model_state_leaves" not in cells:
+        raise RuntimeError(
+            f"sglang-jax {installed_version()}: cannot find the model's weight leaves (no "
+            "model_runner.model_state_leaves and no closure variable of that name); "
+            "workers/rollout/sglang_compat.py needs an accessor for this version")
+    return cells["model_state_leaves"].cell_contents
