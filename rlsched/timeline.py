@@ -206,17 +206,23 @@ def lock_spans(events: list[dict]) -> list[dict]:
 
 
 def check_lock_exclusivity(events: list[dict]) -> list[str]:
-    """Violations: two tasks' lock holds overlapping on one resource (empty = the lock held)."""
+    """Violations: two tasks' lock holds overlapping on one resource (empty = the lock held).
+
+    Each hold is checked against every earlier hold still open when it starts, not only its
+    predecessor: a long hold can outlast several short ones that start inside it."""
     by_resource: dict[str, list[dict]] = {}
     for e in lock_spans(events):
         by_resource.setdefault(e["resource"], []).append(e)
     problems = []
     for resource, spans in by_resource.items():
         spans.sort(key=lambda e: e["start"])
-        for a, b in zip(spans, spans[1:], strict=False):
-            if b["start"] < a["end"] and a["task"] != b["task"]:
-                problems.append(f"{resource}: {a['task']} {a['name']} [{a['start']:.6f}, {a['end']:.6f}] overlaps "
-                                f"{b['task']} {b['name']} [{b['start']:.6f}, {b['end']:.6f}]")
+        open_holds: list[dict] = []
+        for b in spans:
+            open_holds = [a for a in open_holds if a["end"] > b["start"]]
+            problems += [f"{resource}: {a['task']} {a['name']} [{a['start']:.6f}, {a['end']:.6f}] overlaps "
+                         f"{b['task']} {b['name']} [{b['start']:.6f}, {b['end']:.6f}]"
+                         for a in open_holds if a["task"] != b["task"]]
+            open_holds.append(b)
     return problems
 
 

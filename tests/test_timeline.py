@@ -118,6 +118,12 @@ def test_lock_exclusivity_and_overlap_from_events():
                      "start": 104.0, "end": 104.5, "args": {}}]
     problems = check_lock_exclusivity(bad)
     assert len(problems) == 1 and problems[0].startswith("g0/train: a TRAIN")
+    # A long hold outlasting a short one of its own task still conflicts with a third that starts
+    # inside it: a [0, 10] contains a [1, 2]; b [3, 4] starts after a [1, 2] ends but inside a [0, 10].
+    nested = [{"kind": "span", "task": task, "name": "TRAIN", "phase": "train", "resource": "g1/train",
+               "start": start, "end": end, "args": {}} for task, start, end in (("a", 0, 10), ("a", 1, 2), ("b", 3, 4))]
+    problems = check_lock_exclusivity(nested)
+    assert problems == ["g1/train: a TRAIN [0.000000, 10.000000] overlaps b TRAIN [3.000000, 4.000000]"]
 
 
 def test_summary_against_hand_arithmetic():
