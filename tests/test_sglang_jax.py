@@ -146,6 +146,29 @@ def test_seeds_reproduce_and_diversify(remote, synced):
 
 
 @pytest.mark.sglang
+def test_samples_follow_the_models_distribution(remote, synced, tiny_model):
+    """Sampled tokens follow softmax(logits / T) of the model: the property GRPO's importance ratios
+    rest on (the actor scores the samples as if drawn from its policy). 2,048 seeded first tokens at
+    T = 0.8; the yardstick is exact sampling of as many draws (numpy), whose total variation from
+    the target is sampling noise alone. Unshimmed, 0.0.2's seeded sampler misses it by far
+    (see test_defect_seeded_sampling)."""
+    import jax
+    import jax.numpy as jnp
+
+    model, _ = tiny_model
+    prompt, temperature, calls, rows = PROMPTS[1], 0.8, 16, 16
+    logits = np.asarray(model(jnp.array([prompt], jnp.int32))[0, -1], np.float64)
+    p = np.asarray(jax.nn.softmax(logits / temperature))
+    first = [s.token_ids[0] for c in range(calls) for s in remote(
+        "generate", [prompt] * rows, SamplingParams(n=8, temperature=temperature, max_new_tokens=1, seed=c)).samples]
+    n = len(first)
+    got = 0.5 * np.abs(np.bincount(first, minlength=p.size) / n - p).sum()
+    rng = np.random.default_rng(0)
+    exact = max(0.5 * np.abs(rng.multinomial(n, p) / n - p).sum() for _ in range(20))
+    assert got < 1.25 * exact, (got, exact)
+
+
+@pytest.mark.sglang
 def test_weight_version_checksum_and_refusals(remote, synced):
     assert _attr(remote, lambda e: (e.weight_version, e.weight_checksum)) == (1, P.checksum(synced))
     before = _tokens(remote("generate", PROMPTS, GREEDY))
@@ -274,27 +297,43 @@ print("generated"); os._exit(0)
 
 
 @pytest.mark.sglang
-def test_defect_seeded_sampling_on_probs():
-    # 4000 seeded draws from p = (0.9, 0.1): the fraction of token 0 should be ~0.9; the unshimmed
-    # CPU path samples from softmax(p) through its hash noise and lands near 0.5 (measured 0.499).
+def test_defect_seeded_sampling():
+    """Both defects of 0.0.2's seeded sampler, and the shim sampling exactly; n seeded draws each.
+    (a) the CPU path hands it probabilities p = (0.9, 0.1), which it softmaxes: token 0 comes out
+        near 0.5 (measured 0.499), not 0.9.
+    (b) fed logits, as it expects, over 384 tokens: its hash noise is shared across tokens, so the
+        draws are far from softmax(logits) (measured total variation 0.38), where exact sampling of
+        as many draws lands near 0.056 (the same arithmetic with numpy's sampler: `exact`)."""
     code = """
-import jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 from workers.rollout import sglang_compat as C
 C.apply_shims()
 from sgl_jax.srt.layers import sampler as S
-def freq():
-    n = 4000
-    probs = jnp.tile(jnp.array([[0.9, 0.1]], jnp.float32), (n, 1))
-    idx = S.multinomial_with_seed((probs, jnp.arange(n, dtype=jnp.int32), jnp.full((n,), 7, jnp.int32), None))
-    return float((idx == 0).mean())
-before = freq()
-C._seeded_sampling_on_probs()
-print(before, freq())
+def draws(inputs, n, seed0):
+    x = jnp.tile(jnp.asarray(inputs, jnp.float32)[None], (n, 1))
+    seeds = jnp.arange(seed0, seed0 + n, dtype=jnp.int32) * 7919
+    positions = jnp.arange(n, dtype=jnp.int32) % 50
+    return np.asarray(S.multinomial_with_seed((x, seeds, positions, None))).ravel()
+logits = np.random.default_rng(0).normal(0, 1, 384)
+p = np.exp(logits - logits.max()); p /= p.sum()
+tv = lambda idx: 0.5 * np.abs(np.bincount(idx, minlength=384) / idx.size - p).sum()
+two = lambda: float((draws([0.9, 0.1], 4000, 1) == 0).mean())
+before = (two(), tv(draws(logits, 16384, 1)))
+C._seeded_sampling()
+after = (two(), tv(draws(p, 16384, 1)))  # the CPU path's input: probabilities
+print(*before, *after)
 """
-    r = _run_without("seeded_sampling_on_probs", code)
+    r = _run_without("seeded_sampling", code)
     assert r.returncode == 0, r.stderr[-2000:]
-    unshimmed, shimmed = map(float, r.stdout.split())
-    assert unshimmed < 0.75 and abs(shimmed - 0.9) < 0.03, (unshimmed, shimmed)
+    two_before, tv_before, two_after, tv_after = map(float, r.stdout.split())
+    rng = np.random.default_rng(1)
+    logits = np.random.default_rng(0).normal(0, 1, 384)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    exact = max(0.5 * np.abs(rng.multinomial(16384, p) / 16384 - p).sum() for _ in range(20))
+    assert two_before < 0.75 and tv_before > 3 * exact, (two_before, tv_before, exact)
+    # Binomial sd of the (0.9, 0.1) fraction over 4000 draws: sqrt(0.09 / 4000) = 0.0047; 0.02 is > 4 sd.
+    assert abs(two_after - 0.9) < 0.02 and tv_after < 1.25 * exact, (two_after, tv_after, exact)
 
 
 @pytest.mark.sglang
@@ -322,3 +361,16 @@ t = time.process_time(); time.sleep(2.0); print(time.process_time() - t); os._ex
     assert busy.returncode == 0 and idle.returncode == 0, busy.stderr[-2000:] + idle.stderr[-2000:]
     # CPU seconds over 2 s of idling: a spinning thread takes most of a core, a blocked one ~none.
     assert float(busy.stdout) > 0.8 and float(idle.stdout) < 0.2, (busy.stdout, idle.stdout)
+
+
+@pytest.mark.sglang
+def test_defect_watchdog_signals_own_process(tiny_model_dir):
+    """The process the engine's watchdog sends SIGQUIT to when a batch stalls: unshimmed, the parent of
+    the engine's process (under Ray, the raylet: the whole node dies); shimmed, the engine's own."""
+    code = START.format(path=str(tiny_model_dir)) + """
+target = e._engine.scheduler_info["scheduler"].parent_process.pid
+print({os.getppid(): "parent", os.getpid(): "self"}.get(target, target)); os._exit(0)
+"""
+    unshimmed, shimmed = _run_without("watchdog_signals_own_process", code), _run_without("", code)
+    assert unshimmed.returncode == 0 and shimmed.returncode == 0, unshimmed.stderr[-2000:] + shimmed.stderr[-2000:]
+    assert (unshimmed.stdout.strip(), shimmed.stdout.strip()) == ("parent", "self")

@@ -18,7 +18,8 @@ from outside, against the engine's own objects (single-process mode):
   rollout after a weight update, and across a release.
 - **Seeds**: every sample gets its own `sampling_seed` derived from (call seed, prompt, sample), and
   the engine runs with deterministic sampling, so a seed reproduces a call whatever the batching,
-  and the n samples of a prompt differ.
+  and the n samples of a prompt differ. The seeded draw itself is rlsched's (the `seeded_sampling`
+  shim): 0.0.2's does not sample from the model's distribution.
 - **Stops**: the engine stops only at the caller's stop ids (its model-config EOS set is emptied),
   and returns raw token ids (no tokenizer in the engine: rlsched tokenizes, the engine knows ids).
 - **Logprobs**: `return_logprob=True` crashes sglang-jax 0.0.2's scheduler, so this engine does not
