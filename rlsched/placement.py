@@ -25,12 +25,25 @@ def phase_cores(placement: str, phase: Phase, cores: list[int]) -> list[int]:
     return cores[:half] if Phase(phase) is Phase.ROLLOUT else cores[half:]
 
 
-def pin_process(cores: list[int]) -> None:
+def pin_process(cores: list[int], *, xla_threads: int = 1) -> None:
     """Pin every thread of this process (XLA's pools included) to `cores`.
 
     sched_setaffinity(pid) affects one thread on Linux, so each thread id is set in turn; threads
     started later inherit the affinity of the thread that starts them.
+
+    xla_threads: the fewest threads XLA's CPU pool must have. JAX sizes that pool from the process's
+    affinity when its backends start, so pinning first caps the pool at len(cores) — what we want,
+    except for a worker that needs more (sglang-jax's CPU sampler calls back into Python from inside
+    its jitted step and deadlocks on a one-thread pool). Then JAX starts first, on `cores` plus
+    enough other visible cores, and only after that is every thread pinned to `cores` (the extra
+    pool threads share them: the worker still runs on its own devices).
     """
+    if xla_threads > len(cores):
+        extra = [c for c in visible_cores() if c not in cores][: xla_threads - len(cores)]
+        os.sched_setaffinity(0, [*cores, *extra])
+        import jax
+
+        jax.devices()  # starts the backends, sizing XLA's CPU pool from the affinity just set
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just ended
             os.sched_setaffinity(int(tid), cores)

@@ -12,7 +12,8 @@ Design decisions (and why):
   comm channel, see rlsched.comm).
 - **Each role is built where it runs, from the task's config (a plain dict),** and pins its process
   to its devices *before* JAX starts, so XLA's thread pools are sized to those devices (on CPU a
-  device is a core). A role's crash kills its own process only: the driver's call raises
+  device is a core), unless its engine needs a bigger CPU pool (`XLA_CPU_THREADS`: sglang-jax
+  deadlocks on one thread), which then shares the role's cores. A role's crash kills its own process only: the driver's call raises
   RayActorError and the task fails with that cause; the other tasks never notice.
 - **The engine starts at weight version -1.** It loads nothing the actor did not send: the first
   ROLLOUT syncs v0 through the comm channel, so the actor's weights are the only weights.
@@ -138,14 +139,15 @@ class EngineRole(_Role):
     kind = "engine"
 
     def __init__(self, experiment: dict, index: int, *, channel: WeightChannel, cores: list[int] | None = None):
-        if cores:
-            placement.pin_process(cores)
+        from workers.rollout import XLA_CPU_THREADS, make_engine
+
         cfg, task = _task(experiment, index)
         r, g = task.rollout, task.grpo
+        if cores:
+            placement.pin_process(cores, xla_threads=XLA_CPU_THREADS.get(r.engine, 1))
         self.name = task.name
         self.channel = channel
         self.timeline = _timeline("engine", task.name)
-        from workers.rollout import make_engine
 
         self.engine = make_engine(r.engine, task.model.path, dtype=task.model.dtype, max_prompt_len=g.max_prompt_len,
                                   max_new_tokens=g.max_new_tokens, max_batch_size=r.max_batch_size, weight_version=-1,

@@ -374,3 +374,27 @@ print({os.getppid(): "parent", os.getpid(): "self"}.get(target, target)); os._ex
     unshimmed, shimmed = _run_without("watchdog_signals_own_process", code), _run_without("", code)
     assert unshimmed.returncode == 0 and shimmed.returncode == 0, unshimmed.stderr[-2000:] + shimmed.stderr[-2000:]
     assert (unshimmed.stdout.strip(), shimmed.stdout.strip()) == ("parent", "self")
+
+
+@pytest.mark.sglang
+def test_generates_in_a_process_pinned_to_one_core(tiny_model_dir):
+    """A rollout role pinned to one core (disaggregated on 2 cores) starts JAX with the XLA CPU threads
+    the engine needs (workers.rollout.XLA_CPU_THREADS). Pinned before JAX starts, with a one-thread
+    pool, sglang-jax's sampled steps hung within the first four calls in each of three tries (its host
+    sort callback waits on the pool it runs in); a run that hangs here times out."""
+    code = f"""
+import os
+from rlsched.placement import pin_process
+from workers.rollout import XLA_CPU_THREADS
+pin_process([0], xla_threads=XLA_CPU_THREADS["sglang_jax"])
+from workers.rollout import SamplingParams
+from workers.rollout.sglang_jax import SglangJaxEngine
+e = SglangJaxEngine({str(tiny_model_dir)!r}, max_prompt_len=16, max_new_tokens=4, max_batch_size=256)
+for call in range(10):
+    out = e.generate([[40 + i, 43, 50] for i in range(16)], SamplingParams(n=16, max_new_tokens=4, seed=call))
+    assert out.num_tokens == 16 * 16 * 4
+print("pinned", sorted({{c for t in os.listdir("/proc/self/task") for c in os.sched_getaffinity(int(t))}}))
+os._exit(0)
+"""
+    r = _run_without("", code, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip() == "pinned [0]", r.stderr[-2000:]

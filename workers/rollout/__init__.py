@@ -20,6 +20,10 @@ ENGINES = ("jax_sampler", "fake", "sglang_jax")
 # Engines that must live in a process of their own, whatever the caller asked: sglang-jax's scheduler
 # kills its whole process on any error (SIGQUIT), and its single-process mode aborts at exit.
 OWN_PROCESS_ENGINES = frozenset({"sglang_jax"})
+# The fewest threads XLA's CPU pool must have for an engine (1 unless listed): sglang-jax's CPU sampler
+# sorts in a host callback inside its jitted step, which waits on the pool it runs in, so on a
+# one-thread pool (a process pinned to one core when JAX starts) its first sampled step hangs.
+XLA_CPU_THREADS = {"sglang_jax": 2}
 
 
 def make_engine(name: str, model_path: str | None = None, **kwargs) -> RolloutEngine:
@@ -44,6 +48,6 @@ def make_engine(name: str, model_path: str | None = None, **kwargs) -> RolloutEn
 
 
 __all__ = [
-    "ENGINES", "OWN_PROCESS_ENGINES", "EngineReleasedError", "FinishReason", "RolloutEngine", "RolloutInputError",
-    "RolloutOutput", "Sample", "SamplingParams", "make_engine",
+    "ENGINES", "OWN_PROCESS_ENGINES", "XLA_CPU_THREADS", "EngineReleasedError", "FinishReason", "RolloutEngine",
+    "RolloutInputError", "RolloutOutput", "Sample", "SamplingParams", "make_engine",
 ]
