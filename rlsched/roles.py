@@ -13,8 +13,9 @@ Design decisions (and why):
 - **Each role is built where it runs, from the task's config (a plain dict),** and pins its process
   to its devices *before* JAX starts, so XLA's thread pools are sized to those devices (on CPU a
   device is a core), unless its engine needs a bigger CPU pool (`XLA_CPU_THREADS`: sglang-jax
-  deadlocks on one thread), which then shares the role's cores. A role's crash kills its own process only: the driver's call raises
-  RayActorError and the task fails with that cause; the other tasks never notice.
+  deadlocks on one thread), which then shares the role's cores. A role's crash kills its own
+  process only: the driver's call raises RayActorError and the task fails with that cause; the
+  other tasks never notice.
 - **The engine starts at weight version -1.** It loads nothing the actor did not send: the first
   ROLLOUT syncs v0 through the comm channel, so the actor's weights are the only weights.
 - **Bytes are reported by kind after every move** (`onload()` returns them, `memory()` reads them)

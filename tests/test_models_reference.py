@@ -131,3 +131,8 @@ def test_init_model_loads_offline_in_transformers(tiny_model_dir, tiny_model):
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     ids = np.array([tok.encode(text)], np.int32)
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), _hf_logits(hf, ids), atol=1e-4, rtol=0)
+    # In the form transformers 4.x reads too (the sglang environment's 4.55 failed on 5.x's list-valued
+    # `extra_special_tokens` with "'list' object has no attribute 'keys'"), so one directory serves both.
+    cfg = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    assert "extra_special_tokens" not in cfg and cfg["additional_special_tokens"] == ["<|im_start|>"]
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"

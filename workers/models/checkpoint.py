@@ -21,7 +21,7 @@ from safetensors.flax import save_file
 from workers.models import params as P
 from workers.models.config import ModelConfigError, Qwen3Config
 from workers.models.qwen3 import Qwen3ForCausalLM
-from workers.models.tokenizer import load_tokenizer
+from workers.models.tokenizer import load_tokenizer, save_tokenizer
 
 _INDEX = "model.safetensors.index.json"
 
@@ -97,7 +97,7 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | Path, tokenizer=None) -
         gen = {"eos_token_id": model.config.eos_token_id, "pad_token_id": model.config.pad_token_id}
         (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}))
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
         if path.exists():
             backup = path.with_name(f".{path.name}.old")
             os.replace(path, backup)

@@ -11,6 +11,7 @@ Two kinds:
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import shutil
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def write_tokenizer(kind: str, out_dir: Path) -> PreTrainedTokenizerFast:
     """Write tokenizer files of `kind` ("byte" or "qwen3") into out_dir and return the tokenizer."""
     if kind == "byte":
         tok = build_byte_tokenizer()
-        tok.save_pretrained(out_dir)
+        save_tokenizer(tok, out_dir)
         return tok
     if kind == "qwen3":
         src = qwen3_tokenizer_dir()
@@ -94,6 +95,26 @@ def write_tokenizer(kind: str, out_dir: Path) -> PreTrainedTokenizerFast:
             shutil.copyfile(src / name, out_dir / name)
         return load_tokenizer(out_dir)
     raise TokenizerError(f"unknown tokenizer kind {kind!r}; choose 'byte' or 'qwen3'")
+
+
+def save_tokenizer(tok: PreTrainedTokenizerFast, out_dir: str | Path) -> None:
+    """`tok.save_pretrained(out_dir)`, with tokenizer_config.json in the form transformers 4.x reads
+    too, so one model directory serves both environments (the sglang extra pins transformers 4.55,
+    the core installs 5.x): extra special tokens as `additional_special_tokens` (4.x reads a list under
+    `extra_special_tokens` as a dict and fails) and the class as `PreTrainedTokenizerFast` (4.x has no
+    `TokenizersBackend`). 4.x writes that form already; rewriting it changes nothing."""
+    tok.save_pretrained(out_dir)
+    path = Path(out_dir) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    extra = cfg.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        cfg["additional_special_tokens"] = sorted(set(cfg.get("additional_special_tokens", [])) | set(extra))
+    elif extra is not None:
+        cfg["extra_special_tokens"] = extra
+    if cfg.get("tokenizer_class") == "TokenizersBackend":  # a real class name (Qwen2Tokenizer) stays
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        cfg.pop("backend", None)
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
