@@ -176,10 +176,7 @@ def sglang_call(model_dir: Path, prompts: np.ndarray, new_tokens: int) -> tuple[
     actor = ray.remote(SglangJaxEngine).options(num_cpus=0, max_restarts=0).remote(
         str(model_dir), dtype="float32", max_prompt_len=prompt_len, max_new_tokens=new_tokens, max_batch_size=batch)
     model, _ = load_pretrained(model_dir, dtype="float32", with_tokenizer=False)
-    from flax import nnx
-
-    flat = {k: np.asarray(v) for k, v in P.to_flat(nnx.state(model, nnx.Param)).items()}
-    ray.get(actor.update_weights.remote(flat, 0))
+    ray.get(actor.update_weights.remote(P.host_params(model), 0))
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, stop_token_ids=())
     prompt_list = prompts.tolist()
 

@@ -54,7 +54,7 @@ def test_seed_reproduces(engine):
 
 def test_weight_version_and_checksum_follow_updates(engine, tiny_model):
     model, _ = tiny_model
-    flat = {k: np.asarray(v) for k, v in P.to_flat(nnx.state(model, nnx.Param)).items()}
+    flat = P.host_params(model)
     engine.update_weights(flat, version=5)
     assert engine.weight_version == 5 and engine.weight_checksum == P.checksum(flat)
     assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=2)).weight_version == 5

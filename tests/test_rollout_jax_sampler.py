@@ -174,7 +174,7 @@ def test_update_weights_swaps_in_another_models_weights(tiny_model_dir, prompt_i
     model_a, _ = load_pretrained(tiny_model_dir)
     cfg = model_a.config
     model_b = abstract_model(cfg, seed=42)
-    flat_b = {k: np.asarray(v) for k, v in P.to_flat(nnx.state(model_b, nnx.Param)).items()}
+    flat_b = P.host_params(model_b)
     params = SamplingParams(temperature=0, max_new_tokens=12)
     expected = JaxSampler(model_b, max_prompt_len=64, max_new_tokens=16).generate(prompt_ids, params)
 

@@ -13,7 +13,6 @@ import textwrap
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from workers.models import params as P
 from workers.rollout import EngineReleasedError, FinishReason, SamplingParams
@@ -35,8 +34,16 @@ def test_missing_sglang_names_the_extra(monkeypatch, tiny_model_dir):
 
 
 
-def _flat(model) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in P.to_flat(nnx.state(model, nnx.Param)).items()}
+def _tv(freq: np.ndarray, p: np.ndarray) -> float:
+    """Total variation distance between an empirical distribution and p."""
+    return float(0.5 * np.abs(freq - p).sum())
+
+
+def _exact_tv(n: int, p: np.ndarray, seed: int) -> float:
+    """The yardstick: the largest total variation from p of 20 exact samples of n draws (numpy),
+    i.e. what sampling noise alone gives at this n."""
+    rng = np.random.default_rng(seed)
+    return max(_tv(rng.multinomial(n, p) / n, p) for _ in range(20))
 
 
 def _tokens(out) -> list[list[int]]:
@@ -79,7 +86,7 @@ def reference(tiny_model):
 @pytest.fixture
 def synced(remote, tiny_model):
     """The engine holding the tiny model's weights as version 1."""
-    flat = _flat(tiny_model[0])
+    flat = P.host_params(tiny_model[0])
     remote("update_weights", flat, 1)
     return flat
 
@@ -161,10 +168,7 @@ def test_samples_follow_the_models_distribution(remote, synced, tiny_model):
     p = np.asarray(jax.nn.softmax(logits / temperature))
     first = [s.token_ids[0] for c in range(calls) for s in remote(
         "generate", [prompt] * rows, SamplingParams(n=8, temperature=temperature, max_new_tokens=1, seed=c)).samples]
-    n = len(first)
-    got = 0.5 * np.abs(np.bincount(first, minlength=p.size) / n - p).sum()
-    rng = np.random.default_rng(0)
-    exact = max(0.5 * np.abs(rng.multinomial(n, p) / n - p).sum() for _ in range(20))
+    got, exact = _tv(np.bincount(first, minlength=p.size) / len(first), p), _exact_tv(len(first), p, seed=0)
     assert got < 1.25 * exact, (got, exact)
 
 
@@ -326,11 +330,9 @@ print(*before, *after)
     r = _run_without("seeded_sampling", code)
     assert r.returncode == 0, r.stderr[-2000:]
     two_before, tv_before, two_after, tv_after = map(float, r.stdout.split())
-    rng = np.random.default_rng(1)
-    logits = np.random.default_rng(0).normal(0, 1, 384)
+    logits = np.random.default_rng(0).normal(0, 1, 384)  # as in the subprocess
     p = np.exp(logits - logits.max())
-    p /= p.sum()
-    exact = max(0.5 * np.abs(rng.multinomial(16384, p) / 16384 - p).sum() for _ in range(20))
+    exact = _exact_tv(16384, p / p.sum(), seed=1)
     assert two_before < 0.75 and tv_before > 3 * exact, (two_before, tv_before, exact)
     # Binomial sd of the (0.9, 0.1) fraction over 4000 draws: sqrt(0.09 / 4000) = 0.0047; 0.02 is > 4 sd.
     assert abs(two_after - 0.9) < 0.02 and tv_after < 1.25 * exact, (two_after, tv_after, exact)

@@ -19,18 +19,15 @@ from rlsched.train import prepare_run_dir, select_tasks
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-KINDS = {"addition": "addition", "subtraction": "subtraction"}
-
-
-def _experiment(tmp_path, model_dir, name, engines: dict[str, str], steps: int, placement="disaggregated"):
+def _experiment(tmp_path, model_dir, name, engines: dict[str, str], steps: int):
     # The quickstart demo's batch (16 prompts x 16 samples, 4 updates a step): at 8 x 8 neither engine
     # learns enough in 30 steps to tell learning from noise (both went ~0.01 -> ~0.07).
     grpo = {"prompts_per_step": 16, "num_generations": 16, "max_prompt_len": 16, "max_new_tokens": 4,
             "beta": 0.0, "mini_batch_size": 64}
     raw = {"experiment": {"name": name, "output_dir": str(tmp_path), "seed": 0},
-           "cluster": {"placement": placement},
+           "cluster": {"placement": "disaggregated"},
            "tasks": [{"name": t, "seed": 100 + i, "model": {"path": str(model_dir)},
-                      "data": {"kind": KINDS[t], "max_operand": 9, "template": "plain"}, "reward": {"name": KINDS[t]},
+                      "data": {"kind": t, "max_operand": 9, "template": "plain"}, "reward": {"name": t},
                       "rollout": {"engine": engine, "max_batch_size": 256}, "grpo": grpo,
                       "optim": {"lr": 3e-3, "warmup_ratio": 0.05}, "steps": steps, "checkpoint_every": 0}
                      for i, (t, engine) in enumerate(engines.items())]}

@@ -31,6 +31,11 @@ def to_flat(state: nnx.State) -> FlatParams:
     return {name_of(path): var.get_value() for path, var in nnx.to_flat_state(state)}
 
 
+def host_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """A model's parameters as host numpy arrays by flat name: what `update_weights` takes."""
+    return {k: np.asarray(v) for k, v in to_flat(nnx.state(model, nnx.Param)).items()}
+
+
 def from_flat(template: nnx.State, flat: Mapping[str, object], *, source: str = "weights") -> nnx.State:
     """A new state shaped like `template` holding the arrays of `flat`.
 
