@@ -75,7 +75,7 @@ def make_config(root: Path, name: str, names: list[str], placement: str, args):
     import yaml
 
     from rlsched.config import validate
-    from rlsched.train import prepare_run_dir
+    from rlsched.runfiles import prepare_run_dir
 
     preset = PRESETS[args.preset]
     raw = yaml.safe_load(Path(preset["config"]).read_text())
@@ -238,7 +238,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from rlsched.experiment import init_ray
+    from rlsched.cluster import init_ray
 
     init_ray()
     placements = ["disaggregated", "colocated"] if args.placement == "both" else [args.placement]

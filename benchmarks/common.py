@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import platform
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from rlsched.runfiles import write_atomic
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # checkpoints are local; nothing may come from a hub
@@ -43,14 +44,6 @@ def count_params(model_dir: Path) -> int:
         with safe_open(str(file), framework="numpy") as f:
             total += sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118
     return total
-
-
-def write_atomic(path: Path, text: str) -> None:
-    # Same directory, so os.replace is a rename: a reader sees the old file or the new one, never half.
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        f.write(text)
-    os.chmod(f.name, 0o644)  # NamedTemporaryFile creates 0600; results are for everyone to read
-    os.replace(f.name, path)
 
 
 def save_results(out: Path, title: str, results: dict, report: str) -> None:

@@ -54,7 +54,7 @@ def experiment(root: Path, name: str, tasks: list[str], args):
     import yaml
 
     from rlsched.config import validate
-    from rlsched.train import prepare_run_dir
+    from rlsched.runfiles import prepare_run_dir
 
     raw = yaml.safe_load(CONFIG.read_text())
     template = raw["tasks"][0]
@@ -119,7 +119,7 @@ def lock_round_trips(n: int) -> list[float]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from rlsched.experiment import init_ray
+    from rlsched.cluster import init_ray
 
     init_ray()
     w = args.warmup_steps

@@ -82,8 +82,9 @@ def experiment_config(args: argparse.Namespace, model_dir: Path, output_dir: str
 
 
 def rlsched_steps(cfg, total: int) -> list[dict]:
-    from rlsched.train import prepare_run_dir
     from rlsched.trainer import TaskRunner
+
+    from rlsched.runfiles import prepare_run_dir
 
     prepare_run_dir(cfg, resume=False, overwrite=True)  # TaskRunner writes under the run dir
     runner = TaskRunner(cfg, 0, echo=lambda line: print(f"  {line}", flush=True))

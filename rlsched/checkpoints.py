@@ -14,11 +14,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from rlsched.errors import CheckpointError
+
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 class TaskCheckpointer:

@@ -69,8 +69,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     """The quickstart job: two tiny random Qwen3s learn addition and subtraction with GRPO, sharing
     this machine under the scheduler on an embedded local Ray."""
     from rlsched.config import load_config
+    from rlsched.experiment import train
     from rlsched.tracking import read_metrics
-    from rlsched.train import train
 
     out = Path(args.out)
     names = [t.name for t in load_config(DEMO_MULTITASK).tasks]
@@ -89,7 +89,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from rlsched.train import train
+    from rlsched.experiment import train
 
     tasks = [t for spec in args.tasks for t in spec.split(",") if t] if args.tasks else None
     results = train(args.config, overrides=args.set, resume=args.resume, overwrite=args.overwrite, tasks=tasks,
@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in PASSTHROUGH:  # their options belong to their own parsers, --help included
         return _cmd_passthrough(PASSTHROUGH[argv[0]])(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
-    from rlsched.checkpoints import CheckpointError
-    from rlsched.trainer import TaskError
+    from rlsched.errors import CheckpointError, TaskError
     from workers.models import ModelConfigError, TokenizerError
     from workers.rewards import RewardError
     from workers.rollout import RolloutInputError

@@ -35,6 +35,8 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from rlsched.comm import comm_group_name
+
 
 class ConfigError(ValueError):
     """A config rlsched cannot run; the message names the file, the field path and the value."""
@@ -92,6 +94,8 @@ class ClusterConfig(_Section):
     """Accelerators to use (CPU cores on CPU); None = all visible."""
     memory_budget_gb: float | None = Field(None, gt=0)
     """Device-memory budget per device group, in GiB; None = unlimited."""
+    lease_timeout_s: float = Field(600.0, gt=0)
+    """Longest a task may hold one phase's lock, in seconds; a holder past it loses the lock and fails."""
 
 
 class ModelSection(_Section):
@@ -192,6 +196,8 @@ class OptimSection(_Section):
     """Fraction of the task's total optimizer steps spent in linear warmup."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The cosine schedule decays to lr * min_lr_ratio at the last optimizer step (0 = to zero)."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
     b1: float = Field(0.9, ge=0, lt=1)
@@ -312,6 +318,61 @@ class ExperimentConfig(_Section):
     def run_dir(self) -> Path:
         """`<output_dir>/<name>`, relative to the working directory unless output_dir is absolute."""
         return Path(self.experiment.output_dir) / self.experiment.name
+
+    def task_specs(self) -> list[TaskSpec]:
+        """Every task resolved once, in order: what each process of the run is handed."""
+        run_dir = self.run_dir.absolute()
+        return [TaskSpec(experiment=self.experiment.name, index=i, config=t,
+                         seed=t.resolved_seed(self.experiment.seed, i), dir=run_dir / "tasks" / t.name,
+                         tracking=self.experiment.tracking, placement=self.cluster.placement)
+                for i, t in enumerate(self.tasks)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskSpec:
+    """One task of an experiment, resolved once (`ExperimentConfig.task_specs`) and handed, immutable, to
+    every process that works for it: its driver and its roles. Nothing downstream re-derives a seed, a
+    path or a name; the experiment is never re-validated in a worker."""
+
+    experiment: str  # the experiment's name
+    index: int  # position in the experiment's `tasks` (overrides say `tasks.<index>.`)
+    config: TaskConfig  # the task's validated config section
+    seed: int  # the task's own seed, or the experiment seed + index
+    dir: Path  # absolute runs/<experiment>/tasks/<task>: metrics, checkpoints
+    tracking: TrackingSection  # where metrics go besides metrics.jsonl
+    placement: Literal["colocated", "disaggregated"]
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self.config.batch_plan()
+
+    @property
+    def comm_group(self) -> str:
+        """This task's weight channel, `<experiment>/<task>/actor->rollout`: never shared between tasks."""
+        return comm_group_name(self.experiment, self.name)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.dir / "checkpoints"
+
+
+def select_tasks(cfg: ExperimentConfig, names: Sequence[str] | None) -> ExperimentConfig:
+    """`--tasks a,b`: only these tasks, each keeping the seed it has in the whole experiment."""
+    if not names:
+        return cfg
+    known = [t.name for t in cfg.tasks]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"--tasks: no task named {', '.join(map(repr, unknown))}; this experiment has {known}")
+    # Pin each task's seed to its place in the full experiment, so a subset computes what it would
+    # have computed as part of the whole.
+    seed = cfg.experiment.seed
+    kept = [t.model_copy(update={"seed": t.resolved_seed(seed, i)}) for i, t in enumerate(cfg.tasks) if t.name in names]
+    return cfg.model_copy(update={"tasks": kept})
 
 
 # --- loading -------------------------------------------------------------------------------------------------

@@ -1,32 +1,68 @@
-"""Run an experiment's tasks concurrently on Ray: one scheduler actor, one TaskDriver per task.
+"""Run an experiment: check its config, prepare its run directory, run its tasks, write its outputs.
 
-    from rlsched.experiment import run_experiment
-    results = run_experiment(cfg)            # embedded local Ray unless address= is given
+    from rlsched.experiment import train, run_experiment
+    results = train(["configs/demo_multitask.yaml"], in_process=False)   # what `rlsched train` does
+    results = run_experiment(cfg)            # a validated config; embedded local Ray unless address= is given
 
-A failed task is reported with its cause and never stops the others.
+Under Ray (the default) every task runs concurrently: one scheduler actor over the pure policy, one
+TaskDriver actor per task (rlsched.task), their roles in the device group's placement group. A failed
+task is reported with its cause and never stops the others. `in_process=True` runs the same step loop
+task after task in this process, with always-free locks (debugging).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from rlsched.config import ExperimentConfig, TaskConfig
+from rlsched import cluster
+from rlsched.config import ExperimentConfig, TaskConfig, load_configs, select_tasks
 from rlsched.policy import GroupSpec, Policy
+from rlsched.runfiles import prepare_run_dir, write_atomic
 
-GROUP = "g0"  # one device group per experiment for now: every task shares it
+
+def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str] = (), resume: bool = False,
+          overwrite: bool = False, tasks: Sequence[str] | None = None, in_process: bool = True,
+          address: str | None = None, echo=print) -> dict[str, Any]:
+    """Validate, prepare runs/<experiment>/, run the tasks.
+
+    in_process=True runs the tasks one after another in this process and returns
+    {task: [metrics per step]}, raising the first task's error; otherwise they run concurrently under
+    the Ray scheduler and the result is {task: {"status": "ok" | "failed", ...}}.
+    """
+    paths = [configs] if isinstance(configs, str | Path) else list(configs)
+    cfg = select_tasks(load_configs(paths, overrides), tasks)
+    for task in cfg.tasks:
+        echo(task.batch_plan().describe())
+    run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
+    echo(f"run directory: {run_dir}")
+    if in_process:
+        return run_in_process(cfg, resume=resume, echo=echo)
+    return run_experiment(cfg, resume=resume, address=address, echo=echo)
+
+
+def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -> dict[str, list[dict[str, Any]]]:
+    """Each task's step loop in this process, one task after another, with always-free locks."""
+    from rlsched.scheduler import FreeLocks
+    from rlsched.task import TaskDriver
+
+    return {spec.name: TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo).run()
+            for spec in cfg.task_specs()}
 
 
 def estimate_bytes(task: TaskConfig) -> tuple[int, int]:
     """(engine, actor) bytes of a task, from its model config: what admission decides on before any
     worker exists. engine = params + full KV cache; actor = params + AdamW moments (+ reference)."""
-    from workers.models import Qwen3Config
+    from workers.models.config import Qwen3Config
+    from workers.models.presets import PRESETS
 
-    m = Qwen3Config.from_dir(task.model.path) if (os.path.isdir(task.model.path)) else None
-    if m is None:  # created at start (init_preset): estimate from the preset itself
-        from workers.models.presets import PRESETS
-
+    if os.path.isdir(task.model.path):
+        m = Qwen3Config.from_dir(task.model.path)
+    else:  # created at start (init_preset): estimate from the preset itself
         m = Qwen3Config(vocab_size=384, **PRESETS[task.model.init_preset or "tiny"])
     width = 2 if task.model.dtype == "bfloat16" else 4
     params = m.num_params * width
@@ -45,66 +81,37 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
     nbytes = None if budget is None else int(budget * 2**30)
     spec = (GroupSpec.colocated(nbytes) if cfg.cluster.placement == "colocated"
             else GroupSpec.disaggregated(nbytes, nbytes))
-    policy = Policy({GROUP: spec})
+    policy = Policy({cluster.GROUP: spec})
     initial: dict[str, list[tuple[str, str]]] = {}
     for task in cfg.tasks:
         engine, actor = estimate_bytes(task)
-        initial[task.name] = [(str(m.role), str(m.action)) for m in policy.register(task.name, GROUP, engine, actor)]
+        initial[task.name] = [(str(m.role), str(m.action))
+                              for m in policy.register(task.name, cluster.GROUP, engine, actor)]
     return policy, initial
 
 
-def init_ray(address: str | None = None) -> None:
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if not ray.is_initialized():
-        # Local by default: nothing listens beyond 127.0.0.1 and no dashboard is started.
-        ray.init(address=address or "local", include_dashboard=False, log_to_driver=True,
-                 **({"num_cpus": max(4, 2 * os.cpu_count())} if address is None else {}))
-
-
-def device_resource() -> str:
-    """The Ray resource a device is: GPU where the cluster has GPUs, else a CPU core."""
-    import ray
-
-    return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
-
-
-def make_placement_group(cfg: ExperimentConfig, resource: str):
-    """One placement group for the device group: a rollout bundle and a train bundle (disaggregated)
-    or one shared bundle (colocated). Every task's roles are placed in it, so they land on the
-    group's devices; which device each uses is decided by pinning (see rlsched.placement)."""
-    import ray
-    from ray.util.placement_group import placement_group
-
-    bundles = [{resource: 1}] if cfg.cluster.placement == "colocated" else [{resource: 1}, {resource: 1}]
-    pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{cfg.experiment.name}/{GROUP}")
-    ray.get(pg.ready(), timeout=60)
-    return pg
-
-
-def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str | None = None,
-                   lease_timeout_s: float = 600.0, echo=print, on_started=None) -> dict[str, dict[str, Any]]:
+def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str | None = None, echo=print,
+                   on_started=None) -> dict[str, dict[str, Any]]:
     """Run every task of `cfg` concurrently; returns {task: {"status": "ok"|"failed", ...}}."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    from rlsched.scheduler import Scheduler
+    from rlsched.placement import visible_cores
+    from rlsched.scheduler import Scheduler, SchedulerLocks
     from rlsched.task import TaskDriver
 
-    init_ray(address)
-    resource = device_resource()
-    pg = make_placement_group(cfg, resource)
+    cluster.init_ray(address)
+    resource = cluster.device_resource()
+    pg = cluster.make_placement_group(cfg.experiment.name, cfg.cluster.placement, resource)
+    where = cluster.role_placement(pg, cfg.cluster.placement, visible_cores(), resource)
     policy, initial_moves = build_policy(cfg)
-    scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=lease_timeout_s,
-                                                         experiment=cfg.experiment.name)
-    raw = cfg.model_dump(mode="json")
-    # Drivers need no device: they wait on locks and score rewards between phases.
-    driver_cls = ray.remote(num_cpus=0, max_restarts=0)(TaskDriver)
-    drivers = {t.name: driver_cls.remote(raw, i, scheduler, resume=resume, placement_group=pg, resource=resource,
-                                         initial_moves=initial_moves[t.name])
-               for i, t in enumerate(cfg.tasks)}
+    scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)
+    # Drivers need no device: they wait on locks and score rewards between phases. Threads, not asyncio:
+    # the step loop blocks one, while the lifeline and the scheduler's eviction requests take others.
+    driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
+    drivers = {s.name: driver_cls.remote(s, SchedulerLocks(scheduler, s.name), placement=where, resume=resume,
+                                         echo=_print_flushed, initial_moves=initial_moves[s.name])
+               for s in cfg.task_specs()}
     for name, driver in drivers.items():
         # The lifeline ref is wrapped in a list so Ray passes the ref itself rather than waiting for it.
         scheduler.watch.remote(name, [driver.lifeline.remote()])
@@ -117,11 +124,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         name = pending.pop(done[0])
-        try:
-            results[name] = ray.get(done[0])
-        except ray.exceptions.RayActorError as err:
-            cause = ray.get(scheduler.failed.remote()).get(name, f"its process died ({type(err).__name__})")
-            results[name] = {"task": name, "status": "failed", "error": cause}
+        results[name] = _result(name, done[0], scheduler, cfg)
         status = results[name]["status"]
         echo(f"[{name}] {status}" + (f": {results[name]['error']}" if status == "failed" else "")
              + f" after {time.perf_counter() - t0:.1f}s")
@@ -138,6 +141,25 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     remove_placement_group(pg)
     write_run_outputs(cfg, events, results, state, echo=echo)
     return results
+
+
+def _print_flushed(line: str) -> None:
+    print(line, flush=True)
+
+
+def _result(name: str, ref, scheduler, cfg: ExperimentConfig) -> dict[str, Any]:
+    """A driver's outcome: ok with its step count, or failed with the cause (its error, or how it died)."""
+    import ray
+
+    try:
+        ray.get(ref)
+        return {"task": name, "status": "ok", "steps": next(t.steps for t in cfg.tasks if t.name == name)}
+    except ray.exceptions.RayTaskError as err:  # the step loop raised: the original error is the cause
+        cause = err.cause if isinstance(err.cause, BaseException) else err
+        return {"task": name, "status": "failed", "error": f"{type(cause).__name__}: {cause}", "traceback": str(err)}
+    except ray.exceptions.RayActorError as err:  # the driver's process died
+        cause = ray.get(scheduler.failed.remote()).get(name, f"its process died ({type(err).__name__})")
+        return {"task": name, "status": "failed", "error": cause}
 
 
 def _scheduler_run(cfg: ExperimentConfig, events: list[dict], summary: dict[str, Any], *, ok: bool) -> None:
@@ -163,10 +185,7 @@ def write_run_outputs(cfg: ExperimentConfig, events: list[dict], results: dict[s
                       scheduler_state: dict[str, Any] | None = None, *, echo=print) -> None:
     """runs/<exp>/timeline.json (Chrome trace), timeline.png (Gantt) and summary.json, each written
     atomically; a picture that cannot be drawn is reported, never fatal."""
-    import json
-
     from rlsched.timeline import summarize, write_chrome_trace
-    from rlsched.train import write_atomic
 
     run_dir = cfg.run_dir
     write_chrome_trace(run_dir / "timeline.json", events)

@@ -8,9 +8,11 @@ time axis. Readable for 1-4 tasks: rows are labelled, seconds run along x, a leg
 
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 from typing import Any
+
+from rlsched.runfiles import write_atomic
 
 COLOURS = {
     "generate": "#4C72B0", "sync_weights": "#DD8452", "receive": "#DD8452", "swap": "#C44E52", "verify": "#937860",
@@ -88,10 +90,7 @@ def plot_gantt(events: list[dict[str, Any]], path: str | Path, *, title: str | N
     mems[-1].set_xlabel("seconds since the run started")
     fig.tight_layout()
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, png.getvalue())

@@ -5,7 +5,7 @@ Design decisions (and why):
   pools were not tagged per task; here every number is reported under its owner, kind ∈
   params / opt / ref / kv, and totals are sums of those entries, never a separate counter that drifts.
 - **Numbers come from the workers.** On CPU `memory_stats()` is None, so workers report the bytes of
-  the live arrays they hold; this process's RSS is reported beside them (stdlib only, no psutil).
+  the live arrays they hold; this process's RSS is reported beside them (rlsched.memprobe, stdlib only).
 - **`Residency` is the only onload/offload path** (STYLE point 5): it calls the worker's move, updates
   the pool and emits a timeline span, so accounting and timeline can't miss a move. With `keep=True`
   the role stays on device at exit: the policy decides later whether to evict it (memory-aware).
@@ -16,10 +16,10 @@ Design decisions (and why):
 from __future__ import annotations
 
 import contextlib
-import os
-import resource
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
+
+from rlsched.memprobe import process_rss_bytes
 
 KINDS = ("params", "opt", "ref", "kv")
 
@@ -75,15 +75,6 @@ class MemoryPool:
             out[key[index]] = out.get(key[index], 0) + n
         return out
 
-    @staticmethod
-    def rss_bytes() -> int:
-        """Resident set size of this process now (Linux /proc), else its peak RSS (getrusage)."""
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe: totals, per task/role/kind, every entry, and process RSS."""
         return {
@@ -94,7 +85,7 @@ class MemoryPool:
             "by_role": self.by("role"),
             "by_kind": self.by("kind"),
             "entries": [{"task": t, "role": r, "kind": k, "bytes": n} for (t, r, k), n in sorted(self._bytes.items())],
-            "rss_bytes": self.rss_bytes(),
+            "rss_bytes": process_rss_bytes(),
         }
 
 

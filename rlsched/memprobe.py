@@ -16,20 +16,19 @@ Design decisions:
 from __future__ import annotations
 
 import os
+import resource
 from typing import Any
 
 _cpu_peaks: dict[int, int] = {}  # device index -> largest bytes_in_use seen by this process's probe (CPU only)
 
 
 def process_rss_bytes() -> int:
-    """Resident set size of this process, in bytes."""
+    """Resident set size of this process now (Linux /proc), else its peak RSS (getrusage)."""
     try:
         with open("/proc/self/statm") as f:  # Linux: pages; no import, no subprocess
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        import psutil
-
-        return psutil.Process().memory_info().rss
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _live_bytes_by_device(jax) -> dict[Any, int]:

@@ -1,52 +1,66 @@
-"""A task's two data-plane roles, the actor and the rollout engine, each behind one small interface.
+"""A task's two data-plane roles, the actor and the rollout engine, and how they are started.
 
-    actor = ActorRole(experiment, index, channel=channel)              # in this process, or
-    actor = spawn_ray(ActorRole, experiment, index, channel=channel,   # in a Ray actor process of its own,
-                      placement_group=pg, bundle=1, cores=[1])          # pinned to its devices
-
+    actor = spawn(ActorRole, spec, channel=channel, placement=None)     # in this process, or
+    actor = spawn(ActorRole, spec, channel=channel, placement=where)    # a Ray actor process of its own,
+                                                                         # in the group's bundle, pinned
 Design decisions (and why):
-- **Roles, not workers, cross the process boundary.** A role owns its worker and what goes with it
-  (the actor its optimizer state and checkpoints, the engine its weight version), so the driver's
-  calls are few and coarse — train, publish, update_weights, verify, generate, offload, onload —
-  one round trip each, and nothing large passes through the driver (weights go through the task's
-  comm channel, see rlsched.comm).
-- **Each role is built where it runs, from the task's config (a plain dict),** and pins its process
-  to its devices *before* JAX starts, so XLA's thread pools are sized to those devices (on CPU a
-  device is a core), unless its engine needs a bigger CPU pool (`XLA_CPU_THREADS`: sglang-jax
-  deadlocks on one thread), which then shares the role's cores. A role's crash kills its own
-  process only: the driver's call raises RayActorError and the task fails with that cause; the
-  other tasks never notice.
+- **One call per role per phase.** A phase's whole work is one method that returns its result, the
+  spans it recorded and the role's memory probe: `EngineRole.rollout` (sync the weights if stale,
+  verify, generate) and `ActorRole.train` (advantages, logprobs, updates, publish v+1). Under Ray that
+  is one round trip each; nothing large passes through the driver (weights go through the task's comm
+  channel, see rlsched.comm).
+- **Each role is built where it runs, from the task's resolved spec** (`config.TaskSpec`), and pins its
+  process to its devices *before* JAX starts, so XLA's thread pools are sized to those devices (on
+  CPU a device is a core), unless its engine needs a bigger CPU pool (`XLA_CPU_THREADS`: sglang-jax
+  deadlocks on one thread). A role's crash kills its own process only: the driver's call raises
+  `RoleDied` naming the role and the call, and the other tasks never notice.
+- **Models are made where weights live.** A task whose model is created from a preset gets it from
+  its actor (`ActorRole.__init__`): the driver never imports JAX.
 - **The engine starts at weight version -1.** It loads nothing the actor did not send: the first
-  ROLLOUT syncs v0 through the comm channel, so the actor's weights are the only weights.
+  ROLLOUT syncs v0 through the comm channel, so the actor's weights are the only weights. It refuses to
+  generate with weights older than the published version or whose checksum differs from the one the
+  actor computed before they left.
 - **Bytes are reported by kind after every move** (`onload()` returns them, `memory()` reads them)
   from the live arrays a role holds; the driver records them in its memory pool.
-- **Spans recorded inside a role ride back with the call's result** (`(value, events)`), so the
-  timeline has no gaps across processes and needs no extra round trip.
+- This module imports neither the task driver nor the experiment: roles know their spec, their
+  channel and where they run, nothing above them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
-from rlsched import placement
-from rlsched.comm import WeightChannel, WeightMessage
+from rlsched import placement as pin
+from rlsched.cluster import RolePlacement, init_ray
+from rlsched.comm import WeightChannel, WeightMessage, make_channel
+from rlsched.config import TaskSpec
+from rlsched.errors import RoleDied, TaskError
+from rlsched.timeline import Timeline
 
 
-def _task(experiment: dict, index: int):
-    from rlsched.config import ExperimentConfig
+def actor_settings(spec: TaskSpec):
+    """The actor's update settings from the task's config: the only place they are built."""
+    from workers.actor import ActorSettings
 
-    cfg = ExperimentConfig.model_validate(experiment)
-    return cfg, cfg.tasks[index]
+    plan, g, o = spec.plan, spec.config.grpo, spec.config.optim
+    return ActorSettings(
+        lr=o.lr, total_steps=plan.total_optimizer_steps, warmup_steps=plan.warmup_steps, min_lr_ratio=o.min_lr_ratio,
+        weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation, temperature=g.temperature,
+        micro_batch_size=plan.micro_batch_size, mini_batch_size=plan.mini_batch_size, epochs=plan.epochs_per_step)
 
 
-def _timeline(process: str, task: str):
-    from rlsched.timeline import Timeline
+@dataclasses.dataclass(frozen=True)
+class PhaseResult:
+    """What one phase call of a role returns."""
 
-    return Timeline(process, task=task)
-
-
-class RoleDied(RuntimeError):
-    """The process of one of the task's roles died (crash, OOM, ray.kill); the task cannot go on."""
+    value: Any  # the phase's result: a RolloutOutput, or the train metrics
+    events: list[dict]  # spans recorded inside the role (the driver stamps them with the lock held)
+    memory: dict[str, int]  # the role's process RSS and device bytes after the phase (mem/<role>/...)
+    message: WeightMessage | None = None  # TRAIN: the weights published after the update (v+1)
+    swap: dict[str, int] = dataclasses.field(default_factory=dict)  # ROLLOUT: weight-swap stats, {} if none
 
 
 class _Role:
@@ -72,49 +86,67 @@ class _Role:
 
         return memory_metrics(prefix=f"mem/{self.kind}")
 
+    def close(self) -> None:
+        pass
+
 
 class ActorRole(_Role):
     """The task's JAX actor worker (params, optimizer state, reference params) and its checkpoints."""
 
     kind = "actor"
 
-    def __init__(self, experiment: dict, index: int, *, channel: WeightChannel, cores: list[int] | None = None):
+    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None):
         if cores:
-            placement.pin_process(cores)  # before JAX creates its thread pools
+            pin.pin_process(cores)  # before JAX creates its thread pools
         from rlsched.checkpoints import TaskCheckpointer
-        from workers.actor import ActorSettings, ActorWorker
-        from workers.models import load_pretrained
+        from workers.actor import ActorWorker
+        from workers.models import init_model, load_pretrained
 
-        cfg, task = _task(experiment, index)
-        plan, g, o = task.batch_plan(), task.grpo, task.optim
-        model, _ = load_pretrained(task.model.path, dtype=task.model.dtype, with_tokenizer=False)
-        self.name = task.name
-        self.worker = ActorWorker(model, ActorSettings(
-            lr=o.lr, total_steps=plan.total_optimizer_steps, warmup_steps=plan.warmup_steps,
-            weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, epsilon=g.epsilon,
-            epsilon_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation, temperature=g.temperature,
-            micro_batch_size=plan.micro_batch_size, mini_batch_size=plan.mini_batch_size,
-            epochs=plan.epochs_per_step), seed=task.resolved_seed(cfg.experiment.seed, index))
+        m = spec.config.model
+        self.created_model = m.init_preset is not None and not (Path(m.path) / "config.json").is_file()
+        if self.created_model:
+            init_model(m.path, preset=m.init_preset, seed=m.init_seed)
+        model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
+        self.spec = spec
+        self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed)
         self.channel = channel
-        self.checkpointer = TaskCheckpointer(cfg.run_dir / "tasks" / task.name / "checkpoints")
-        self.timeline = _timeline("actor", task.name)
+        self.checkpointer = TaskCheckpointer(spec.checkpoint_dir)
+        self.timeline = Timeline("actor", task=spec.name)
         self._held = self.worker
 
-    def train(self, batch, step: int) -> tuple[dict[str, float], list[dict]]:
-        """Logprobs and the GRPO updates of one step; (metrics, spans)."""
-        metrics = self.worker.train(batch, step=step, timeline=self.timeline)
-        return metrics, self.timeline.drain()
+    def start(self, resume: bool) -> tuple[dict[str, Any] | None, WeightMessage]:
+        """Restore the latest checkpoint when resuming (its meta, or None without one), then publish the
+        weights the engine must hold before it generates."""
+        meta = self.restore_latest() if resume else None
+        return meta, self._publish()
 
-    def publish(self) -> tuple[WeightMessage, list[dict]]:
+    def train(self, batch, rewards, step: int) -> PhaseResult:
+        """TRAIN: group advantages from `rewards` (N,), logprobs and the GRPO updates of one step, then
+        publish v+1."""
+        import jax.numpy as jnp
+
+        from workers.grpo import group_advantages
+
+        g = self.spec.config.grpo
+        with self.timeline.span("train", samples=batch.size):
+            # jnp, not numpy: the math is the jitted kind everywhere (numpy's float32 sums round differently)
+            advantages = group_advantages(jnp.asarray(rewards), g.num_generations,
+                                          normalize_std=g.normalize_advantage_std)
+            metrics = self.worker.train(batch.with_advantages(advantages), step=step, timeline=self.timeline)
+        message = self._publish()
+        return PhaseResult(metrics, self.timeline.drain(), self.memory_probe(), message=message)
+
+    def _publish(self) -> WeightMessage:
         """Send the current params (never the optimizer state) into the task's comm channel."""
         with self.timeline.span("publish") as span:
             snapshot = self.worker.export_weights()
             message = self.channel.send(snapshot.flat, snapshot.version, snapshot.checksum)
             span["bytes"] = message.nbytes
-        return message, self.timeline.drain()
+        return message
 
-    def version(self) -> int:
-        return self.worker.version
+    def publish(self) -> tuple[WeightMessage, list[dict]]:
+        """Publish the current weights again (e.g. for a new engine); (message, spans)."""
+        return self._publish(), self.timeline.drain()
 
     def save(self, step: int, meta: dict[str, Any]) -> None:
         self.checkpointer.save(step, self.worker.state, {**meta, "version": self.worker.version})
@@ -127,9 +159,6 @@ class ActorRole(_Role):
         self.worker.state, self.worker.version = state, int(meta["version"])
         return meta
 
-    def checkpoint_dir(self) -> str:
-        return str(self.checkpointer.directory)
-
     def close(self) -> None:
         self.checkpointer.close()
 
@@ -139,54 +168,66 @@ class EngineRole(_Role):
 
     kind = "engine"
 
-    def __init__(self, experiment: dict, index: int, *, channel: WeightChannel, cores: list[int] | None = None):
+    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None):
         from workers.rollout import XLA_CPU_THREADS, make_engine
 
-        cfg, task = _task(experiment, index)
-        r, g = task.rollout, task.grpo
+        r, g = spec.config.rollout, spec.config.grpo
         if cores:
-            placement.pin_process(cores, xla_threads=XLA_CPU_THREADS.get(r.engine, 1))
-        self.name = task.name
+            pin.pin_process(cores, xla_threads=XLA_CPU_THREADS.get(r.engine, 1))
+        self.name = spec.name
         self.channel = channel
-        self.timeline = _timeline("engine", task.name)
-
-        self.engine = make_engine(r.engine, task.model.path, dtype=task.model.dtype, max_prompt_len=g.max_prompt_len,
-                                  max_new_tokens=g.max_new_tokens, max_batch_size=r.max_batch_size, weight_version=-1,
-                                  seed=task.resolved_seed(cfg.experiment.seed, index), **r.engine_args)
+        self.timeline = Timeline("engine", task=spec.name)
+        self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
+                                  max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
+                                  max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
+                                  **r.engine_args)
         self._held = self.engine
+
+    def rollout(self, message: WeightMessage, prompt_ids, params) -> PhaseResult:
+        """ROLLOUT: bring the engine up to `message`'s weights if it is behind, verify them, generate."""
+        swap = self.update_weights(message) if self.version() != message.version else {}
+        output = self.generate(prompt_ids, params, expected=message)
+        return PhaseResult(output, self.timeline.drain(), self.memory_probe(), swap=swap)
 
     def version(self) -> int:
         return self.engine.weight_version
 
-    def update_weights(self, message: WeightMessage) -> tuple[dict[str, int], list[dict]]:
-        """Receive `message`'s params from the channel and swap them in; (swap stats, spans)."""
-        with self.timeline.span("receive", bytes=message.nbytes):
-            flat = self.channel.receive(message)
-        with self.timeline.span("swap", bytes=message.nbytes) as span:
-            stats = self.engine.update_weights(flat, message.version)
-            span.update(stats or {})
-        return dict(stats or {}), self.timeline.drain()
+    def update_weights(self, message: WeightMessage) -> dict[str, int]:
+        """Receive `message`'s params from the channel and swap them in; the swap's stats."""
+        with self.timeline.span("sync_weights", bytes=message.nbytes) as sync:
+            with self.timeline.span("receive", bytes=message.nbytes):
+                flat = self.channel.receive(message)
+            with self.timeline.span("swap", bytes=message.nbytes) as span:
+                stats = dict(self.engine.update_weights(flat, message.version) or {})
+                span.update(stats)
+            sync.update(stats)
+        return stats
 
     def verify(self) -> str | None:
         """The checksum of the weights the engine holds now (hashed from the device, not cached
         across an onload)."""
-        return self.engine.weight_checksum
+        with self.timeline.span("verify"):
+            return self.engine.weight_checksum
 
-    def generate(self, prompt_ids, params):
-        return self.engine.generate(prompt_ids, params)
-
-    def close(self) -> None:
-        pass
+    def generate(self, prompt_ids, params, *, expected: WeightMessage):
+        """Generate, but only with exactly the weights `expected` announced: same version, same checksum."""
+        if self.version() != expected.version:
+            raise TaskError(f"task {self.name}: the engine holds weights v{self.version()} but the actor published "
+                            f"v{expected.version}; refusing to generate with stale weights")
+        if self.verify() != expected.checksum:
+            raise TaskError(f"task {self.name}: engine checksum differs from the actor's published "
+                            f"v{expected.version}; refusing to generate with unverified weights")
+        with self.timeline.span("generate") as span:
+            output = self.engine.generate(prompt_ids, params)
+            span["tokens"] = output.num_tokens
+        return output
 
 
 # ---- where a role runs --------------------------------------------------------------------------------
 
 
 class RemoteRole:
-    """A role in another process, called like a local one: each method is one blocking round trip.
-
-    Called from the task driver's worker thread (never its event loop), so blocking is harmless.
-    """
+    """A role in another process, called like a local one: each method is one blocking round trip."""
 
     def __init__(self, handle, kind: str):
         self._handle, self.kind = handle, kind
@@ -210,40 +251,42 @@ class RemoteRole:
         return self._handle
 
     def terminate(self) -> None:
-        """End the role's process (its owner ends it anyway when it exits; this frees it now)."""
+        """End the role's process now (its owner would end it when it exits)."""
         import ray
 
         ray.kill(self._handle, no_restart=True)
 
 
-def spawn_local(cls, experiment: dict, index: int, *, channel: WeightChannel, **_placement):
-    return cls(experiment, index, channel=channel)
+def channel_for(spec: TaskSpec, placement: RolePlacement | None, kind: str | None = None) -> WeightChannel:
+    """The task's comm channel: in memory when both roles share this process, else Ray's object store."""
+    local = placement is None and not _own_process(spec)
+    return make_channel(kind or ("local" if local else "object_store"), spec.comm_group)
 
 
-def spawn_process(cls, experiment: dict, index: int, *, channel: WeightChannel, **_placement) -> RemoteRole:
-    """Start `cls` in a Ray actor process of its own on the local Ray (started if it is not), with no
-    placement group: for a role that must not share the caller's process (see
-    workers.rollout.OWN_PROCESS_ENGINES) when the caller runs its task in-process."""
-    from rlsched.experiment import init_ray
+def _own_process(spec: TaskSpec) -> bool:
+    from workers.rollout import OWN_PROCESS_ENGINES  # a name table; imports no engine
 
-    init_ray()
-    return spawn_ray(cls, experiment, index, channel=channel)
+    return spec.config.rollout.engine in OWN_PROCESS_ENGINES
 
 
-def spawn_ray(cls, experiment: dict, index: int, *, channel: WeightChannel, placement_group=None, bundle: int = 0,
-              cores: list[int] | None = None, resource: str = "CPU") -> RemoteRole:
-    """Start `cls` in a Ray actor process of its own, in `placement_group`'s bundle, pinned to `cores`.
-
-    Its share of the bundle is nominal (1/100 of one unit): the bundle reserves the device, the
-    pinning decides who uses which core, and several tasks' roles take turns on it under the locks.
-    """
+def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlacement | None):
+    """Start role `cls` for `spec`: in this process (`placement` None), except an engine that must have a
+    process of its own (workers.rollout.OWN_PROCESS_ENGINES), or as a Ray actor in `placement`."""
+    if placement is None and not (cls is EngineRole and _own_process(spec)):
+        return cls(spec, channel=channel)
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    # Its share of the bundle is nominal (1/100 of one unit): the bundle reserves the device, the
+    # pinning decides who uses which core, and several tasks' roles take turns on it under the locks.
     options: dict[str, Any] = {"max_restarts": 0, "num_cpus": 0}
-    options["num_gpus" if resource == "GPU" else "num_cpus"] = 0.01
-    if placement_group is not None:
+    cores = None
+    if placement is None:
+        init_ray()  # an in-process run whose engine needs a process of its own: the local Ray
+    else:
+        options["num_gpus" if placement.resource == "GPU" else "num_cpus"] = 0.01
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group, placement_group_bundle_index=bundle)
-    handle = ray.remote(cls).options(**options).remote(experiment, index, channel=channel, cores=cores)
+            placement.placement_group, placement_group_bundle_index=placement.bundles[cls.kind])
+        cores = placement.cores[cls.kind]
+    handle = ray.remote(cls).options(**options).remote(spec, channel=channel, cores=cores)
     return RemoteRole(handle, cls.kind)

@@ -7,15 +7,14 @@ Design decisions:
   or when the process holding it dies: every task registers a *lifeline* (an actor method that
   never returns); Ray fails that call the moment the actor dies, and the scheduler marks the task
   failed and hands its lock to the next waiter. No heartbeats, no polling of liveness.
-- The scheduler also owns the names that must never collide between tasks: ports (from one
-  allocator, bound-and-released on 127.0.0.1 then reserved) and comm-group names.
+- Drivers reach it through a lock provider (`SchedulerLocks`); `FreeLocks` is the always-free twin
+  that an in-process run plugs into the same step loop (rlsched.task).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import time
 from typing import Any
 
@@ -39,13 +38,11 @@ class LeaseLost(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0, experiment: str = "default"):
+    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0):
         self.policy = policy
         self.lease_timeout_s = lease_timeout_s
-        self.experiment = experiment
         self._waiters: dict[int, tuple[asyncio.Future, float]] = {}
         self._failed: dict[str, str] = {}  # task -> cause
-        self._ports: dict[int, str] = {}
         self._watchdog: asyncio.Task | None = None
         self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
         self.grant_log: list[tuple[float, str, str, str]] = []  # (time, task, phase, resource)
@@ -147,27 +144,6 @@ class Scheduler:
             for task in self.policy.expired(time.monotonic(), self.lease_timeout_s):
                 await self.fail(task, f"held its lease longer than lease_timeout_s={self.lease_timeout_s}")
 
-    # ---- names that must not collide ----------------------------------------------------------------
-
-    def allocate_ports(self, task: str, count: int = 1) -> list[int]:
-        """Free 127.0.0.1 ports, never handed to two tasks (the OS picks; we remember)."""
-        ports: list[int] = []
-        while len(ports) < count:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in self._ports:
-                self._ports[port] = task
-                ports.append(port)
-        return ports
-
-    def release_ports(self, task: str) -> None:
-        for port in [p for p, t in self._ports.items() if t == task]:
-            del self._ports[port]
-
-    def comm_group(self, task: str, src: str = "actor", dst: str = "rollout") -> str:
-        return f"{self.experiment}/{task}/{src}->{dst}"
-
     # ---- memory ---------------------------------------------------------------------------------------
 
     def report_memory(self, task: str, role: str, sizes: dict[str, int]) -> None:
@@ -186,3 +162,68 @@ class Scheduler:
     def state(self) -> dict[str, Any]:
         return {"failed": dict(self._failed), "grants": len(self.grant_log), "snapshot": self.policy.snapshot(),
                 "measured": {name: pool.snapshot() for name, pool in self.measured.items()}}
+
+
+# ---- lock providers: what a task's step loop holds its phases with ------------------------------------------
+
+
+class SchedulerLocks:
+    """The scheduler actor, called from a task driver's loop thread (blocking calls; nobody polls).
+
+    A release is sent without waiting for its answer: calls from one caller reach the actor in order,
+    so the next acquire comes after it, and its outcome is checked then (or at `close`)."""
+
+    def __init__(self, scheduler, task: str):
+        self.scheduler, self.task = scheduler, task
+        self._released = None  # the last release's ref, checked before the next call
+
+    def _settle(self) -> None:
+        import ray
+
+        if self._released is not None:
+            ref, self._released = self._released, None
+            ray.get(ref)
+
+    def acquire(self, phase: Phase) -> Lease:
+        import ray
+
+        self._settle()
+        return ray.get(self.scheduler.acquire.remote(self.task, str(phase)))
+
+    def release(self, phase: Phase) -> None:
+        self._released = self.scheduler.release.remote(self.task, str(phase))
+
+    def fail(self, cause: str) -> None:
+        import ray
+
+        ray.get(self.scheduler.fail.remote(self.task, cause))
+
+    def report_memory(self, role: str, sizes: dict[str, int]) -> None:
+        self.scheduler.report_memory.remote(self.task, role, sizes)  # accounting, not control: no wait
+
+    def close(self) -> None:
+        self._settle()
+
+
+class FreeLocks:
+    """Always free, nothing to move: one task alone in this process (`rlsched train --in-process`)."""
+
+    def __init__(self, task: str):
+        self.task = task
+        self._ids = 0
+
+    def acquire(self, phase: Phase) -> Lease:
+        self._ids += 1
+        return Lease(self._ids, self.task, Phase(phase), f"local/{Phase(phase)}", (), time.monotonic(), 0.0)
+
+    def release(self, phase: Phase) -> None:
+        pass
+
+    def fail(self, cause: str) -> None:
+        pass
+
+    def report_memory(self, role: str, sizes: dict[str, int]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

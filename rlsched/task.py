@@ -1,174 +1,248 @@
-"""TaskDriver: one task's step loop under the scheduler's locks, as an async Ray actor.
+"""One task: its lifecycle (start, resume, close) and its one step loop.
 
-`run` reads as DESIGN.md's step: acquire ROLLOUT -> onload engine -> sync + verify weights ->
-generate -> release; score rewards on the host; acquire TRAIN -> onload actor -> logprobs,
-advantages, updates -> publish weights -> release.
+`TaskDriver.step` reads as DESIGN.md's "One step of one task": draw prompts -> hold ROLLOUT (onload
+the engine if asked; sync + verify + generate) -> score rewards and pad the batch on the host -> hold
+TRAIN (onload the actor if asked; advantages, updates, publish v+1; the metrics line; a checkpoint
+when due). The same loop runs everywhere; what differs is plugged in:
 
+    TaskDriver(spec, FreeLocks(task))                        # --in-process: always-free locks, roles here
+    TaskDriver(spec, SchedulerLocks(scheduler, task), placement=where)   # a Ray actor per task, roles as
+                                                                        # Ray actors in the device group
 Design decisions (and why):
-- The driver holds no weights. The task's actor and engine are Ray actors of their own
-  (rlsched.roles), placed in the device group's placement group and pinned to their devices
-  (disaggregated: engine on the rollout pool, actor on the train pool; colocated: both on all).
-  Weights go actor -> engine through the task's comm channel; the driver forwards a message.
-- Blocking work (each phase, each memory move) runs in a worker thread, so the event loop stays
-  free to answer the scheduler (lifeline, eviction requests) while a phase runs.
-- Every move goes through `memory.Residency`, which updates this task's memory pool, mirrors it
-  into the scheduler's, and records an onload/offload span.
-- The lock hold is one span named after the phase (ROLLOUT / TRAIN) on the lock's resource, and
-  every finer span of the phase carries the same resource, so the trace shows the lock exactly.
+- **The driver holds no weights and never imports JAX.** Weights stay in the roles and travel actor ->
+  engine through the task's comm channel; the driver forwards a message. On a TPU host a process that
+  touched JAX would claim the chips.
+- **One call per role per phase** (rlsched.roles): each returns its spans and its memory probe, so a
+  step costs two role round trips and two lock acquisitions, nothing else.
+- **Every move goes through `memory.Residency`**, which updates this task's pool, mirrors it into the
+  scheduler's, and records an onload/offload span. Moves come from our own grant (inside `hold`) or
+  from the scheduler evicting an idle role for another task (`move`, on another thread of the driver's
+  actor); one lock serialises them.
+- **A lock hold is one span named after the phase** (ROLLOUT / TRAIN) on the lock's resource, and every
+  finer span of the phase carries the same resource, so the trace shows the lock exactly.
+- **The metrics line and the checkpoint are written inside the TRAIN hold**: the actor's state is
+  resident and nobody can evict it mid-save, and the line of step N is on disk before checkpoint N, so a
+  resumed run never lacks a line.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import threading
 import time
-import traceback
 from typing import Any
 
-from rlsched import placement
-from rlsched.config import ExperimentConfig
+from rlsched.cluster import RolePlacement
+from rlsched.config import TaskSpec
+from rlsched.errors import TaskError
 from rlsched.memory import MemoryPool, Residency
+from rlsched.phases import HostWork, check_model_path, progress_line, step_metrics
 from rlsched.policy import Phase, Role
+from rlsched.roles import ActorRole, EngineRole, PhaseResult, RemoteRole, channel_for, spawn
+from rlsched.timeline import Timeline
+from rlsched.tracking import make_trackers
 
 
 class TaskDriver:
-    def __init__(self, experiment: dict, index: int, scheduler, *, resume: bool = False, placement_group=None,
-                 cores: list[int] | None = None, resource: str = "CPU", initial_moves=()):
-        self.cfg = ExperimentConfig.model_validate(experiment)
-        self.index, self.task = index, self.cfg.tasks[index].name
-        self.scheduler = scheduler
+    def __init__(self, spec: TaskSpec, locks, *, placement: RolePlacement | None = None, resume: bool = False,
+                 echo=print, initial_moves=(), channel: str | None = None):
+        self.spec, self.name, self.locks = spec, spec.name, locks
+        self.placement, self.resume, self.echo = placement, resume, echo
+        self.timeline = Timeline("driver", task=spec.name)
+        self.channel = channel_for(spec, placement, channel)
+        self.roles: dict[Role, Any] = {}
+        self.residency: dict[Role, Residency] = {}
+        self.memory: dict[Role, dict[str, int]] = {Role.ACTOR: {}, Role.ENGINE: {}}  # last probe of each role
+        self.where: dict[str, str] = {}  # phase and resource of the lock held now
         self.lock_wait_s = 0.0
-        self._start_args = (resume, placement_group, cores or placement.visible_cores(), resource)
-        self._started: asyncio.Task | None = None
+        self.step_done = 0
+        self.tracker = None
         self._initial_moves = list(initial_moves)  # offloads the policy decided at registration
-        self.runner = None
+        self._started = threading.Event()
+        self._moving = threading.Lock()
 
-    async def start(self) -> None:
-        """Build the task's roles (their processes start, load the model and publish v0), then do the
-        offloads the policy asked for at registration. Off the event loop: the lifeline and eviction
-        requests stay answerable meanwhile."""
-        if self._started is None:
-            self._started = asyncio.get_running_loop().create_task(self._start())
-        await self._started
+    # ---- lifecycle ----------------------------------------------------------------------------------
 
-    async def _start(self) -> None:
-        await asyncio.to_thread(self._build)
-        for role, action in self._initial_moves:
-            r = self.residency[Role(role)]
-            await asyncio.to_thread(r.offload if action == "offload" else r.onload)
-
-    def _build(self) -> None:
-        from rlsched.roles import spawn_ray
-        from rlsched.timeline import Timeline
-        from rlsched.trainer import TaskRunner  # JAX is imported in the worker processes only
-
-        resume, placement_group, cores, resource = self._start_args
-        mode = self.cfg.cluster.placement
-        where = {"engine": (0, placement.phase_cores(mode, Phase.ROLLOUT, cores)),
-                 "actor": (0 if mode == "colocated" else 1, placement.phase_cores(mode, Phase.TRAIN, cores))}
-
-        def spawn(cls, raw, i, *, channel, role):
-            bundle, role_cores = where[role]
-            return spawn_ray(cls, raw, i, channel=channel, placement_group=placement_group, bundle=bundle,
-                             cores=role_cores, resource=resource)
-
-        self.timeline = Timeline("driver", task=self.task)
-        runner = TaskRunner(self.cfg, self.index, resume=resume, echo=self._echo, spawn=spawn,
-                            channel="object_store", timeline=self.timeline)
-        self.pool = MemoryPool(self.task)
-        workers = {Role.ENGINE: runner.engine, Role.ACTOR: runner.actor}
-        self.residency = {role: Residency(self.pool, self.task, str(role), onload=w.onload, offload=w.offload,
-                                          timeline=self.timeline, resident=True, sizes=w.memory(),
-                                          on_change=self._report_memory)
-                          for role, w in workers.items()}
-        self.runner = runner
-
-    def _echo(self, line: str) -> None:
-        print(line, flush=True)
-
-    def _report_memory(self, task: str, role: str, sizes: dict[str, int]) -> None:
-        self.scheduler.report_memory.remote(task, role, sizes)  # fire and forget: accounting, not control
-
-    async def lifeline(self) -> None:
-        """Never returns while this process lives: the scheduler awaits it to learn of our death."""
-        await asyncio.Event().wait()
-
-    @contextlib.asynccontextmanager
-    async def lock(self, phase: Phase):
-        """Hold `phase`'s lock; first perform the moves the grant asks of this task (onload)."""
-        asked = self.timeline.now()
-        lease = await self.scheduler.acquire.remote(self.task, str(phase))
-        where = {"phase": str(phase), "resource": lease.resource}
-        self.timeline.add_span("lock_wait", asked, self.timeline.now(), **where)
-        self.lock_wait_s += lease.waited_s
-        self.runner.where = where
+    def start(self) -> None:
+        """Start the roles (the actor first: it makes the model when a preset asks), resume from the last
+        checkpoint if asked, publish the weights, and do the offloads the policy asked for at registration."""
         try:
-            with self.timeline.span(str(phase).upper(), **where):
+            m = self.spec.config.model
+            path = check_model_path(self.spec)
+            if m.init_preset is not None and not (path / "config.json").is_file():
+                self.echo(f"[{self.name}] creating a random {m.init_preset} Qwen3 at {path}")
+            self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, placement=self.placement)
+            meta, self.published = self.roles[Role.ACTOR].start(self.resume)  # what the engine must hold
+            self.host = HostWork(self.spec, self.echo)
+            self.roles[Role.ENGINE] = spawn(EngineRole, self.spec, channel=self.channel, placement=self.placement)
+            self.tracker = make_trackers(self.spec.tracking, run_dir=self.spec.dir, experiment=self.spec.experiment,
+                                         task=self.name, hparams=self.spec.config.model_dump(mode="json"))
+            self._resume_from(meta)
+            pool = MemoryPool(self.name)
+            self.residency = {role: Residency(pool, self.name, str(role), onload=w.onload, offload=w.offload,
+                                              timeline=self.timeline, resident=True, sizes=w.memory(),
+                                              on_change=self._report_memory)
+                              for role, w in self.roles.items()}
+            for role, action in self._initial_moves:
+                self._move(role, action)
+        finally:
+            self._started.set()
+
+    def _resume_from(self, meta: dict[str, Any] | None) -> None:
+        if not self.resume:
+            return
+        if meta is None:
+            self.echo(f"[{self.name}] --resume: no checkpoint in {self.spec.checkpoint_dir}; starting fresh")
+            return
+        self.host.loader.load_state(meta["loader"])
+        self.step_done = int(meta["step"])
+        self.tracker.truncate_after(self.step_done)  # lines written after the checkpoint are replayed
+        self.echo(f"[{self.name}] resumed after step {self.step_done} (weights v{meta['version']})")
+
+    def run(self, until: int | None = None) -> list[dict[str, Any]]:
+        """Start, run the remaining steps (or stop after step `until`), close; returns this call's metrics.
+        A failure is reported to the locks (the scheduler frees this task's lease) and raised."""
+        history, exit_code = [], 1  # trackers of a failed task finish as failed
+        try:
+            self.start()
+            last = self.spec.config.steps if until is None else min(until, self.spec.config.steps)
+            for n in range(self.step_done + 1, last + 1):
+                history.append(self.step(n))
+            exit_code = 0
+            return history
+        except BaseException as err:
+            with contextlib.suppress(Exception):  # the scheduler may be gone too; the error below says why
+                self.locks.fail(f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            self.close(exit_code)
+
+    def close(self, exit_code: int = 0) -> None:
+        """Finish the trackers, close the roles and end the processes of those that run in one. Each
+        close runs even if an earlier one raised; what fails is said, never hidden."""
+        closes = [("trackers", lambda: self.tracker and self.tracker.finish(exit_code))]
+        for role, r in self.roles.items():
+            closes.append((f"{role} close", r.close))
+            if isinstance(r, RemoteRole):
+                closes.append((f"{role} process", r.terminate))
+        closes.append(("locks", self.locks.close))
+        for what, close in closes:
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - a dead role cannot close; go on with the rest
+                self.echo(f"[{self.name}] {what} failed: {type(err).__name__}: {err}")
+
+    # ---- one step -----------------------------------------------------------------------------------
+
+    def step(self, n: int) -> dict[str, Any]:
+        """One GRPO step; returns its metrics line."""
+        t = _Clock()
+        prompts = self.host.next_prompts()  # host work stays outside the locks
+        t.mark("ask_rollout")
+        with self.hold(Phase.ROLLOUT):
+            t.mark("rollout")
+            rollout = self.call(Role.ENGINE, "rollout", self.published, prompts.ids, self.host.sampling_params(n))
+        t.mark("score")
+        rewards, reward_errors = self.host.score(prompts, rollout.value)
+        batch = self.host.train_batch(prompts, rollout.value)  # padding; the actor adds the advantages
+        t.mark("ask_train")
+        with self.hold(Phase.TRAIN):
+            t.mark("train")
+            train = self.call(Role.ACTOR, "train", batch, rewards, n)  # advantages, updates, publish v+1
+            self.published = train.message
+            t.mark("end")
+            metrics = step_metrics(rollout.value, rewards, reward_errors, train.value, self.published.version, {
+                "time/rollout_s": t["rollout", "score"], "time/reward_s": t["score", "ask_train"],
+                "time/train_s": t["train", "end"], "time/step_s": t["start", "end"],
+                "time/lock_wait_s": t["ask_rollout", "rollout"] + t["ask_train", "train"],
+                "time/end_unix": time.time()})
+            self.record(n, metrics, train.value)
+            self.checkpoint_if_due(n)
+        return metrics
+
+    @contextlib.contextmanager
+    def hold(self, phase: Phase):
+        """Hold `phase`'s lock; first perform the moves the grant asks of this task (onload, offload)."""
+        asked = self.timeline.now()
+        lease = self.locks.acquire(phase)
+        self.where = {"phase": str(phase), "resource": lease.resource}
+        self.timeline.add_span("lock_wait", asked, self.timeline.now(), **self.where)
+        self.lock_wait_s += lease.waited_s
+        try:
+            with self.timeline.span(str(phase).upper(), **self.where):
                 for m in lease.moves:
-                    if m.task == self.task:
-                        await self.move(str(m.role), str(m.action))
+                    if m.task == self.name:
+                        self._move(str(m.role), str(m.action))
                 yield lease
         finally:
-            self.runner.where = {}
-            await self.scheduler.release.remote(self.task, str(phase))
+            self.where = {}
+            self.locks.release(phase)
 
-    async def move(self, role: str, action: str) -> None:
-        """Offload (device -> host) or onload one of this task's roles: asked by our own grant, or by
-        the scheduler to evict an idle role for another task."""
-        await self.start()
-        r = self.residency[Role(role)]
-        await asyncio.to_thread(r.offload if action == "offload" else r.onload, **self.runner.where)
+    def call(self, role: Role, method: str, *args) -> PhaseResult:
+        """A phase's one call on `role`: its spans join our timeline on the lock held, its probe is kept."""
+        result = getattr(self.roles[role], method)(*args)
+        held = self.where
+        self.timeline.extend([{**e, **{k: v for k, v in held.items() if e.get(k) is None}} for e in result.events])
+        self.memory[role] = result.memory
+        return result
 
-    async def run(self) -> dict[str, Any]:
-        try:
-            await self.start()
-        except Exception as err:  # noqa: BLE001 - e.g. a role could not load its model
-            await self.scheduler.fail.remote(self.task, f"{type(err).__name__}: {err}")
-            return {"task": self.task, "status": "failed", "steps": 0, "error": f"{type(err).__name__}: {err}",
-                    "traceback": traceback.format_exc()}
-        r = self.runner
-        exit_code = 1  # until the last step is recorded: trackers of a failed task finish as failed
-        try:
-            for step in range(r.step_done + 1, r.cfg.steps + 1):
-                t0 = time.perf_counter()
-                prompts = await asyncio.to_thread(r.next_prompts)  # host work stays outside the locks
-                asked = time.perf_counter()
-                async with self.lock(Phase.ROLLOUT):
-                    t1 = time.perf_counter()
-                    rollout = await asyncio.to_thread(r.rollout_phase, step, prompts)  # sync, verify, generate
-                t2 = time.perf_counter()
-                rewards, reward_errors = await asyncio.to_thread(r.score, rollout.prompts, rollout.output)
-                batch = await asyncio.to_thread(r.train_batch, rollout, rewards)  # advantages, padding
-                t3 = time.perf_counter()
-                async with self.lock(Phase.TRAIN):
-                    t4 = time.perf_counter()
-                    train = await asyncio.to_thread(r.train_phase, step, batch)  # updates, publish
-                t5 = time.perf_counter()
-                await asyncio.to_thread(self.record, step, rollout, rewards, reward_errors, train, {
-                    "time/rollout_s": t2 - t1, "time/reward_s": t3 - t2, "time/train_s": t5 - t4,
-                    "time/lock_wait_s": (t1 - asked) + (t4 - t3), "time/step_s": t5 - t0,
-                    "time/end_unix": time.time()})
-            exit_code = 0
-            return {"task": self.task, "status": "ok", "steps": r.step_done}
-        except Exception as err:  # noqa: BLE001 - reported to the user with the cause, others go on
-            await self.scheduler.fail.remote(self.task, f"{type(err).__name__}: {err}")
-            return {"task": self.task, "status": "failed", "steps": r.step_done,
-                    "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
-        finally:
-            with contextlib.suppress(Exception):  # a dead role cannot close; the result above says why
-                await asyncio.to_thread(r.close, exit_code)
+    def record(self, n: int, metrics: dict[str, Any], train: dict[str, float]) -> None:
+        """The metrics line (with the memory each role held after its phase) and the progress line."""
+        if train["skipped"]:
+            self.echo(f"[{self.name}] step {n}: non-finite loss or gradient in {train['skipped']:.0f} "
+                      "optimizer step(s); those updates were skipped, the params are unchanged")
+        self.tracker.log(n, {**metrics, **self.memory[Role.ACTOR], **self.memory[Role.ENGINE]})
+        self.step_done = n
+        if n % self.spec.config.log_every == 0 or n == self.spec.config.steps:
+            self.echo(progress_line(self.name, n, self.spec.config.steps, metrics))
 
-    def record(self, step, rollout, rewards, reward_errors, train, times) -> None:
-        from rlsched.trainer import step_metrics
+    def checkpoint_if_due(self, n: int) -> None:
+        every = self.spec.config.checkpoint_every
+        if every and (n % every == 0 or n == self.spec.config.steps):
+            self.roles[Role.ACTOR].save(n, {"step": n, "loader": self.host.loader.state(), "task": self.name})
 
-        self.runner.record(step, step_metrics(rollout, rewards, reward_errors, train, self.runner.published.version,
-                                              times))
+    # ---- memory moves ---------------------------------------------------------------------------------
 
-    async def role_handles(self) -> dict[str, Any]:
-        """{"engine": handle, "actor": handle} of this task's role actors (for tools and fault tests)."""
-        await self.start()
-        return {"engine": self.runner.engine.handle, "actor": self.runner.actor.handle}
+    def move(self, role: str, action: str) -> None:
+        """Offload (device -> host) or onload one of this task's roles, asked by the scheduler to evict an
+        idle role for another task. Waits until the roles exist."""
+        self._started.wait()
+        if not self.residency:
+            raise TaskError(f"task {self.name}: its roles did not start, so its {role} cannot {action}")
+        self._move(role, action)
+
+    def _move(self, role: str, action: str) -> None:
+        with self._moving:
+            r = self.residency[Role(role)]
+            (r.offload if action == "offload" else r.onload)(**self.where)
+
+    def _report_memory(self, task: str, role: str, sizes: dict[str, int]) -> None:
+        self.locks.report_memory(role, sizes)
+
+    # ---- for the experiment and for tools -------------------------------------------------------------
+
+    def lifeline(self) -> None:
+        """Never returns while this process lives: the scheduler awaits it to learn of our death."""
+        threading.Event().wait()
 
     def events(self) -> list[dict]:
         """This task's timeline (driver and roles), for the experiment's trace."""
-        return self.timeline.events() if self.runner is not None else []
+        return self.timeline.events()
+
+    def role_handles(self) -> dict[str, Any]:
+        """{"engine": handle, "actor": handle} of this task's role actors (for tools and fault tests)."""
+        self._started.wait()
+        return {str(role): r.handle for role, r in self.roles.items() if isinstance(r, RemoteRole)}
+
+
+class _Clock:
+    """Named instants of a step (`mark`); `clock[a, b]` is the seconds from mark a to mark b."""
+
+    def __init__(self):
+        self._marks = {"start": time.perf_counter()}
+
+    def mark(self, name: str) -> None:
+        self._marks[name] = time.perf_counter()
+
+    def __getitem__(self, span: tuple[str, str]) -> float:
+        return self._marks[span[1]] - self._marks[span[0]]

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from rlsched.runfiles import json_safe, write_atomic
 
 LOCKS = ("ROLLOUT", "TRAIN")  # the names of lock-hold spans
 SWITCH = ("onload", "offload", "sync_weights", "verify")  # what multiplexing costs a task
@@ -78,7 +78,7 @@ class Timeline:
             "kind": "span", "task": task if task is not None else self.task, "process": self.process, "name": name,
             "phase": None if phase is None else str(phase), "resource": resource, "device": device,
             "start": float(start), "end": float(max(end, start)), "bytes": None if bytes is None else int(bytes),
-            "args": {k: _json_safe(v) for k, v in args.items()}})
+            "args": {k: json_safe(v) for k, v in args.items()}})
 
     def counter(self, name: str, values: dict[str, float], ts: float | None = None) -> None:
         self._events.append({"kind": "counter", "task": self.task, "process": self.process, "name": name,
@@ -110,14 +110,6 @@ class NullTimeline(Timeline):
 
     def extend(self, events: list[dict[str, Any]]) -> None:
         pass
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    if hasattr(value, "item"):  # numpy / jax scalars
-        return value.item()
-    return str(value)
 
 
 # ---- Chrome trace -------------------------------------------------------------------------------------------
@@ -166,13 +158,7 @@ def chrome_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write_chrome_trace(path: str | Path, events: list[dict[str, Any]]) -> Path:
     """Write the trace atomically (a reader sees the old file or the new one, never half)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        json.dump(chrome_trace(events), f)
-    os.chmod(f.name, 0o644)
-    os.replace(f.name, path)
-    return path
+    return write_atomic(path, json.dumps(chrome_trace(events)))
 
 
 def read_trace(path: str | Path) -> list[dict[str, Any]]:

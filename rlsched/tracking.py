@@ -29,7 +29,6 @@ Design decisions:
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 import time
@@ -37,6 +36,8 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from rlsched.runfiles import json_safe, write_atomic
 
 if TYPE_CHECKING:
     from rlsched.config import TrackingSection
@@ -95,35 +96,11 @@ def _scalar(value: Any) -> Any:
     return value
 
 
-def _json_safe(value: Any) -> Any:
-    value = _scalar(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else str(value)  # JSON has no NaN/inf; keep them visible
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text`: readers see the old file or the new one, never a half-written one."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _update_json(path: Path, values: Mapping[str, Any]) -> None:
     merged = json.loads(path.read_text()) if path.exists() else {}
-    merged.update(_json_safe(dict(values)))
+    merged.update(json_safe(dict(values)))
     # default=str: settings such as paths or enums are recorded as text rather than refused.
-    _write_atomic(path, json.dumps(merged, indent=2, default=str) + "\n")
+    write_atomic(path, json.dumps(merged, indent=2, default=str) + "\n")
 
 
 class JsonlTracker(_FinishOnExit):
@@ -138,7 +115,7 @@ class JsonlTracker(_FinishOnExit):
         self._file = self.path.open("a")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        line = json.dumps({"step": step, **{k: _json_safe(v) for k, v in metrics.items()}}, sort_keys=False)
+        line = json.dumps({"step": step, **{k: json_safe(v) for k, v in metrics.items()}}, sort_keys=False)
         self._file.write(line + "\n")
         self._file.flush()
 
@@ -155,7 +132,7 @@ class JsonlTracker(_FinishOnExit):
         """Keep only lines with step <= `step` (rewrite atomically)."""
         self._file.close()
         kept = [line for line in read_metrics(self.path) if line["step"] <= step]
-        _write_atomic(self.path, "".join(json.dumps(line) + "\n" for line in kept))
+        write_atomic(self.path, "".join(json.dumps(line) + "\n" for line in kept))
         self._file = self.path.open("a")
 
 

@@ -32,7 +32,7 @@ def ray_session():
     """One embedded local Ray for the whole test session (started on first use)."""
     import ray
 
-    from rlsched.experiment import init_ray
+    from rlsched.cluster import init_ray
 
     init_ray()
     yield ray

@@ -7,10 +7,10 @@ import time
 import pytest
 import yaml
 
-from rlsched.config import validate
+from rlsched.config import select_tasks, validate
 from rlsched.experiment import run_experiment
+from rlsched.runfiles import prepare_run_dir
 from rlsched.tracking import read_metrics
-from rlsched.train import prepare_run_dir, select_tasks
 
 pytestmark = pytest.mark.slow
 
@@ -163,35 +163,3 @@ def _kill_after_first_step(actor, metrics_path, timeout=120.0):
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
-
-
-def test_ports_and_groups_never_collide_when_tasks_start_together(ray_session):
-    import ray
-
-    from rlsched.policy import GroupSpec, Policy
-    from rlsched.scheduler import Scheduler
-
-    policy = Policy({"g0": GroupSpec.colocated()})
-    tasks = [f"t{i}" for i in range(4)]
-    for t in tasks:
-        policy.register(t, "g0", 1, 1)
-    scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, experiment="ports")
-
-    @ray.remote(num_cpus=0)
-    def start_task(s, task, barrier_time):
-        import time as t
-
-        t.sleep(max(0.0, barrier_time - t.time()))  # all four ask at the same instant
-        return ray.get(s.allocate_ports.remote(task, 2)), ray.get(s.comm_group.remote(task))
-
-    seen_ports, seen_groups = set(), set()
-    for round_ in range(20):
-        at = time.time() + 0.3
-        out = ray.get([start_task.remote(scheduler, f"{t}-{round_}", at) for t in tasks])
-        ports = [p for ps, _ in out for p in ps]
-        groups = [g for _, g in out]
-        assert len(set(ports)) == 8 and not seen_ports & set(ports), "a port was handed out twice"
-        assert len(set(groups)) == 4 and not seen_groups & set(groups), "a comm group was shared"
-        seen_ports |= set(ports)
-        seen_groups |= set(groups)
-    ray.kill(scheduler)

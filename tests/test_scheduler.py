@@ -14,7 +14,7 @@ def _scheduler(tasks=("a", "b", "c"), **kw) -> Scheduler:
     policy = Policy({"g0": GroupSpec.colocated()})
     for t in tasks:
         policy.register(t, "g0", 100, 300)
-    return Scheduler(policy, experiment="exp", **kw)
+    return Scheduler(policy, **kw)
 
 
 def test_acquire_is_awaited_fifo_and_phases_overlap():
@@ -85,16 +85,6 @@ def test_a_dead_holder_releases_and_its_waiters_are_told():
     asyncio.run(scenario())
 
 
-def test_ports_and_comm_groups_never_collide():
-    s = _scheduler()
-    ports = [p for t in ("a", "b", "c") for p in s.allocate_ports(t, 3)]
-    assert len(set(ports)) == 9
-    assert len({s.comm_group(t) for t in ("a", "b", "c")}) == 3
-    assert s.comm_group("a") == "exp/a/actor->rollout"
-    s.release_ports("a")
-    assert all(owner != "a" for owner in s._ports.values())
-
-
 def test_evictions_are_done_by_the_victims_driver_before_the_grant():
     class FakeDriver:  # the shape of a Ray actor handle: driver.move.remote(role, action) is awaitable
         def __init__(self, log):
@@ -112,7 +102,7 @@ def test_evictions_are_done_by_the_victims_driver_before_the_grant():
         policy = Policy({"g0": GroupSpec.colocated(400)})
         policy.register("a", "g0", 100, 300)
         policy.register("b", "g0", 100, 300)  # nothing left: b starts offloaded
-        s = Scheduler(policy, experiment="exp")
+        s = Scheduler(policy)
         log = []
         for name in ("a", "b"):
             driver = FakeDriver(log)
@@ -124,7 +114,7 @@ def test_evictions_are_done_by_the_victims_driver_before_the_grant():
         assert log and all(entry[0] == "a" and entry[2] == "offload" for entry in log)  # a's idle role went first
         assert lease.moves[-1].task == "b" and str(lease.moves[-1].action) == "onload"
 
-        s2 = Scheduler(Policy({"g0": GroupSpec.colocated(400)}), experiment="exp")
+        s2 = Scheduler(Policy({"g0": GroupSpec.colocated(400)}))
         s2.policy.register("a", "g0", 100, 300)
         s2.policy.register("b", "g0", 100, 300)
         with pytest.raises(LeaseLost, match="no driver registered"):  # an error, never a hang

@@ -12,14 +12,19 @@ import numpy as np
 import pytest
 import yaml
 
-from rlsched.checkpoints import CheckpointError, TaskCheckpointer
+from rlsched.checkpoints import TaskCheckpointer
 from rlsched.cli import DEMO_CONFIG, main
 from rlsched.config import ConfigError, load_config
+from rlsched.errors import CheckpointError, TaskError
+from rlsched.experiment import train
+from rlsched.policy import Role
+from rlsched.runfiles import RunDirError, prepare_run_dir
+from rlsched.scheduler import FreeLocks
+from rlsched.task import TaskDriver
 from rlsched.tracking import read_metrics
-from rlsched.train import RunDirError, train
-from rlsched.trainer import TaskError, TaskRunner
 from workers import rewards as R
-from workers.actor import ActorSettings, ActorWorker, build_train_batch
+from workers.actor import ActorSettings, ActorWorker
+from workers.batch import build_train_batch
 from workers.data import DataError
 
 REQUIRED_METRICS = ["step", "reward/mean", "reward/std", "reward/max", "loss", "kl", "clip_frac", "grad_norm", "lr",
@@ -36,6 +41,12 @@ def _quick(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
 
 def _silent(*_args):
     pass
+
+
+def _driver(cfg, **kw) -> TaskDriver:
+    """The one step loop, in this process, with always-free locks (what `--in-process` runs)."""
+    spec = cfg.task_specs()[0]
+    return TaskDriver(spec, FreeLocks(spec.name), echo=_silent, **kw)
 
 
 @pytest.mark.slow
@@ -71,10 +82,8 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
 
     interrupted = tmp_path / "b"
     cfg = load_config(DEMO_CONFIG, _quick(interrupted, tiny_model_dir))
-    from rlsched.train import prepare_run_dir
-
     prepare_run_dir(cfg, resume=False, overwrite=False)
-    TaskRunner(cfg, 0, echo=_silent).run(until=3)  # crash after step 3: checkpoint 2 is the latest
+    _driver(cfg).run(until=3)  # crash after step 3: checkpoint 2 is the latest
     train(DEMO_CONFIG, overrides=_quick(interrupted, tiny_model_dir), resume=True, echo=_silent)
 
     def comparable(path):
@@ -135,7 +144,10 @@ def test_raising_reward_fails_the_task_or_scores_zero_by_policy(tmp_path, tiny_m
 
 def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model, tmp_path):
     model, _ = tiny_model
-    actor = ActorWorker(model, ActorSettings(lr=1e-2, total_steps=4, micro_batch_size=4, mini_batch_size=4))
+    settings = ActorSettings(lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
+                             b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
+                             temperature=1.0, micro_batch_size=4, mini_batch_size=4, epochs=1)
+    actor = ActorWorker(model, settings)
     before = jax.tree.map(np.asarray, actor.state.params)
     prompts = [np.array([49, 43, 50, 61], np.int32)] * 4
     completions = [np.array([51, 258], np.int32)] * 4
@@ -179,55 +191,53 @@ def test_gsm8k_recipe_runs_on_a_tiny_model(tmp_path, tiny_model_dir, monkeypatch
 
 
 def test_stale_or_unverified_engine_weights_are_refused(tmp_path, tiny_model_dir):
-    cfg = load_config(DEMO_CONFIG, _quick(tmp_path, tiny_model_dir))
-    from rlsched.train import prepare_run_dir
+    from workers.rollout import SamplingParams
 
+    cfg = load_config(DEMO_CONFIG, _quick(tmp_path, tiny_model_dir))
     prepare_run_dir(cfg, resume=False, overwrite=False)
-    runner = TaskRunner(cfg, 0, echo=_silent)
-    assert runner.engine.version() == -1  # the engine holds nothing of the actor's until the first sync
-    runner.step(1)  # ROLLOUT synced v0; the actor published v1 at the end of TRAIN; the engine still holds v0
-    prompt_ids = runner.encode(runner.loader.next_batch())
+    driver = _driver(cfg)
+    driver.start()
+    engine = driver.roles[Role.ENGINE]
+    assert engine.version() == -1  # the engine holds nothing of the actor's until the first sync
+    driver.step(1)  # ROLLOUT synced v0; the actor published v1 at the end of TRAIN; the engine still holds v0
+    ids = driver.host.next_prompts().ids
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=4, stop_token_ids=())
     with pytest.raises(TaskError, match="holds weights v0 but the actor published v1; refusing"):
-        runner.generate(prompt_ids, 2)
-    stats = runner.sync_weights()
+        engine.generate(ids, greedy, expected=driver.published)
+    stats = engine.update_weights(driver.published)
     # A swap never holds two full copies on the device: at most one leaf beyond the steady state.
     assert stats["params_bytes"] > 4 * stats["largest_leaf_bytes"] > 0
     assert 0 <= stats["peak_extra_bytes"] <= stats["largest_leaf_bytes"]
-    greedy = dict(n=1, temperature=0.0, max_new_tokens=4, stop_token_ids=())
-    from workers.rollout import SamplingParams
-
-    before = runner.engine.generate(prompt_ids, SamplingParams(**greedy))
-    runner.engine.offload()  # offload -> onload: the contents come back and are re-hashed
-    assert runner.engine.memory()["params"] == 0
-    assert runner.engine.onload()["params"] == stats["params_bytes"]
-    runner.sync_weights()
-    runner.engine.update_weights(runner.published)  # swap to identical weights
-    after = runner.engine.generate(prompt_ids, SamplingParams(**greedy))
+    before = engine.generate(ids, greedy, expected=driver.published)
+    engine.offload()  # offload -> onload: the contents come back and are re-hashed
+    assert engine.memory()["params"] == 0
+    assert engine.onload()["params"] == stats["params_bytes"]
+    engine.update_weights(driver.published)  # swap to identical weights
+    after = engine.generate(ids, greedy, expected=driver.published)  # verified against the published checksum
     assert [s.token_ids.tolist() for s in before.samples] == [s.token_ids.tolist() for s in after.samples]
     # An onload that brought back different contents (the field's garbled generations) is caught.
-    runner.engine.offload()
-    sampler = runner.engine.engine
-    off = sampler._host_state
+    engine.offload()
+    off = engine.engine._host_state
     assert off.memory_kind == "pinned_host"  # JAX's CPU backend has the memory kind too
     off.tree = jax.tree.map(lambda x: np.asarray(x) * 1.01, off.tree)  # the onload brings back other contents
     off.memory_kind = "numpy"
-    runner.engine.onload()
+    engine.onload()
     with pytest.raises(TaskError, match="checksum differs from the actor's published v1; refusing"):
-        runner.sync_weights()
-    runner.close()
+        engine.rollout(driver.published, ids, greedy)  # same version: no sync, so only the checksum can tell
+    driver.close()
 
 
 def test_weights_altered_in_transit_are_refused(tmp_path, tiny_model_dir):
     """The engine verifies what it holds against the checksum the actor computed before sending."""
     from rlsched.comm import FakeChannel
-    from rlsched.train import prepare_run_dir
 
     cfg = load_config(DEMO_CONFIG, _quick(tmp_path, tiny_model_dir))
     prepare_run_dir(cfg, resume=False, overwrite=False)
-    runner = TaskRunner(cfg, 0, echo=_silent, channel="fake")
-    assert isinstance(runner.channel, FakeChannel) and runner.channel.name == "demo-addition/addition/actor->rollout"
-    runner.channel.corrupt_next = True
-    runner.published = runner._publish()  # v0 again, altered on the way
+    driver = _driver(cfg, channel="fake")
+    driver.start()
+    assert isinstance(driver.channel, FakeChannel) and driver.channel.name == "demo-addition/addition/actor->rollout"
+    driver.channel.corrupt_next = True
+    driver.published, _ = driver.roles[Role.ACTOR].publish()  # v0 again, altered on the way
     with pytest.raises(TaskError, match="checksum differs from the actor's published v0; refusing"):
-        runner.rollout_phase(1)
-    runner.close()
+        driver.step(1)
+    driver.close()

@@ -11,15 +11,14 @@ Design decisions:
   stop_gradient (ratio == 1), saving a full forward pass; otherwise the caller passes the logprobs
   computed before the first update.
 - Logprobs are of logits / temperature: the distribution the rollout engine sampled from.
-- Sequences are right-padded [prompt, completion, pad] to a length bucket (`length_bucket`) so a run
-  compiles a few programs, not one per step.
+- Sequences arrive right-padded [prompt, completion, pad] to a length bucket (workers.batch, host
+  work in the task's driver) so a run compiles a few programs, not one per step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -30,6 +29,7 @@ import optax
 from flax import nnx
 
 from workers import grpo
+from workers.batch import TrainBatch
 from workers.models import params as P
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.offload import offload, onload
@@ -37,24 +37,25 @@ from workers.offload import offload, onload
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ActorSettings:
-    """Everything the update needs; built from a task's config by the control plane."""
+    """Everything the update needs. No defaults here: the control plane builds it from a task's config
+    (rlsched.roles.actor_settings), so every value that changes results is a config key."""
 
     lr: float
     total_steps: int  # optimizer steps over the whole run (schedule length)
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio, not to zero
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    b1: float = 0.9
-    b2: float = 0.999
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    beta: float = 0.0
-    aggregation: str = "token-mean"
-    temperature: float = 1.0
-    micro_batch_size: int = 16
-    mini_batch_size: int = 64
-    epochs: int = 1
+    warmup_steps: int
+    min_lr_ratio: float  # cosine decays to lr * min_lr_ratio, not to zero
+    weight_decay: float
+    grad_clip: float
+    b1: float
+    b2: float
+    epsilon: float
+    epsilon_high: float | None
+    beta: float
+    aggregation: str
+    temperature: float
+    micro_batch_size: int
+    mini_batch_size: int
+    epochs: int
 
 
 class TrainState(NamedTuple):
@@ -64,48 +65,10 @@ class TrainState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainBatch:
-    """Host arrays for one GRPO step. N samples, T = padded sequence length."""
-
-    tokens: np.ndarray  # int32 (N, T): prompt, completion, then padding
-    attention_mask: np.ndarray  # bool (N, T): real tokens
-    loss_mask: np.ndarray  # float32 (N, T-1): 1 where target token t+1 is a completion token
-    advantages: np.ndarray  # float32 (N,)
-
-    @property
-    def size(self) -> int:
-        return self.tokens.shape[0]
-
-
-@dataclasses.dataclass(frozen=True)
 class WeightSnapshot:
     flat: dict[str, np.ndarray]  # host copy, rlsched flat names (see workers.models.params)
     version: int  # bumps after every TRAIN
     checksum: str
-
-
-def length_bucket(n: int) -> int:
-    """Padded length for n tokens: a power of two up to 256 (at least 8), then multiples of 256.
-    Few distinct shapes (few compiles) without doubling the work of long sequences."""
-    if n <= 256:
-        return max(8, 1 << (n - 1).bit_length())
-    return math.ceil(n / 256) * 256
-
-
-def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], advantages: np.ndarray,
-                      *, pad_id: int) -> TrainBatch:
-    """Right-pad [prompt + completion] rows to `length_bucket` of the longest."""
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-    t = length_bucket(max(lengths))
-    n = len(prompts)
-    tokens = np.full((n, t), pad_id, np.int32)
-    attn = np.zeros((n, t), bool)
-    loss_mask = np.zeros((n, t - 1), np.float32)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        tokens[i, : len(p)], tokens[i, len(p) : len(p) + len(c)] = p, c
-        attn[i, : len(p) + len(c)] = True
-        loss_mask[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0  # position k predicts token k+1
-    return TrainBatch(tokens, attn, loss_mask, np.asarray(advantages, np.float32))
 
 
 def make_schedule(s: ActorSettings) -> optax.Schedule:

@@ -3,15 +3,30 @@
     from workers.models import load_pretrained
     model, tokenizer = load_pretrained("runs/demo/model")
     logits = model(input_ids)  # int32 (B, T) -> float32 (B, T, V)
+
+Names are imported on first use (PEP 562): a task's driver reads a tokenizer or a model config from
+here without importing JAX, which only the processes that hold weights may start.
 """
 
-from workers.models.checkpoint import load_pretrained, read_safetensors, save_pretrained
-from workers.models.config import ModelConfigError, Qwen3Config
-from workers.models.presets import PRESETS, init_model
-from workers.models.qwen3 import Qwen3ForCausalLM
-from workers.models.tokenizer import TokenizerError, load_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "PRESETS", "ModelConfigError", "Qwen3Config", "Qwen3ForCausalLM", "TokenizerError",
-    "init_model", "load_pretrained", "load_tokenizer", "read_safetensors", "save_pretrained",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "load_pretrained": "checkpoint", "read_safetensors": "checkpoint", "save_pretrained": "checkpoint",
+    "ModelConfigError": "config", "Qwen3Config": "config",
+    "PRESETS": "presets", "init_model": "presets",
+    "Qwen3ForCausalLM": "qwen3",
+    "TokenizerError": "tokenizer", "load_tokenizer": "tokenizer",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'workers.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"workers.models.{_WHERE[name]}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value

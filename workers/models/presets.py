@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from workers.models.checkpoint import abstract_model, save_pretrained
 from workers.models.config import Qwen3Config
 from workers.models.tokenizer import write_tokenizer
 
@@ -32,6 +31,8 @@ def _round_up(n: int, multiple: int) -> int:
 def init_model(out_dir: str | Path, *, preset: str = "tiny", tokenizer: str = "byte", seed: int = 0,
                dtype: str = "float32", initializer_range: float = 0.02) -> Path:
     """Create a random Qwen3 of `preset` plus a `tokenizer` ("byte" or "qwen3") in out_dir."""
+    from workers.models.checkpoint import abstract_model, save_pretrained  # JAX: only where a model is made
+
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     out_dir = Path(out_dir)

@@ -1,0 +1,68 @@
+"""The Ray cluster an experiment runs on: connect to it (or start an embedded one), what a device is
+there, and the placement group that reserves a device group's devices.
+
+Ray is imported inside the functions: importing this module costs nothing where Ray is not used
+(`--in-process` runs of jax_sampler tasks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from rlsched.placement import phase_cores
+from rlsched.policy import Phase
+
+GROUP = "g0"  # one device group per experiment for now: every task shares it
+
+
+def init_ray(address: str | None = None) -> None:
+    """Connect to the Ray cluster at `address`, or start an embedded local one (no dashboard)."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not ray.is_initialized():
+        # Local by default: nothing listens beyond 127.0.0.1 and no dashboard is started.
+        ray.init(address=address or "local", include_dashboard=False, log_to_driver=True,
+                 **({"num_cpus": max(4, 2 * os.cpu_count())} if address is None else {}))
+
+
+def device_resource() -> str:
+    """The Ray resource a device is: GPU where the cluster has GPUs, else a CPU core."""
+    import ray
+
+    return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolePlacement:
+    """Where a task's roles start: a bundle of the device group's placement group and the cores (on CPU,
+    the devices) each role's process is pinned to. `None` as a placement means: in this process."""
+
+    placement_group: Any  # ray.util.placement_group.PlacementGroup
+    bundles: dict[str, int]  # role ("actor" / "engine") -> bundle index
+    cores: dict[str, list[int]]  # role -> cores its process is pinned to
+    resource: str = "CPU"  # the Ray resource a device is ("GPU" or "CPU")
+
+
+def make_placement_group(experiment: str, placement: str, resource: str):
+    """One placement group for the device group: a rollout bundle and a train bundle (disaggregated)
+    or one shared bundle (colocated). Every task's roles are placed in it, so they land on the
+    group's devices; which device each uses is decided by pinning (see rlsched.placement)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundles = [{resource: 1}] if placement == "colocated" else [{resource: 1}, {resource: 1}]
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{experiment}/{GROUP}")
+    ray.get(pg.ready(), timeout=60)
+    return pg
+
+
+def role_placement(pg, placement: str, cores: list[int], resource: str) -> RolePlacement:
+    """Disaggregated: the engine on the rollout bundle and cores, the actor on the train ones;
+    colocated: both on the one bundle and every core."""
+    return RolePlacement(pg, {"engine": 0, "actor": 0 if placement == "colocated" else 1},
+                         {"engine": phase_cores(placement, Phase.ROLLOUT, cores),
+                          "actor": phase_cores(placement, Phase.TRAIN, cores)}, resource)

@@ -1,0 +1,133 @@
+"""The host side of a task's phases: prompts in; rewards, the padded batch and the metrics line out.
+
+The device side is one call per phase on a role (rlsched.roles: `EngineRole.rollout`,
+`ActorRole.train`); everything here is numpy, tokenizer and reward code, done by the task's driver
+*outside* the locks, so a lock is held only while devices work.
+
+Design decisions (and why):
+- **Pure functions of (seed, step).** The rollout seed and the prompt order depend on the task's seed,
+  the step and the loader's saved position only, so a resumed run, an in-process run and a Ray run
+  compute the same thing.
+- **No JAX here.** The driver is a process without devices (on a TPU host it would claim the chips):
+  the tokenizer, the data and the rewards are host libraries, and the advantages are computed by the
+  actor inside TRAIN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlsched.config import TaskSpec
+from rlsched.errors import TaskError
+from workers import data as D
+from workers import rewards as R
+from workers.batch import TrainBatch, build_train_batch
+from workers.rollout.base import RolloutOutput, SamplingParams
+
+
+def rollout_seed(task_seed: int, step: int) -> int:
+    # A pure function of (seed, step): a resumed run samples exactly what the uninterrupted one did.
+    return (task_seed * 1_000_003 + step) % (2**31)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    prompts: list[D.Prompt]  # the step's prompts, with their reference answers
+    ids: list[np.ndarray]  # int32 (L_i,) token ids of each rendered prompt
+
+
+def check_model_path(spec: TaskSpec) -> Path:
+    """The task's model directory, or a TaskError that says how to get one (before any process starts)."""
+    m = spec.config.model
+    path = Path(m.path)
+    if m.init_preset is None and not path.exists():
+        raise TaskError(
+            f"task {spec.name}: model.path {path} does not exist. Point it at a local Hugging Face Qwen3 "
+            f"directory (--set tasks.{spec.index}.model.path=/path/to/Qwen3) or set model.init_preset "
+            "to create a random model there; rlsched never downloads weights")
+    return path
+
+
+class HostWork:
+    """A task's tokenizer, prompt loader and reward: the work between its phases."""
+
+    def __init__(self, spec: TaskSpec, echo=print):
+        from workers.models import load_tokenizer  # the tokenizer alone: no JAX
+
+        self.spec, self.echo = spec, echo
+        c, g = spec.config, spec.config.grpo
+        self.tokenizer = load_tokenizer(c.model.path)
+        self.sampling = dict(n=g.num_generations, temperature=g.temperature, top_p=g.top_p,
+                             max_new_tokens=g.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
+        R.get_reward(c.reward.name)  # fail at start, not at the first reward
+        self.loader = D.PromptLoader(self._source(), g.prompts_per_step, seed=spec.seed, shuffle=c.data.shuffle)
+
+    def _source(self):
+        d = self.spec.config.data
+        if d.kind in ("addition", "subtraction"):
+            return D.make_source(d.kind, seed=self.spec.seed, max_operand=d.max_operand)
+        if d.kind == "gsm8k":
+            return D.make_source("gsm8k", path=d.path)
+        return D.make_source(d.kind, path=d.path, question_field=d.question_field, answer_field=d.answer_field)
+
+    def next_prompts(self) -> Prompts:
+        """The step's prompts, drawn and tokenized (before the ROLLOUT lock is asked for)."""
+        prompts = self.loader.next_batch()
+        return Prompts(prompts, self.encode(prompts))
+
+    def encode(self, prompts: list[D.Prompt]) -> list[np.ndarray]:
+        d, limit = self.spec.config.data, self.spec.config.grpo.max_prompt_len
+        out = []
+        for p in prompts:
+            ids = D.render_prompt(self.tokenizer, p.question, template=d.template, system_prompt=d.system_prompt)
+            if len(ids) > limit:
+                raise TaskError(f"task {self.spec.name}: prompt {p.uid} is {len(ids)} tokens, longer than "
+                                f"grpo.max_prompt_len={limit}; raise grpo.max_prompt_len or shorten the data")
+            out.append(np.asarray(ids, np.int32))
+        return out
+
+    def sampling_params(self, step: int) -> SamplingParams:
+        return SamplingParams(**self.sampling, seed=rollout_seed(self.spec.seed, step))
+
+    def score(self, prompts: Prompts, output: RolloutOutput) -> tuple[np.ndarray, int]:
+        """Rewards (N,) of the samples, and how many raised (scored 0 under reward.on_error=zero)."""
+        r = self.spec.config.reward
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in output.samples]
+        answers = [prompts.prompts[s.prompt_index].answer for s in output.samples]
+        result = R.score(r.name, texts, answers, task=self.spec.name, on_error=r.on_error)
+        if result.num_errors:
+            self.echo(f"[{self.spec.name}] {result.num_errors} reward error(s) scored 0; first: {result.first_error}")
+        return result.rewards, result.num_errors
+
+    def train_batch(self, prompts: Prompts, output: RolloutOutput) -> TrainBatch:
+        """[prompt + completion] rows, padded (before the TRAIN lock is asked for); the actor adds the
+        advantages."""
+        samples = output.samples
+        return build_train_batch([prompts.ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
+                                 pad_id=self.tokenizer.pad_token_id)
+
+
+def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int, train: dict[str, float],
+                 version: int, times: dict[str, float]) -> dict[str, Any]:
+    """The metrics.jsonl line of one step (without the memory probes)."""
+    lengths = np.array([len(s.token_ids) for s in output.samples])
+    return {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/max": float(rewards.max()), "reward/errors": reward_errors,
+        "loss": train["loss"], "kl": train["kl"], "clip_frac": train["clip_frac"],
+        "ratio_mean": train["ratio_mean"], "grad_norm": train["grad_norm"],
+        "lr": train["lr"], "skipped_updates": train["skipped"],
+        "response_len/mean": float(lengths.mean()), "tokens/generated": int(lengths.sum()),
+        "weight_version": version, **times,
+    }
+
+
+def progress_line(task: str, step: int, steps: int, m: dict[str, Any]) -> str:
+    return (f"[{task}] step {step:>4}/{steps}  reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}  "
+            f"kl {m['kl']:.4f}  loss {m['loss']:+.4f}  len {m['response_len/mean']:.1f}  "
+            f"step {m['time/step_s']:.2f}s (rollout {m['time/rollout_s']:.2f} reward {m['time/reward_s']:.2f} "
+            f"train {m['time/train_s']:.2f})")

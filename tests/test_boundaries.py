@@ -1,0 +1,258 @@
+"""Import boundaries, checked from source with `ast` (nothing here imports the code it checks).
+
+The layers exist so each side can run where it must: the control plane (rlsched.policy) never touches an
+accelerator (no jax, no ray, no workers), so it stays a pure, fast, testable decision function; the data
+plane (workers/) never reaches up into the scheduler, so workers can be built and run without it; model
+and GRPO code is Ray-free; and nothing imports the CLI, which is an entry point, not a library. Import
+cycles are reported with the file:line of every edge that forms them.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("rlsched", "workers", "benchmarks")
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # dotted module name of the importing file
+    target: str  # dotted module name imported (may be third-party)
+    file: str  # path relative to the root, posix
+    line: int
+
+
+def _module_name(rel: Path) -> str:
+    parts = list(rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(node: ast.AST):
+    """Every Import/ImportFrom anywhere in the tree, except under the body of `if TYPE_CHECKING:`."""
+    if _is_type_checking(node):
+        children = node.orelse
+    else:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        children = ast.iter_child_nodes(node)
+    for child in children:
+        yield from _import_nodes(child)
+
+
+def scan(root: Path, packages) -> list[Import]:
+    files = {_module_name(p.relative_to(root)): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+    found: dict[Import, None] = {}
+    for module, path in files.items():
+        rel = path.relative_to(root).as_posix()
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in _import_nodes(ast.parse(path.read_text(), filename=rel)):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names]
+            for target in targets:
+                found[Import(module, target, rel, node.lineno)] = None
+    return list(found)
+
+
+def _under(name: str, *prefixes: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    stack = [start]
+    while stack:
+        for child in graph[stack.pop()] - seen:
+            seen.add(child)
+            stack.append(child)
+    return seen
+
+
+def _example_cycle(start: str, graph: dict[str, set[str]], members: set[str]) -> list[str]:
+    """A shortest cycle through `start` inside one component (BFS back to start)."""
+    prev: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph[node] & members):
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(prev[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if child not in prev:
+                    prev[child] = node
+                    nxt.append(child)
+        frontier = nxt
+    return [start]
+
+
+def find_cycles(imports: list[Import]) -> list[str]:
+    modules = {i.importer for i in imports}
+    edges = [i for i in imports if i.target in modules and i.target != i.importer]
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for e in edges:
+        graph[e.importer].add(e.target)
+    reach = {m: _reachable(graph, m) for m in graph}
+    # Strongly connected components of the modules that lie on a cycle (the graph is tiny: closure is fine).
+    sccs = {frozenset(n for n in reach[m] if m in reach[n]) for m in graph if m in reach[m]}
+    reports = []
+    for members in sorted(sccs, key=sorted):
+        comp = sorted(members)
+        lines = [f"import cycle among {len(comp)} modules: {' -> '.join(_example_cycle(comp[0], graph, members))}"]
+        for e in sorted(edges, key=lambda e: (e.file, e.line, e.target)):
+            if e.importer in members and e.target in members:
+                lines.append(f"  {e.file}:{e.line}: {e.importer} imports {e.target}")
+        reports.append("\n".join(lines))
+    return reports
+
+
+RULES = [  # (importers, forbidden targets, why); each entry also covers its submodules
+    (("rlsched.policy",), ("ray", "jax", "workers"), "the control-plane policy never touches an accelerator"),
+    (
+        ("workers",),
+        ("rlsched.scheduler", "rlsched.task", "rlsched.experiment", "rlsched.cli"),
+        "the data plane never reaches up into the scheduler",
+    ),
+    (("workers.grpo", "workers.models"), ("ray",), "model and GRPO code is Ray-free"),
+    (PACKAGES, ("rlsched.cli",), "nothing imports the CLI (it is an entry point)"),
+]
+
+
+def rule_violations(imports: list[Import]) -> list[str]:
+    return [
+        f"{i.file}:{i.line}: {i.importer} imports {i.target}: {text}"
+        for i in sorted(imports, key=lambda i: (i.file, i.line, i.target))
+        for importers, forbidden, text in RULES
+        if _under(i.importer, *importers) and _under(i.target, *forbidden) and not _under(i.importer, *forbidden)
+    ]
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(scan(ROOT, PACKAGES))
+    assert cycles == [], "\n" + "\n".join(cycles)
+
+
+def test_layer_rules():
+    violations = rule_violations(scan(ROOT, PACKAGES))
+    assert violations == [], "\n" + "\n".join(violations)
+
+
+# --- tests of the checker, on fake trees -------------------------------------------------------------------
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> list[Import]:
+    for name in ("rlsched/__init__.py", "workers/__init__.py", "workers/models/__init__.py", *files):
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(files.get(name, ""))
+    return scan(tmp_path, ["rlsched", "workers"])
+
+
+def test_module_level_cycle_is_reported_with_both_edges(tmp_path):
+    imports = _tree(
+        tmp_path, {"rlsched/a.py": "import os\nfrom rlsched import b\n", "rlsched/b.py": "import rlsched.a"}
+    )
+    (report,) = find_cycles(imports)
+    assert "rlsched/a.py:2: rlsched.a imports rlsched.b" in report
+    assert "rlsched/b.py:1: rlsched.b imports rlsched.a" in report
+    assert "rlsched.a -> rlsched.b -> rlsched.a" in report
+
+
+def test_function_level_import_cycle_is_found(tmp_path):
+    imports = _tree(
+        tmp_path, {"rlsched/c.py": "import rlsched.d\n", "rlsched/d.py": "def f():\n    from rlsched import c\n"}
+    )
+    (report,) = find_cycles(imports)
+    assert "rlsched/d.py:2: rlsched.d imports rlsched.c" in report
+
+
+def test_from_package_import_resolution(tmp_path):
+    imports = _tree(
+        tmp_path,
+        {
+            "rlsched/a.py": "from rlsched import b, helper\nfrom . import b\nfrom .b import thing\n",
+            "rlsched/b.py": "",
+            "workers/models/m.py": "from .. import grpo\nfrom ..rollout import base\nimport workers.grpo\n",
+            "workers/grpo.py": "",
+        },
+    )
+    got = {(i.file, i.line, i.target) for i in imports}
+    assert got == {
+        ("rlsched/a.py", 1, "rlsched.b"),
+        ("rlsched/a.py", 1, "rlsched"),  # `helper` is not a module: the import is of the package
+        ("rlsched/a.py", 2, "rlsched.b"),
+        ("rlsched/a.py", 3, "rlsched.b"),
+        ("workers/models/m.py", 1, "workers.grpo"),
+        ("workers/models/m.py", 2, "workers.rollout"),
+        ("workers/models/m.py", 3, "workers.grpo"),  # no implicit edge to the parent package `workers`
+    }
+
+
+def test_each_rule_violation_is_reported(tmp_path):
+    imports = _tree(
+        tmp_path,
+        {
+            "rlsched/policy.py": "def pick():\n    import jax.numpy as jnp\n    return jnp\n",
+            "rlsched/task.py": "",
+            "rlsched/cli.py": "",
+            "rlsched/z.py": "\nfrom rlsched import cli\n",
+            "workers/x.py": "from rlsched.task import Task\n",
+            "workers/models/m.py": "import ray\n",
+            "workers/grpo.py": "try:\n    import ray.util\nexcept ImportError:\n    pass\n",
+        },
+    )
+    violations = rule_violations(imports)
+    expected = [
+        "rlsched/policy.py:2: rlsched.policy imports jax.numpy: ",
+        "rlsched/z.py:2: rlsched.z imports rlsched.cli: ",
+        "workers/grpo.py:2: workers.grpo imports ray.util: ",
+        "workers/models/m.py:1: workers.models.m imports ray: ",
+        "workers/x.py:1: workers.x imports rlsched.task: ",
+    ]
+    assert len(violations) == len(expected), violations
+    for prefix, message in zip(expected, violations, strict=True):
+        assert message.startswith(prefix), (prefix, message)
+
+
+def test_clean_tree_has_no_findings(tmp_path):
+    imports = _tree(
+        tmp_path,
+        {
+            "rlsched/policy.py": "import math\n",
+            "rlsched/scheduler.py": "from rlsched.policy import pick\n",
+            "rlsched/cli.py": "import rlsched.scheduler\nfrom workers import grpo\n",
+            "workers/grpo.py": "import jax\nfrom workers.models import m\n",
+            "workers/models/m.py": "import jax.numpy\n",
+        },
+    )
+    assert imports and find_cycles(imports) == [] and rule_violations(imports) == []
+
+
+def test_type_checking_imports_are_ignored(tmp_path):
+    imports = _tree(
+        tmp_path,
+        {
+            "rlsched/e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlsched import f\n",
+            "rlsched/f.py": "import rlsched.e\n",
+            "rlsched/policy.py": "import typing\nif typing.TYPE_CHECKING:\n    import jax\nelse:\n    import ray\n",
+        },
+    )
+    assert find_cycles(imports) == []
+    assert [v.split(": ")[0] for v in rule_violations(imports)] == ["rlsched/policy.py:5"]  # the else branch runs
