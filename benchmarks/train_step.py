@@ -12,8 +12,9 @@ the first step's time is reported on its own). The ratio is torch step / rlsched
 faster. The goal: rlsched's step is no slower than the minimal GRPO loop a practitioner writes in eager torch.
 
 Design decisions:
-- rlsched runs its real path: configs/demo_addition.yaml through `load_config` with overrides, a `TaskRunner`,
-  `runner.step`; the phase times are the ones `rlsched train` logs to metrics.jsonl.
+- rlsched runs its real path: configs/demo_addition.yaml through `load_config` with overrides, then the
+  task's one step loop in-process (`rlsched train --in-process`); the phase times are the ones it logs to
+  metrics.jsonl.
 - Same work on both sides, from the same config object: the same prompts (the task's source and loader with
   the task seed), sampling (temperature, top_p; HF's default top_k=50 switched off), reward function and lengths;
   one optimizer step on all samples per GRPO step, on-policy (ratio from detached logprobs: no extra forward),
@@ -82,17 +83,13 @@ def experiment_config(args: argparse.Namespace, model_dir: Path, output_dir: str
 
 
 def rlsched_steps(cfg, total: int) -> list[dict]:
-    from rlsched.trainer import TaskRunner
-
+    from rlsched.experiment import run_in_process
     from rlsched.runfiles import prepare_run_dir
 
-    prepare_run_dir(cfg, resume=False, overwrite=True)  # TaskRunner writes under the run dir
-    runner = TaskRunner(cfg, 0, echo=lambda line: print(f"  {line}", flush=True))
-    try:
-        metrics = [runner.step(step) for step in range(1, total + 1)]
-    finally:
-        runner.tracker.finish()
-        runner.checkpointer.close()
+    prepare_run_dir(cfg, resume=False, overwrite=True)  # the task writes its metrics under the run dir
+    metrics = run_in_process(cfg, echo=lambda line: print(f"  {line}", flush=True))[cfg.tasks[0].name]
+    if len(metrics) != total:
+        raise SystemExit(f"expected {total} rlsched steps, the run returned {len(metrics)}")
     return [{**{p: m[f"time/{p}"] for p in PHASES}, "tokens": m["tokens/generated"], "reward": m["reward/mean"]}
             for m in metrics]
 

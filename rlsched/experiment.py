@@ -110,7 +110,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     # the step loop blocks one, while the lifeline and the scheduler's eviction requests take others.
     driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
     drivers = {s.name: driver_cls.remote(s, SchedulerLocks(scheduler, s.name), placement=where, resume=resume,
-                                         echo=_print_flushed, initial_moves=initial_moves[s.name])
+                                         initial_moves=initial_moves[s.name])
                for s in cfg.task_specs()}
     for name, driver in drivers.items():
         # The lifeline ref is wrapped in a list so Ray passes the ref itself rather than waiting for it.
@@ -141,10 +141,6 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     remove_placement_group(pg)
     write_run_outputs(cfg, events, results, state, echo=echo)
     return results
-
-
-def _print_flushed(line: str) -> None:
-    print(line, flush=True)
 
 
 def _result(name: str, ref, scheduler, cfg: ExperimentConfig) -> dict[str, Any]:

@@ -121,6 +121,15 @@ class Scheduler:
                 del self._waiters[request_id]
         self._dispatch()
 
+    async def retire(self, task: str) -> None:
+        """`task` finished and its roles were stopped: the memory it held is free now (the policy
+        forgets it, the measured pools drop it) and it takes no more locks. Idempotent."""
+        if task not in self._failed:
+            self.policy.fail(task)  # the policy's word for "gone": no lease, no request, no memory
+        for pool in self.measured.values():
+            pool.clear(task)
+        self._dispatch()
+
     def failed(self) -> dict[str, str]:
         return dict(self._failed)
 
@@ -202,7 +211,11 @@ class SchedulerLocks:
         self.scheduler.report_memory.remote(self.task, role, sizes)  # accounting, not control: no wait
 
     def close(self) -> None:
+        """The task's roles are stopped: tell the scheduler their memory is free."""
+        import ray
+
         self._settle()
+        ray.get(self.scheduler.retire.remote(self.task))
 
 
 class FreeLocks:

@@ -45,9 +45,9 @@ from rlsched.tracking import make_trackers
 
 class TaskDriver:
     def __init__(self, spec: TaskSpec, locks, *, placement: RolePlacement | None = None, resume: bool = False,
-                 echo=print, initial_moves=(), channel: str | None = None):
+                 echo=None, initial_moves=(), channel: str | None = None):
         self.spec, self.name, self.locks = spec, spec.name, locks
-        self.placement, self.resume, self.echo = placement, resume, echo
+        self.placement, self.resume, self.echo = placement, resume, echo or _print_flushed
         self.timeline = Timeline("driver", task=spec.name)
         self.channel = channel_for(spec, placement, channel)
         self.roles: dict[Role, Any] = {}
@@ -60,6 +60,7 @@ class TaskDriver:
         self._initial_moves = list(initial_moves)  # offloads the policy decided at registration
         self._started = threading.Event()
         self._moving = threading.Lock()
+        self._closed = False
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -102,24 +103,28 @@ class TaskDriver:
     def run(self, until: int | None = None) -> list[dict[str, Any]]:
         """Start, run the remaining steps (or stop after step `until`), close; returns this call's metrics.
         A failure is reported to the locks (the scheduler frees this task's lease) and raised."""
-        history, exit_code = [], 1  # trackers of a failed task finish as failed
+        history = []
         try:
             self.start()
             last = self.spec.config.steps if until is None else min(until, self.spec.config.steps)
             for n in range(self.step_done + 1, last + 1):
                 history.append(self.step(n))
-            exit_code = 0
-            return history
         except BaseException as err:
+            self.close(exit_code=1)  # roles stopped first: their memory is really free when the scheduler hears
             with contextlib.suppress(Exception):  # the scheduler may be gone too; the error below says why
                 self.locks.fail(f"{type(err).__name__}: {err}")
             raise
-        finally:
-            self.close(exit_code)
+        self.close()
+        return history
 
     def close(self, exit_code: int = 0) -> None:
-        """Finish the trackers, close the roles and end the processes of those that run in one. Each
-        close runs even if an earlier one raised; what fails is said, never hidden."""
+        """Finish the trackers (a non-zero exit code marks them failed), close the roles and end the
+        processes of those that run in one, then tell the lock provider. Each close runs even if an earlier
+        one raised; what fails is said, never hidden. Idempotent."""
+        with self._moving:  # an eviction either completes before the roles go, or finds them gone
+            if self._closed:
+                return
+            self._closed = True
         closes = [("trackers", lambda: self.tracker and self.tracker.finish(exit_code))]
         for role, r in self.roles.items():
             closes.append((f"{role} close", r.close))
@@ -213,6 +218,10 @@ class TaskDriver:
 
     def _move(self, role: str, action: str) -> None:
         with self._moving:
+            if self._closed:  # the roles are stopped: nothing of ours is on a device any more
+                if action == "offload":
+                    return
+                raise TaskError(f"task {self.name} has ended; its {role} cannot {action}")
             r = self.residency[Role(role)]
             (r.offload if action == "offload" else r.onload)(**self.where)
 
@@ -233,6 +242,12 @@ class TaskDriver:
         """{"engine": handle, "actor": handle} of this task's role actors (for tools and fault tests)."""
         self._started.wait()
         return {str(role): r.handle for role, r in self.roles.items() if isinstance(r, RemoteRole)}
+
+
+def _print_flushed(line: str) -> None:
+    # Not `print` as a default: a Ray actor class is pickled with its defaults, and a test harness may
+    # have swapped builtins.print for another object by then.
+    print(line, flush=True)
 
 
 class _Clock:

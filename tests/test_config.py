@@ -70,6 +70,36 @@ def test_task_seed_defaults_to_experiment_seed_plus_index(tmp_path):
     assert cfg.tasks[0].resolved_seed(7, 3) == 42
 
 
+def test_task_specs_resolve_seed_directory_and_comm_group_once(tmp_path):
+    import pickle
+
+    cfg = load_config(write(tmp_path, ADDITION), ["experiment.seed=7", f"experiment.output_dir={tmp_path / 'out'}"])
+    cfg = cfg.model_copy(update={"tasks": [cfg.tasks[0], cfg.tasks[0].model_copy(update={"name": "again", "seed": 3})]})
+    first, second = cfg.task_specs()
+    assert (first.seed, second.seed) == (7, 3)  # experiment seed + index, or the task's own
+    assert first.dir == tmp_path / "out" / "demo" / "tasks" / "addition" and first.dir.is_absolute()
+    assert first.checkpoint_dir == first.dir / "checkpoints"
+    assert (first.comm_group, second.comm_group) == ("demo/addition/actor->rollout", "demo/again/actor->rollout")
+    assert first.plan is cfg.tasks[0].batch_plan() and first.placement == "colocated"
+    assert pickle.loads(pickle.dumps(first)) == first  # handed to other processes as it is
+
+
+def test_every_setting_that_changes_results_is_a_config_key(tmp_path):
+    """The actor's settings are built from the config alone (no defaults of their own), and the keys
+    that used to be hidden are in the run's resolved config."""
+    import dataclasses
+
+    from rlsched.roles import actor_settings
+
+    over = ["tasks.0.optim.min_lr_ratio=0.25", "cluster.lease_timeout_s=30"]
+    cfg = load_config(write(tmp_path, ADDITION), over)
+    settings = actor_settings(cfg.task_specs()[0])
+    assert settings.min_lr_ratio == 0.25 and settings.lr == 1e-6 and settings.micro_batch_size == 64
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(settings))
+    resolved = dump_resolved(cfg)
+    assert "min_lr_ratio: 0.25" in resolved and "lease_timeout_s: 30" in resolved
+
+
 def test_batch_plan_arithmetic(tmp_path):
     plan = load_config(write(tmp_path, ADDITION)).tasks[0].batch_plan()
     assert plan == BatchPlan(

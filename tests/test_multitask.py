@@ -163,3 +163,41 @@ def _kill_after_first_step(actor, metrics_path, timeout=120.0):
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
+
+
+def test_in_process_and_ray_runs_compute_the_same_and_drivers_never_import_jax(ray_session, tmp_path, tiny_model_dir):
+    """One step loop, two ways to run it: the same metrics, bit for bit. Under Ray the task drivers hold no
+    weights and never import JAX (on a TPU host such a process would claim the chips)."""
+    import threading
+
+    import ray
+
+    from rlsched.experiment import run_in_process
+
+    tasks = ["addition", "subtraction"]
+    ray_cfg = _experiment(tmp_path, tiny_model_dir, "modes-ray", tasks, steps=4)
+    seen: dict[str, list[str]] = {}
+
+    def probe_after_first_step(drivers):
+        def probe():
+            for name, driver in drivers.items():
+                path = ray_cfg.run_dir / "tasks" / name / "metrics.jsonl"
+                deadline = time.time() + 120
+                while time.time() < deadline and not (path.exists() and path.read_text().count("\n") >= 1):
+                    time.sleep(0.02)
+                seen[name] = ray.get(driver.__ray_call__.remote(lambda _self: sorted(
+                    m for m in __import__("sys").modules if m.split(".")[0] in ("jax", "jaxlib", "flax", "torch"))))
+
+        thread = threading.Thread(target=probe, daemon=True)
+        thread.start()
+        threads.append(thread)
+
+    threads: list[threading.Thread] = []
+    results = run_experiment(ray_cfg, echo=lambda *_: None, on_started=probe_after_first_step)
+    threads[0].join(timeout=30)
+    assert {r["status"] for r in results.values()} == {"ok"}
+    assert seen == {"addition": [], "subtraction": []}, seen
+    local_cfg = _experiment(tmp_path, tiny_model_dir, "modes-local", tasks, steps=4)
+    run_in_process(local_cfg, echo=lambda *_: None)
+    for task in tasks:
+        assert len(_metrics(ray_cfg, task)) == 4 and _metrics(ray_cfg, task) == _metrics(local_cfg, task)
