@@ -165,6 +165,22 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> list[Import]:
     return scan(tmp_path, ["rlsched", "workers"])
 
 
+def test_the_control_plane_imports_no_jax():
+    """A task driver, the scheduler, the experiment and the CLI start no JAX when imported (a process that
+    imports JAX on a TPU host may claim the chips; on GPU it starts an XLA pool over every core). Checked
+    in a fresh interpreter, since this one has JAX already."""
+    import subprocess
+    import sys
+
+    modules = ["rlsched.cli", "rlsched.experiment", "rlsched.task", "rlsched.phases", "rlsched.scheduler",
+               "rlsched.roles", "rlsched.cluster", "rlsched.memory", "rlsched.timeline", "rlsched.tracking"]
+    code = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"importing the control plane imported: {out.stdout.strip()}"
+
+
 def test_module_level_cycle_is_reported_with_both_edges(tmp_path):
     imports = _tree(
         tmp_path, {"rlsched/a.py": "import os\nfrom rlsched import b\n", "rlsched/b.py": "import rlsched.a"}
