@@ -148,7 +148,8 @@ class TaskDriver:
             t.mark("rollout")
             rollout = self.call(Role.ENGINE, "rollout", self.published, prompts.ids, self.host.sampling_params(n))
         t.mark("score")
-        rewards, reward_errors = self.host.score(prompts, rollout.value)
+        with self.timeline.span("reward"):
+            rewards, reward_errors = self.host.score(prompts, rollout.value)
         batch = self.host.train_batch(prompts, rollout.value)  # padding; the actor adds the advantages
         t.mark("ask_train")
         with self.hold(Phase.TRAIN):

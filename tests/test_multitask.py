@@ -35,17 +35,52 @@ def _metrics(cfg, task):
             for m in read_metrics(cfg.run_dir / "tasks" / task / "metrics.jsonl")]
 
 
-def test_isolation_a_task_computes_the_same_alone_or_with_three_others(ray_session, tmp_path, tiny_model_dir):
-    together = _experiment(tmp_path, tiny_model_dir, "together", ["addition", "subtraction", "add2", "sub2"])
-    results = run_experiment(together, echo=lambda *_: None)
+def test_isolation_a_task_computes_the_same_alone_in_process_or_with_three_others_under_ray(
+        ray_session, tmp_path, tiny_model_dir):
+    """Multiplexing changes when things run, never what they compute; and the one step loop computes the
+    same in-process (always-free locks, roles here) as under Ray (the scheduler's locks, roles in their own
+    processes), bit for bit. Under Ray the task drivers never import JAX (on a TPU host such a process
+    would claim the chips)."""
+    from rlsched.experiment import run_in_process
+
+    names = ["addition", "subtraction", "add2", "sub2"]
+    together = _experiment(tmp_path, tiny_model_dir, "together", names)
+    seen: dict[str, list[str]] = {}
+    probes = []
+
+    def probe(drivers):
+        probes.append(_modules_after_first_step(drivers, together, seen))
+
+    results = run_experiment(together, echo=lambda *_: None, on_started=probe)
+    probes[0].join(timeout=60)
     assert {r["status"] for r in results.values()} == {"ok"}
-    _check_trace(together.run_dir / "timeline.json", ["addition", "subtraction", "add2", "sub2"], steps=3)
-    alone = _experiment(tmp_path, tiny_model_dir, "alone", ["addition", "subtraction", "add2", "sub2"])
-    alone = select_tasks(alone, ["addition"])
-    assert run_experiment(alone, echo=lambda *_: None)["addition"]["status"] == "ok"
+    assert seen == {name: [] for name in names}, f"task drivers imported {seen}"
+    _check_trace(together.run_dir / "timeline.json", names, steps=3)
+    alone = select_tasks(_experiment(tmp_path, tiny_model_dir, "alone", names), ["addition"])
+    run_in_process(alone, echo=lambda *_: None)
     solo, shared = _metrics(alone, "addition"), _metrics(together, "addition")
-    assert len(solo) == 3 and solo == shared  # multiplexing changes when things run, never what they compute
+    assert len(solo) == 3 and solo == shared
     assert _metrics(together, "add2") != shared  # a different seed really is a different run
+
+
+def _modules_after_first_step(drivers, cfg, seen: dict, timeout: float = 120.0):
+    """In a thread: once each task has logged a step, record which JAX/torch modules its driver process holds."""
+    import threading
+
+    import ray
+
+    def probe():
+        for name, driver in drivers.items():
+            path = cfg.run_dir / "tasks" / name / "metrics.jsonl"
+            deadline = time.time() + timeout
+            while time.time() < deadline and not (path.exists() and path.read_text().count("\n") >= 1):
+                time.sleep(0.02)
+            seen[name] = ray.get(driver.__ray_call__.remote(lambda _self: sorted(
+                m for m in __import__("sys").modules if m.split(".")[0] in ("jax", "jaxlib", "flax", "torch"))))
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_session, tmp_path, tiny_model_dir):
@@ -164,40 +199,3 @@ def _kill_after_first_step(actor, metrics_path, timeout=120.0):
     thread.start()
     return thread
 
-
-def test_in_process_and_ray_runs_compute_the_same_and_drivers_never_import_jax(ray_session, tmp_path, tiny_model_dir):
-    """One step loop, two ways to run it: the same metrics, bit for bit. Under Ray the task drivers hold no
-    weights and never import JAX (on a TPU host such a process would claim the chips)."""
-    import threading
-
-    import ray
-
-    from rlsched.experiment import run_in_process
-
-    tasks = ["addition", "subtraction"]
-    ray_cfg = _experiment(tmp_path, tiny_model_dir, "modes-ray", tasks, steps=4)
-    seen: dict[str, list[str]] = {}
-
-    def probe_after_first_step(drivers):
-        def probe():
-            for name, driver in drivers.items():
-                path = ray_cfg.run_dir / "tasks" / name / "metrics.jsonl"
-                deadline = time.time() + 120
-                while time.time() < deadline and not (path.exists() and path.read_text().count("\n") >= 1):
-                    time.sleep(0.02)
-                seen[name] = ray.get(driver.__ray_call__.remote(lambda _self: sorted(
-                    m for m in __import__("sys").modules if m.split(".")[0] in ("jax", "jaxlib", "flax", "torch"))))
-
-        thread = threading.Thread(target=probe, daemon=True)
-        thread.start()
-        threads.append(thread)
-
-    threads: list[threading.Thread] = []
-    results = run_experiment(ray_cfg, echo=lambda *_: None, on_started=probe_after_first_step)
-    threads[0].join(timeout=30)
-    assert {r["status"] for r in results.values()} == {"ok"}
-    assert seen == {"addition": [], "subtraction": []}, seen
-    local_cfg = _experiment(tmp_path, tiny_model_dir, "modes-local", tasks, steps=4)
-    run_in_process(local_cfg, echo=lambda *_: None)
-    for task in tasks:
-        assert len(_metrics(ray_cfg, task)) == 4 and _metrics(ray_cfg, task) == _metrics(local_cfg, task)
