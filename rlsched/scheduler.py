@@ -180,27 +180,29 @@ class SchedulerLocks:
     """The scheduler actor, called from a task driver's loop thread (blocking calls; nobody polls).
 
     A release is sent without waiting for its answer: calls from one caller reach the actor in order,
-    so the next acquire comes after it, and its outcome is checked then (or at `close`)."""
+    so the next acquire comes after it; its answer is checked when it has come (or at `close`)."""
 
     def __init__(self, scheduler, task: str):
         self.scheduler, self.task = scheduler, task
-        self._released = None  # the last release's ref, checked before the next call
+        self._released: list = []  # refs of releases sent, until their answers are checked
 
-    def _settle(self) -> None:
+    def _settle(self, wait: bool) -> None:
+        """Raise a release's error, if one came back; with `wait`, wait for every answer."""
         import ray
 
-        if self._released is not None:
-            ref, self._released = self._released, None
-            ray.get(ref)
+        if not self._released:
+            return
+        done, self._released = ray.wait(self._released, num_returns=len(self._released), timeout=None if wait else 0)
+        ray.get(done)
 
     def acquire(self, phase: Phase) -> Lease:
         import ray
 
-        self._settle()
+        self._settle(wait=False)
         return ray.get(self.scheduler.acquire.remote(self.task, str(phase)))
 
     def release(self, phase: Phase) -> None:
-        self._released = self.scheduler.release.remote(self.task, str(phase))
+        self._released.append(self.scheduler.release.remote(self.task, str(phase)))
 
     def fail(self, cause: str) -> None:
         import ray
@@ -214,7 +216,7 @@ class SchedulerLocks:
         """The task's roles are stopped: tell the scheduler their memory is free."""
         import ray
 
-        self._settle()
+        self._settle(wait=True)
         ray.get(self.scheduler.retire.remote(self.task))
 
 

@@ -82,3 +82,27 @@ def test_fake_engine_latency_is_seeded_and_applied():
     engine = FakeEngine(seconds_per_token=0.002, max_new_tokens=20)
     out = engine.generate([[1, 2]], SamplingParams(n=2, max_new_tokens=20))
     assert out.generate_seconds >= 0.002 * 20  # no stop ids: every sample has 20 tokens, rows in parallel
+
+
+def test_an_output_crosses_a_process_boundary_unchanged():
+    """A rollout role's output is pickled as a few flat arrays; every sample comes back exactly: lengths
+    (an empty completion too), token ids, logprobs (NaN included), prompt index, finish reason, order."""
+    import pickle
+
+    from workers.rollout import RolloutOutput, Sample
+
+    rng = np.random.default_rng(0)
+    lengths = [3, 0, 5, 1]
+    logprobs = [rng.standard_normal(n).astype(np.float32) for n in lengths]
+    logprobs[2][1] = np.nan
+    samples = [Sample(i // 2, rng.integers(0, 384, n).astype(np.int32), lp, "stop" if i % 2 else "length")
+               for i, (n, lp) in enumerate(zip(lengths, logprobs, strict=True))]
+    out = RolloutOutput(samples, weight_version=7, generate_seconds=0.25)
+    back = pickle.loads(pickle.dumps(out))
+    assert (back.weight_version, back.generate_seconds, back.num_tokens) == (7, 0.25, 9)
+    for a, b in zip(out.samples, back.samples, strict=True):
+        assert (a.prompt_index, a.finish_reason) == (b.prompt_index, b.finish_reason)
+        assert a.token_ids.dtype == b.token_ids.dtype and a.logprobs.dtype == b.logprobs.dtype
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)  # NaN == NaN here
+    assert pickle.loads(pickle.dumps(RolloutOutput([], 0, 0.0))).samples == []

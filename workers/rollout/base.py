@@ -94,6 +94,22 @@ class RolloutOutput:
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples)
 
+    def __reduce__(self):
+        # Across a process boundary (a rollout role's result) the samples travel as a few flat arrays:
+        # pickling hundreds of tiny arrays one by one cost ~4 ms per 256-sample step here.
+        lengths = np.array([len(s.token_ids) for s in self.samples], np.int64)
+        tokens = np.concatenate([s.token_ids for s in self.samples]) if self.samples else np.zeros(0, np.int32)
+        logprobs = np.concatenate([s.logprobs for s in self.samples]) if self.samples else np.zeros(0, np.float32)
+        meta = [(s.prompt_index, s.finish_reason) for s in self.samples]
+        return _unpack_output, (tokens, logprobs, lengths, meta, self.weight_version, self.generate_seconds)
+
+
+def _unpack_output(tokens, logprobs, lengths, meta, weight_version, generate_seconds) -> RolloutOutput:
+    bounds = np.cumsum(lengths)[:-1]
+    pieces = zip(meta, np.split(tokens, bounds), np.split(logprobs, bounds), strict=True) if meta else ()
+    return RolloutOutput([Sample(index, t, lp, reason) for (index, reason), t, lp in pieces], weight_version,
+                         generate_seconds)
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):
