@@ -18,13 +18,16 @@ GROUP = "g0"  # one device group per experiment for now: every task shares it
 
 
 def init_ray(address: str | None = None) -> None:
-    """Connect to the Ray cluster at `address`, or start an embedded local one (no dashboard)."""
+    """Connect to the Ray cluster at `address`, or start an embedded local one (no dashboard).
+
+    Ray's token authentication stays as Ray sets it: on for a new local cluster (Ray generates the token
+    into ~/.ray/auth_token, and only clients holding it can connect: Ray's servers listen on every
+    interface), and whatever a cluster the user brings has, its token read by Ray from RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
-        # Local by default: nothing listens beyond 127.0.0.1 and no dashboard is started.
         ray.init(address=address or "local", include_dashboard=False, log_to_driver=True,
                  **({"num_cpus": max(4, 2 * os.cpu_count())} if address is None else {}))
 
