@@ -60,7 +60,6 @@ class PhaseResult:
     events: list[dict]  # spans recorded inside the role (the driver stamps them with the lock held)
     memory: dict[str, int]  # the role's process RSS and device bytes after the phase (mem/<role>/...)
     message: WeightMessage | None = None  # TRAIN: the weights published after the update (v+1)
-    swap: dict[str, int] = dataclasses.field(default_factory=dict)  # ROLLOUT: weight-swap stats, {} if none
 
 
 class _Role:
@@ -185,9 +184,10 @@ class EngineRole(_Role):
 
     def rollout(self, message: WeightMessage, prompt_ids, params) -> PhaseResult:
         """ROLLOUT: bring the engine up to `message`'s weights if it is behind, verify them, generate."""
-        swap = self.update_weights(message) if self.version() != message.version else {}
+        if self.version() != message.version:
+            self.update_weights(message)  # its stats ride on its "sync_weights" span
         output = self.generate(prompt_ids, params, expected=message)
-        return PhaseResult(output, self.timeline.drain(), self.memory_probe(), swap=swap)
+        return PhaseResult(output, self.timeline.drain(), self.memory_probe())
 
     def version(self) -> int:
         return self.engine.weight_version

@@ -54,7 +54,6 @@ class TaskDriver:
         self.residency: dict[Role, Residency] = {}
         self.memory: dict[Role, dict[str, int]] = {Role.ACTOR: {}, Role.ENGINE: {}}  # last probe of each role
         self.where: dict[str, str] = {}  # phase and resource of the lock held now
-        self.lock_wait_s = 0.0
         self.step_done = 0
         self.tracker = None
         self._initial_moves = list(initial_moves)  # offloads the policy decided at registration
@@ -173,7 +172,6 @@ class TaskDriver:
         lease = self.locks.acquire(phase)
         self.where = {"phase": str(phase), "resource": lease.resource}
         self.timeline.add_span("lock_wait", asked, self.timeline.now(), **self.where)
-        self.lock_wait_s += lease.waited_s
         try:
             with self.timeline.span(str(phase).upper(), **self.where):
                 for m in lease.moves:

@@ -49,10 +49,11 @@ def test_isolation_a_task_computes_the_same_alone_in_process_or_with_three_other
     probes = []
 
     def probe(drivers):
-        probes.append(_modules_after_first_step(drivers, together, seen))
+        probes.extend(_modules_after_first_step(drivers, together, seen))
 
     results = run_experiment(together, echo=lambda *_: None, on_started=probe)
-    probes[0].join(timeout=60)
+    for thread in probes:
+        thread.join(timeout=60)
     assert {r["status"] for r in results.values()} == {"ok"}
     assert seen == {name: [] for name in names}, f"task drivers imported {seen}"
     _check_trace(together.run_dir / "timeline.json", names, steps=3)
@@ -64,23 +65,27 @@ def test_isolation_a_task_computes_the_same_alone_in_process_or_with_three_other
 
 
 def _modules_after_first_step(drivers, cfg, seen: dict, timeout: float = 120.0):
-    """In a thread: once each task has logged a step, record which JAX/torch modules its driver process holds."""
+    """In threads, one per task: once the task has logged a step, record which JAX/torch modules its driver
+    process holds (or why the probe failed, so a failure says what happened)."""
     import threading
 
     import ray
 
-    def probe():
-        for name, driver in drivers.items():
-            path = cfg.run_dir / "tasks" / name / "metrics.jsonl"
-            deadline = time.time() + timeout
-            while time.time() < deadline and not (path.exists() and path.read_text().count("\n") >= 1):
-                time.sleep(0.02)
+    def probe(name, driver):
+        path = cfg.run_dir / "tasks" / name / "metrics.jsonl"
+        deadline = time.time() + timeout
+        while time.time() < deadline and not (path.exists() and path.read_text().count("\n") >= 1):
+            time.sleep(0.02)
+        try:
             seen[name] = ray.get(driver.__ray_call__.remote(lambda _self: sorted(
                 m for m in __import__("sys").modules if m.split(".")[0] in ("jax", "jaxlib", "flax", "torch"))))
+        except Exception as err:  # noqa: BLE001 - reported by the assertion on `seen`
+            seen[name] = [f"probe failed: {type(err).__name__}: {err}"]
 
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    return thread
+    threads = [threading.Thread(target=probe, args=item, daemon=True) for item in drivers.items()]
+    for thread in threads:
+        thread.start()
+    return threads
 
 
 def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_session, tmp_path, tiny_model_dir):
