@@ -102,8 +102,7 @@ class ActorRole(_Role):
         from workers.models import init_model, load_pretrained
 
         m = spec.config.model
-        self.created_model = m.init_preset is not None and not (Path(m.path) / "config.json").is_file()
-        if self.created_model:
+        if m.init_preset is not None and not (Path(m.path) / "config.json").is_file():
             init_model(m.path, preset=m.init_preset, seed=m.init_seed)
         model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
         self.spec = spec
