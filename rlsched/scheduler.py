@@ -179,26 +179,27 @@ class Scheduler:
 class SchedulerLocks:
     """The scheduler actor, called from a task driver's loop thread (blocking calls; nobody polls).
 
-    A release is sent without waiting for its answer: calls from one caller reach the actor in order,
-    so the next acquire comes after it; its answer is checked when it has come (or at `close`)."""
+    A release is sent without waiting for its answer, so the host work after a phase (rewards, the
+    metrics line) overlaps its round trip; the next acquire waits for that answer before it is sent.
+    It must: the scheduler is an async actor, and Ray does not keep one caller's calls to such an
+    actor in order, so an acquire sent while a release is in flight can be served first and be
+    refused ("requested train while holding rollout")."""
 
     def __init__(self, scheduler, task: str):
         self.scheduler, self.task = scheduler, task
         self._released: list = []  # refs of releases sent, until their answers are checked
 
-    def _settle(self, wait: bool) -> None:
-        """Raise a release's error, if one came back; with `wait`, wait for every answer."""
+    def _settle(self) -> None:
+        """Wait for every release sent; raise its error if one came back."""
         import ray
 
-        if not self._released:
-            return
-        done, self._released = ray.wait(self._released, num_returns=len(self._released), timeout=None if wait else 0)
-        ray.get(done)
+        released, self._released = self._released, []
+        ray.get(released)
 
     def acquire(self, phase: Phase) -> Lease:
         import ray
 
-        self._settle(wait=False)
+        self._settle()
         return ray.get(self.scheduler.acquire.remote(self.task, str(phase)))
 
     def release(self, phase: Phase) -> None:
@@ -216,7 +217,7 @@ class SchedulerLocks:
         """The task's roles are stopped: tell the scheduler their memory is free."""
         import ray
 
-        self._settle(wait=True)
+        self._settle()
         ray.get(self.scheduler.retire.remote(self.task))
 
 

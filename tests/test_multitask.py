@@ -101,7 +101,7 @@ def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_se
     cluster = {"placement": "colocated", "memory_budget_gb": budget_gb}
     cfg = _experiment(tmp_path, tiny_model_dir, "tight", ["addition", "subtraction"], cluster=cluster)
     results = run_experiment(cfg, echo=lambda *_: None)
-    assert {r["status"] for r in results.values()} == {"ok"}
+    assert {r["status"] for r in results.values()} == {"ok"}, results
     summary = json.loads((cfg.run_dir / "summary.json").read_text())
     trace = json.loads((cfg.run_dir / "timeline.json").read_text())["traceEvents"]
     moves = [e for e in trace if e.get("ph") == "X" and e["name"] in ("onload", "offload")]
@@ -111,7 +111,8 @@ def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_se
     assert measured["budget"] == int(budget_gb * 2**30)
     alone = select_tasks(_experiment(tmp_path, tiny_model_dir, "tight-solo", ["addition", "subtraction"],
                                      cluster=cluster), ["addition"])
-    run_experiment(alone, echo=lambda *_: None)
+    alone_results = run_experiment(alone, echo=lambda *_: None)
+    assert alone_results["addition"]["status"] == "ok", alone_results
     assert _metrics(cfg, "addition") == _metrics(alone, "addition")  # offload -> onload changed nothing
 
 
@@ -142,8 +143,8 @@ def test_killed_task_is_reported_and_the_others_finish_unchanged(ray_session, tm
     metrics_path = cfg.run_dir / "tasks" / "subtraction" / "metrics.jsonl"
     results = run_experiment(cfg, echo=lambda *_: None,
                              on_started=lambda drivers: _kill_after_first_step(drivers["subtraction"], metrics_path))
-    assert results["addition"]["status"] == "ok"
-    assert results["subtraction"]["status"] == "failed"
+    assert results["addition"]["status"] == "ok", results
+    assert results["subtraction"]["status"] == "failed", results
     assert "its process died" in results["subtraction"]["error"]
     assert 1 <= len(read_metrics(metrics_path)) < 6
     solo = select_tasks(_experiment(tmp_path, tiny_model_dir, "fault-solo", ["addition", "subtraction"], steps=6),
@@ -166,8 +167,8 @@ def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_pa
         _kill_after_first_step(engine, metrics_path)
 
     results = run_experiment(cfg, echo=lambda *_: None, on_started=kill_engine)
-    assert results["addition"]["status"] == "ok"
-    assert results["subtraction"]["status"] == "failed"
+    assert results["addition"]["status"] == "ok", results
+    assert results["subtraction"]["status"] == "failed", results
     assert "its engine process died" in results["subtraction"]["error"]
     # One W&B run per task and one for the scheduler, each finished, the failed task's as failed.
     assert _wandb_exit(cfg.run_dir / "tasks" / "addition") == 0

@@ -121,3 +121,35 @@ def test_evictions_are_done_by_the_victims_driver_before_the_grant():
             await asyncio.wait_for(s2.acquire("b", "rollout"), 1)
 
     asyncio.run(scenario())
+
+
+def test_a_release_is_answered_before_the_next_acquire_is_sent(ray_session):
+    """Ray does not keep one caller's calls to an async actor in order: a release still in flight
+    could be served after the acquire sent behind it, which the policy refuses. SchedulerLocks waits
+    for the release's answer first (here the release is slow, so a reordering would show)."""
+    import ray
+
+    from rlsched.scheduler import SchedulerLocks
+
+    @ray.remote(num_cpus=0)
+    class SlowReleases:
+        def __init__(self):
+            self.log = []
+
+        async def release(self, task, phase):
+            self.log.append(f"release {phase} start")
+            await asyncio.sleep(0.5)
+            self.log.append(f"release {phase} end")
+
+        async def acquire(self, task, phase):
+            self.log.append(f"acquire {phase}")
+
+        def seen(self):
+            return self.log
+
+    actor = SlowReleases.remote()
+    locks = SchedulerLocks(actor, "t")
+    locks.release("rollout")
+    locks.acquire("train")
+    assert ray.get(actor.seen.remote()) == ["release rollout start", "release rollout end", "acquire train"]
+    ray.kill(actor)
