@@ -2,6 +2,7 @@
 
     rlsched demo                       the quickstart job (two tiny GRPO tasks under the scheduler)
     rlsched train CONFIG.yaml [--set a.b.c=value ...] [--resume]
+    rlsched plan CONFIG.yaml [--set ...] [--json]   each role's mesh, devices and bytes per device (no Ray, no JAX)
     rlsched timeline RUN_DIR           per-task table (phases, lock waits, switch cost, busy) + timeline.png
     rlsched bench [--tasks 1,2,3,4]    throughput of N concurrent tasks vs sequential vs the ideal bound
     rlsched simulate [--profile NAME]  project throughput to 1-64 tasks with the scheduler's own policy
@@ -102,6 +103,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from rlsched.config import load_configs
+    from rlsched.plan import device_plan
+
+    plan = device_plan(load_configs(args.config, args.set))
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())
+    if not plan.runnable:
+        print("error: a role does not fit cluster.memory_budget_gb even alone (see the group lines)", file=sys.stderr)
+    return 0 if plan.runnable else 1
+
+
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from rlsched.timeline import report
 
@@ -143,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="no Ray: run the tasks one after another in this process (debugging)")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("plan", help="each role's mesh, devices and bytes per device, before anything starts")
+    p.add_argument("config", nargs="+", help="experiment YAML(s), as for train")
+    p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("timeline", help="per-task time table of a run and its Gantt chart (timeline.png)")
     p.add_argument("run_dir", help="runs/<experiment>: a run of `rlsched train` or `rlsched demo`")

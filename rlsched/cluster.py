@@ -32,6 +32,34 @@ def init_ray(address: str | None = None) -> None:
                  **({"num_cpus": max(4, 2 * os.cpu_count())} if address is None else {}))
 
 
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def role_env(num_devices: int, resource: str, *, shares_devices: bool) -> dict[str, str]:
+    """The environment a role's process starts with (set before JAX starts there).
+
+    - CPU: `num_devices` XLA host devices (the experiment's device pool; each role's mesh takes its devices
+      from it). Harmless elsewhere: the flag only shapes the CPU backend.
+    - GPU, when roles of several processes share a device (colocated): no preallocation (JAX takes 75 % of
+      a GPU at start by default) and the platform allocator (JAX's pool keeps freed buffers, so an offload
+      would free nothing for the other process).
+    """
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(HOST_DEVICES_FLAG)]
+    env = {"XLA_FLAGS": " ".join([*flags, f"{HOST_DEVICES_FLAG}={num_devices}"])}
+    if resource == "GPU" and shares_devices:
+        env |= {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+    return env
+
+
+def use_host_devices(num_devices: int) -> None:
+    """This process will hold roles itself (`--in-process`): give it the pool's XLA host devices, if JAX has
+    not started yet (if it has, a role whose mesh needs more devices than it sees says so)."""
+    import sys
+
+    if "jax" not in sys.modules:
+        os.environ.update(role_env(num_devices, "CPU", shares_devices=False))
+
+
 def device_resource() -> str:
     """The Ray resource a device is: GPU where the cluster has GPUs, else a CPU core."""
     import ray

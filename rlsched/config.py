@@ -19,6 +19,9 @@ Design decisions:
   overridden value goes through exactly the same checks and messages as one from the file.
 - Engine-specific knobs live in `rollout.engine_args`, passed through untouched: the config does
   not copy every engine's settings field by field.
+- Meshes (`actor.mesh`, `rollout.mesh`) are checked here against what needs no file: device counts
+  against `cluster.num_devices` and batch sizes against dp x fsdp. Whether a mesh splits the *model*
+  needs its config.json, so that check is `rlsched.meshes.check_meshes`, run before any process starts.
 - No jax/ray imports: the CLI validates a config in milliseconds.
 """
 
@@ -36,6 +39,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from rlsched.comm import comm_group_name
+from workers.models import sharding
 
 
 class ConfigError(ValueError):
@@ -91,9 +95,11 @@ class ClusterConfig(_Section):
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """`colocated`: a task's actor and engine share devices; `disaggregated`: separate rollout and train pools."""
     num_devices: int | None = Field(None, ge=1)
-    """Accelerators to use (CPU cores on CPU); None = all visible."""
+    """Devices of the experiment's pool, which every role's mesh takes its devices from (on CPU: the XLA host
+    devices each role process gets; rlsched sets the XLA flag itself). None = exactly what the meshes need:
+    colocated, the largest mesh of any task; disaggregated, the largest rollout mesh plus the largest actor mesh."""
     memory_budget_gb: float | None = Field(None, gt=0)
-    """Device-memory budget per device group, in GiB; None = unlimited."""
+    """Memory budget of each device, in GiB (a role on an n-device mesh holds its share on each); None = unlimited."""
     lease_timeout_s: float = Field(600.0, gt=0)
     """Longest a task may hold one phase's lock, in seconds; a holder past it loses the lock and fails."""
 
@@ -144,13 +150,54 @@ class RewardSection(_Section):
     """When the reward function raises: `fail` stops the task, `zero` scores the sample 0."""
 
 
+class MeshSection(_Section):
+    """A role's device mesh, dp x fsdp x tp devices (how each array splits: workers.models.sharding)."""
+
+    dp: int = Field(1, ge=1)
+    """Data parallel: batch rows split over it, parameters replicated."""
+    fsdp: int = Field(1, ge=1)
+    """Fully sharded data parallel: batch rows and the parameters' embed dimension split over it."""
+    tp: int = Field(1, ge=1)
+    """Tensor parallel: vocab, attention heads and MLP width split over it."""
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp}
+
+
+class RolloutMeshSection(_Section):
+    """The rollout engine's mesh, dp x tp devices: no fsdp, since decoding gathers every weight every token."""
+
+    dp: int = Field(1, ge=1)
+    """Data parallel: request rows (and their KV cache) split over it, parameters replicated."""
+    tp: int = Field(1, ge=1)
+    """Tensor parallel: vocab, attention heads, MLP width and KV heads split over it."""
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "fsdp": 1, "tp": self.tp}
+
+
+class ActorSection(_Section):
+    mesh: MeshSection = Field(default_factory=MeshSection)
+    """The actor's mesh (one device by default)."""
+
+
 class RolloutSection(_Section):
     engine: Literal["jax_sampler", "fake", "sglang_jax"] = "jax_sampler"
     """Rollout engine implementation."""
     max_batch_size: int = Field(64, ge=1)
     """Most sequences the engine decodes at once, in sequences."""
+    mesh: RolloutMeshSection = Field(default_factory=RolloutMeshSection)
+    """The engine's mesh (one device by default)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Engine-specific knobs, passed through to the engine untouched."""
+
+    @model_validator(mode="after")
+    def _mesh_is_laid_out_by_the_engine(self) -> RolloutSection:
+        if self.engine == "sglang_jax" and sharding.num_devices(self.mesh.as_dict()) > 1:
+            raise _FieldError("mesh", self.mesh.model_dump(),
+                              "the sglang_jax engine does not lay itself out on an rlsched mesh yet; use "
+                              "rollout.engine=jax_sampler for a sharded rollout, or a one-device rollout.mesh")
+        return self
 
 
 class GRPOSection(_Section):
@@ -270,6 +317,7 @@ class TaskConfig(_Section):
     model: ModelSection
     data: DataSection
     reward: RewardSection
+    actor: ActorSection = Field(default_factory=ActorSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     optim: OptimSection = Field(default_factory=OptimSection)
@@ -314,6 +362,48 @@ class ExperimentConfig(_Section):
             first[task.name] = i
         return self
 
+    @model_validator(mode="after")
+    def _meshes_fit(self) -> ExperimentConfig:
+        # What needs no model file: each mesh's devices against the pool, and the batches each mesh splits.
+        given = self.cluster.num_devices
+        for i, task in enumerate(self.tasks):
+            plan, actor, rollout = task.batch_plan(), task.actor.mesh, task.rollout.mesh
+            for key, mesh in ((f"tasks.{i}.actor.mesh", actor), (f"tasks.{i}.rollout.mesh", rollout)):
+                if given is not None and _devices(mesh) > given:
+                    raise _FieldError(key, mesh.model_dump(),
+                                      f"{_mesh_text(mesh)} devices, but cluster.num_devices is {given}")
+            rows = actor.dp * actor.fsdp
+            if plan.micro_batch_size % rows:  # the mini-batch is a multiple of the micro-batch: it splits too
+                raise _FieldError(f"tasks.{i}.actor.mesh", actor.model_dump(),
+                                  f"a micro-batch of {plan.micro_batch_size} samples (grpo.micro_batch_size) does not "
+                                  f"split over dp {actor.dp} x fsdp {actor.fsdp} = {rows} devices; make the "
+                                  f"micro-batch a multiple of {rows}")
+            if plan.samples_per_step % rollout.dp:
+                raise _FieldError(f"tasks.{i}.rollout.mesh", rollout.model_dump(),
+                                  f"{plan.samples_per_step} samples/step (grpo.prompts_per_step {plan.prompts_per_step}"
+                                  f" x grpo.num_generations {plan.num_generations}) do not split over dp {rollout.dp}")
+        if self.cluster.placement == "disaggregated" and given is not None and self._devices_needed() > given:
+            e = max(range(len(self.tasks)), key=lambda i: _devices(self.tasks[i].rollout.mesh))
+            a = max(range(len(self.tasks)), key=lambda i: _devices(self.tasks[i].actor.mesh))
+            engine, actor = self.tasks[e].rollout.mesh, self.tasks[a].actor.mesh
+            r, t = _devices(engine), _devices(actor)
+            raise _FieldError("cluster.num_devices", given,
+                              f"disaggregated puts a rollout group of {r} devices (tasks.{e}.rollout.mesh: "
+                              f"{_mesh_text(engine)}) beside a train group of {t} (tasks.{a}.actor.mesh: "
+                              f"{_mesh_text(actor)}): {r} + {t} = {r + t} devices, but cluster.num_devices is {given}")
+        return self
+
+    def _devices_needed(self) -> int:
+        actor = max(_devices(t.actor.mesh) for t in self.tasks)
+        rollout = max(_devices(t.rollout.mesh) for t in self.tasks)
+        return max(actor, rollout) if self.cluster.placement == "colocated" else actor + rollout
+
+    @property
+    def num_devices(self) -> int:
+        """The device pool: `cluster.num_devices`, or when None exactly what the meshes need (colocated: the
+        largest mesh of any task; disaggregated: the largest rollout mesh plus the largest actor mesh)."""
+        return self._devices_needed() if self.cluster.num_devices is None else self.cluster.num_devices
+
     @property
     def run_dir(self) -> Path:
         """`<output_dir>/<name>`, relative to the working directory unless output_dir is absolute."""
@@ -324,8 +414,18 @@ class ExperimentConfig(_Section):
         run_dir = self.run_dir.absolute()
         return [TaskSpec(experiment=self.experiment.name, index=i, config=t,
                          seed=t.resolved_seed(self.experiment.seed, i), dir=run_dir / "tasks" / t.name,
-                         tracking=self.experiment.tracking, placement=self.cluster.placement)
+                         tracking=self.experiment.tracking, placement=self.cluster.placement,
+                         num_devices=self.num_devices)
                 for i, t in enumerate(self.tasks)]
+
+
+def _devices(mesh: MeshSection | RolloutMeshSection) -> int:
+    return sharding.num_devices(mesh.as_dict())
+
+
+def _mesh_text(mesh: MeshSection | RolloutMeshSection) -> str:
+    """'fsdp 4 x tp 2 = 8'."""
+    return f"{sharding.describe(mesh.as_dict())} = {_devices(mesh)}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -341,6 +441,7 @@ class TaskSpec:
     dir: Path  # absolute runs/<experiment>/tasks/<task>: metrics, checkpoints
     tracking: TrackingSection  # where metrics go besides metrics.jsonl
     placement: Literal["colocated", "disaggregated"]
+    num_devices: int  # the experiment's device pool (rlsched.meshes.role_devices picks each role's from it)
 
     @property
     def name(self) -> str:
@@ -486,8 +587,19 @@ def read_raw(path: str | Path) -> dict:
     return raw
 
 
+def _unshare(node: Any) -> Any:
+    """A copy in which no mapping or list appears twice. YAML anchors (`rollout: *rollout`) load as one shared
+    object; an override of `tasks.1.rollout` must not also change every task that names the same anchor."""
+    if isinstance(node, dict):
+        return {k: _unshare(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_unshare(v) for v in node]
+    return node
+
+
 def validate(raw: dict, overrides: Sequence[str] = (), *, label: str = "config") -> ExperimentConfig:
     """Apply `--set` overrides to a raw mapping and validate it; every problem is a `ConfigError`."""
+    raw = _unshare(raw)
     overridden = {_apply_override(raw, o): o for o in overrides}
     try:
         return ExperimentConfig.model_validate(raw)

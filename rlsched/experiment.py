@@ -13,7 +13,6 @@ task after task in this process, with always-free locks (debugging).
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 from rlsched import cluster
 from rlsched.config import ExperimentConfig, TaskConfig, load_configs, select_tasks
+from rlsched.meshes import check_meshes
 from rlsched.policy import GroupSpec, Policy
 from rlsched.runfiles import prepare_run_dir, write_atomic
 
@@ -36,6 +36,7 @@ def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str
     """
     paths = [configs] if isinstance(configs, str | Path) else list(configs)
     cfg = select_tasks(load_configs(paths, overrides), tasks)
+    check_meshes(cfg)  # every mesh splits its model: before any process starts
     for task in cfg.tasks:
         echo(task.batch_plan().describe())
     run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
@@ -50,28 +51,22 @@ def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -
     from rlsched.scheduler import FreeLocks
     from rlsched.task import TaskDriver
 
+    cluster.use_host_devices(cfg.num_devices)
     return {spec.name: TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo).run()
             for spec in cfg.task_specs()}
 
 
 def estimate_bytes(task: TaskConfig) -> tuple[int, int]:
-    """(engine, actor) bytes of a task, from its model config: what admission decides on before any
-    worker exists. engine = params + full KV cache; actor = params + AdamW moments (+ reference)."""
-    from workers.models.config import Qwen3Config
-    from workers.models.presets import PRESETS
+    """(engine, actor) bytes on one device of each role's mesh, from its model's config.json: what admission
+    decides on before any worker exists (rlsched.plan has the per-kind numbers). engine = params + the
+    largest KV cache; actor = params + AdamW moments (+ reference). Every role of a group uses its first
+    device, so per-device sums are exact there, the busiest device."""
+    from rlsched.meshes import read_model_config
+    from rlsched.plan import actor_bytes, engine_bytes
 
-    if os.path.isdir(task.model.path):
-        m = Qwen3Config.from_dir(task.model.path)
-    else:  # created at start (init_preset): estimate from the preset itself
-        m = Qwen3Config(vocab_size=384, **PRESETS[task.model.init_preset or "tiny"])
-    width = 2 if task.model.dtype == "bfloat16" else 4
-    params = m.num_params * width
-    g = task.grpo
-    kv = (2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * width
-          * min(task.rollout.max_batch_size, g.prompts_per_step * g.num_generations)
-          * (g.max_prompt_len + g.max_new_tokens))
-    actor = params * (3 + (1 if g.beta > 0 else 0))
-    return params + kv, actor
+    model = read_model_config(task, 0, required=True)
+    engine, actor = engine_bytes(task, model), actor_bytes(task, model)
+    return engine["params"] + engine["kv_cache"], actor["params"] + actor["optimizer"] + actor.get("reference", 0)
 
 
 def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[str, str]]]]:

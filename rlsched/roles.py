@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rlsched import placement as pin
-from rlsched.cluster import RolePlacement, init_ray
+from rlsched.cluster import RolePlacement, init_ray, role_env
 from rlsched.comm import WeightChannel, WeightMessage, make_channel
 from rlsched.config import TaskSpec
 from rlsched.errors import RoleDied, TaskError
@@ -60,6 +60,26 @@ class PhaseResult:
     events: list[dict]  # spans recorded inside the role (the driver stamps them with the lock held)
     memory: dict[str, int]  # the role's process RSS and device bytes after the phase (mem/<role>/...)
     message: WeightMessage | None = None  # TRAIN: the weights published after the update (v+1)
+
+
+def role_mesh(spec: TaskSpec, kind: str):
+    """The `jax.sharding.Mesh` of a task's role ("actor" or "engine") over its devices in this process
+    (rlsched.meshes.role_devices: positions in the experiment's device pool)."""
+    import jax
+
+    from rlsched.meshes import role_devices
+    from workers.models import sharding
+
+    actor, rollout = spec.config.actor.mesh.as_dict(), spec.config.rollout.mesh.as_dict()
+    shape = actor if kind == "actor" else rollout
+    ids = role_devices(spec.placement, spec.num_devices, actor, rollout)[kind]
+    local = jax.local_devices()
+    if max(ids) >= len(local):
+        raise TaskError(f"task {spec.name}: the {kind}'s mesh ({sharding.describe(shape)})"
+                        f" takes devices {ids} of a pool of {spec.num_devices}, but its process sees {len(local)} "
+                        f"{jax.default_backend()} device(s); on CPU the pool comes from XLA_FLAGS="
+                        f"--xla_force_host_platform_device_count, which must be set before JAX starts")
+    return sharding.mesh(shape, [local[i] for i in ids])
 
 
 class _Role:
@@ -106,7 +126,7 @@ class ActorRole(_Role):
             init_model(m.path, preset=m.init_preset, seed=m.init_seed)
         model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
         self.spec = spec
-        self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed)
+        self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=role_mesh(spec, "actor"))
         self.channel = channel
         self.checkpointer = TaskCheckpointer(spec.checkpoint_dir)
         self.timeline = Timeline("actor", task=spec.name)
@@ -175,10 +195,12 @@ class EngineRole(_Role):
         self.name = spec.name
         self.channel = channel
         self.timeline = Timeline("engine", task=spec.name)
+        # Only jax_sampler lays itself out on a mesh so far; the config refuses a mesh for the others.
+        mesh = {"mesh": role_mesh(spec, "engine")} if r.engine == "jax_sampler" else {}
         self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
                                   max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
                                   max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
-                                  **r.engine_args)
+                                  **mesh, **r.engine_args)
         self._held = self.engine
 
     def rollout(self, message: WeightMessage, prompt_ids, params) -> PhaseResult:
@@ -279,13 +301,16 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
     # Its share of the bundle is nominal (1/100 of one unit): the bundle reserves the device, the
     # pinning decides who uses which core, and several tasks' roles take turns on it under the locks.
     options: dict[str, Any] = {"max_restarts": 0, "num_cpus": 0}
-    cores = None
+    cores, resource = None, "CPU"
     if placement is None:
         init_ray()  # an in-process run whose engine needs a process of its own: the local Ray
     else:
-        options["num_gpus" if placement.resource == "GPU" else "num_cpus"] = 0.01
+        resource = placement.resource
+        options["num_gpus" if resource == "GPU" else "num_cpus"] = 0.01
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement.placement_group, placement_group_bundle_index=placement.bundles[cls.kind])
         cores = placement.cores[cls.kind]
+    options["runtime_env"] = {"env_vars": role_env(spec.num_devices, resource,
+                                                   shares_devices=spec.placement == "colocated")}
     handle = ray.remote(cls).options(**options).remote(spec, channel=channel, cores=cores)
     return RemoteRole(handle, cls.kind)

@@ -246,6 +246,13 @@ def test_override_into_a_list_element(tmp_path):
     assert task.model.init_preset is None and task.grpo.clip_range == (0.2, 0.28)
 
 
+def test_override_of_one_task_leaves_tasks_sharing_its_yaml_anchor_alone():
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "demo_multitask.yaml",  # grpo: *grpo in task 1
+                      ["tasks.1.grpo.beta=0.1", "tasks.0.rollout.max_batch_size=8"])
+    assert [t.grpo.beta for t in cfg.tasks] == [0.0, 0.1]
+    assert [t.rollout.max_batch_size for t in cfg.tasks] == [8, 256]
+
+
 def test_override_of_a_new_key_is_validated_like_the_file(tmp_path):
     msg = load_error(tmp_path, ADDITION, ["tasks.0.optim.lrr=3e-6"])
     assert "tasks.0.optim.lrr: unknown key (got 3e-06); did you mean 'lr'? [from override 'tasks.0.optim.lrr=3e-6']" \
@@ -293,3 +300,82 @@ def test_every_shipped_config_validates(name):
     assert cfg.tasks and len({t.name for t in cfg.tasks}) == len(cfg.tasks)
     for task in cfg.tasks:
         task.batch_plan()  # the batch arithmetic of every task works out
+
+
+# --- meshes: defaults, overrides, the device pool, and what validation refuses ------------------------------
+
+
+def test_meshes_default_to_one_device(tmp_path):
+    cfg = load_config(write(tmp_path, ADDITION))
+    task = cfg.tasks[0]
+    assert task.actor.mesh.as_dict() == {"dp": 1, "fsdp": 1, "tp": 1}
+    assert task.rollout.mesh.as_dict() == {"dp": 1, "fsdp": 1, "tp": 1}  # a rollout mesh has no fsdp axis
+    assert cfg.num_devices == 1 and cfg.task_specs()[0].num_devices == 1
+
+
+def test_mesh_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, ADDITION), ["tasks.0.actor.mesh.fsdp=2", "tasks.0.actor.mesh.tp=2",
+                                                  "tasks.0.rollout.mesh={dp: 2, tp: 4}"])
+    assert cfg.tasks[0].actor.mesh.as_dict() == {"dp": 1, "fsdp": 2, "tp": 2}
+    assert cfg.tasks[0].rollout.mesh.as_dict() == {"dp": 2, "fsdp": 1, "tp": 4}
+    assert "fsdp: 2" in dump_resolved(cfg)
+
+
+def test_device_pool_is_what_the_meshes_need_unless_given(tmp_path):
+    two = ADDITION + ADDITION.split("tasks:\n")[1].replace("name: addition", "name: other")
+    meshes = ["tasks.0.actor.mesh.fsdp=4", "tasks.0.rollout.mesh.tp=2",  # task 0: actor 4, engine 2
+              "tasks.1.actor.mesh.tp=2", "tasks.1.rollout.mesh={dp: 2, tp: 2}"]  # task 1: actor 2, engine 4
+    cfg = load_config(write(tmp_path, two), meshes)
+    assert cfg.num_devices == 4  # colocated: the largest mesh, max(4, 2, 2, 4)
+    assert [s.num_devices for s in cfg.task_specs()] == [4, 4]
+    cfg = load_config(write(tmp_path, two), [*meshes, "cluster.placement=disaggregated"])
+    assert cfg.num_devices == 8  # the largest rollout mesh (4) beside the largest actor mesh (4)
+    cfg = load_config(write(tmp_path, two), [*meshes, "cluster.num_devices=16"])
+    assert cfg.num_devices == 16 and cfg.task_specs()[1].num_devices == 16
+
+
+def test_rollout_mesh_has_no_fsdp(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.rollout.mesh.fsdp=2"])
+    assert msg.startswith(f"{tmp_path / 'demo.yaml'}: tasks.0.rollout.mesh.fsdp: unknown key (got 2)")
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("tasks.0.actor.mesh.tp=0", "tasks.0.actor.mesh.tp: Input should be greater than or equal to 1 (got 0)"),
+    ("tasks.0.actor.mesh.dp=true", "tasks.0.actor.mesh.dp: Input should be a valid integer (got True)"),
+    ("tasks.0.actor.mesh.sp=2", "tasks.0.actor.mesh.sp: unknown key (got 2)"),
+])
+def test_bad_mesh_values(tmp_path, override, expected):
+    assert expected in load_error(tmp_path, ADDITION, [override])
+
+
+def test_a_mesh_larger_than_the_pool(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["cluster.num_devices=8", "tasks.0.actor.mesh.fsdp=16"])
+    assert msg == (f"{tmp_path / 'demo.yaml'}: tasks.0.actor.mesh: fsdp 16 = 16 devices, but cluster.num_devices is 8 "
+                   "(got {'dp': 1, 'fsdp': 16, 'tp': 1})")
+    msg = load_error(tmp_path, ADDITION, ["cluster.num_devices=2", "tasks.0.rollout.mesh={dp: 2, tp: 2}"])
+    assert msg.endswith("tasks.0.rollout.mesh: dp 2 x tp 2 = 4 devices, but cluster.num_devices is 2 "
+                        "(got {'dp': 2, 'tp': 2}) [from override 'tasks.0.rollout.mesh={dp: 2, tp: 2}']")
+
+
+def test_disaggregated_groups_must_fit_side_by_side(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["cluster.placement=disaggregated", "cluster.num_devices=8",
+                                          "tasks.0.actor.mesh={fsdp: 4, tp: 2}", "tasks.0.rollout.mesh.tp=2"])
+    assert msg.endswith("cluster.num_devices: disaggregated puts a rollout group of 2 devices (tasks.0.rollout.mesh: "
+                        "tp 2 = 2) beside a train group of 8 (tasks.0.actor.mesh: fsdp 4 x tp 2 = 8): 2 + 8 = 10 "
+                        "devices, but cluster.num_devices is 8 (got 8) [from override 'cluster.num_devices=8']")
+    # The same meshes colocated time-share 8 devices.
+    load_config(write(tmp_path, ADDITION), ["cluster.num_devices=8", "tasks.0.actor.mesh={fsdp: 4, tp: 2}",
+                                            "tasks.0.rollout.mesh.tp=2"])
+
+
+def test_batches_must_split_over_the_meshes(tmp_path):
+    # micro-batch 64 over dp 1 x fsdp 3 = 3 rows: 64 / 3 is not whole.
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.actor.mesh.fsdp=3"])
+    assert msg.endswith("tasks.0.actor.mesh: a micro-batch of 64 samples (grpo.micro_batch_size) does not split over "
+                        "dp 1 x fsdp 3 = 3 devices; make the micro-batch a multiple of 3 (got {'dp': 1, 'fsdp': 3, "
+                        "'tp': 1})")
+    load_config(write(tmp_path, ADDITION), ["tasks.0.actor.mesh.tp=3"])  # tp splits no batch
+    # 16 prompts x 16 generations = 256 samples over rollout dp 3.
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.rollout.mesh.dp=3"])
+    assert msg.endswith("tasks.0.rollout.mesh: 256 samples/step (grpo.prompts_per_step 16 x grpo.num_generations 16) "
+                        "do not split over dp 3 (got {'dp': 3, 'tp': 1})")

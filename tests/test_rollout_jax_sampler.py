@@ -123,10 +123,8 @@ def test_results_do_not_depend_on_batching(tiny_model, prompt_ids):
 
 def test_compiles_a_handful_of_programs_not_one_per_request(tiny_model):
     model, tok = tiny_model
-    from workers.rollout.jax_sampler import _generate_program
-
     engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=32, max_batch_size=4)
-    programs_before = _generate_program._cache_size()
+    programs_before = engine.programs_compiled()
     rng = np.random.default_rng(0)
     for _ in range(24):
         prompts = [rng.integers(0, 256, size=rng.integers(1, 14)).tolist() for _ in range(rng.integers(1, 4))]
@@ -136,7 +134,7 @@ def test_compiles_a_handful_of_programs_not_one_per_request(tiny_model):
     assert {p for _, p, _, _ in engine.compiled_shapes} <= {8, 16}
     assert {n for _, _, n, _ in engine.compiled_shapes} <= {8, 16}
     assert len(engine.compiled_shapes) <= 12
-    assert _generate_program._cache_size() - programs_before <= len(engine.compiled_shapes)
+    assert engine.programs_compiled() - programs_before <= len(engine.compiled_shapes)
 
 
 def test_stop_token_ends_the_sample_and_is_included(engine, prompt_ids):
@@ -152,12 +150,10 @@ def test_stop_token_ends_the_sample_and_is_included(engine, prompt_ids):
 
 def test_release_and_resume_keep_the_weights(tiny_model, prompt_ids):
     model, _ = tiny_model
-    from workers.rollout.jax_sampler import _generate_program
-
     engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=16)
     params = SamplingParams(temperature=0, max_new_tokens=8)
     before, checksum = engine.generate(prompt_ids, params), engine.weight_checksum
-    programs = _generate_program._cache_size()
+    programs = engine.programs_compiled()
     engine.release_memory()
     assert engine.released
     with pytest.raises(EngineReleasedError, match="resume_memory"):
@@ -165,7 +161,7 @@ def test_release_and_resume_keep_the_weights(tiny_model, prompt_ids):
     engine.resume_memory()
     after = engine.generate(prompt_ids, params)
     assert engine.weight_checksum == checksum
-    assert _generate_program._cache_size() == programs  # an onload must not cost a recompile
+    assert engine.programs_compiled() == programs  # an onload must not cost a recompile
     for x, y in zip(before.samples, after.samples, strict=True):
         np.testing.assert_array_equal(x.token_ids, y.token_ids)
 

@@ -13,6 +13,10 @@ Design decisions:
 - Logprobs are of logits / temperature: the distribution the rollout engine sampled from.
 - Sequences arrive right-padded [prompt, completion, pad] to a length bucket (workers.batch, host
   work in the task's driver) so a run compiles a few programs, not one per step.
+- The actor lives on a mesh (dp x fsdp x tp, one device by default) and every program is compiled
+  with explicit in/out shardings from workers.models.sharding: parameters and optimizer moments as
+  the table says, batch rows over dp x fsdp, metrics replicated. The state comes back in the layout it
+  went in, so nothing is ever gathered whole onto one device between steps.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from flax import nnx
 from workers import grpo
 from workers.batch import TrainBatch
 from workers.models import params as P
+from workers.models import sharding as S
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.offload import offload, onload
 
@@ -91,10 +96,6 @@ def token_logprobs(graphdef, params, tokens, attention_mask, temperature) -> jax
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-_logprobs_jit = jax.jit(token_logprobs, static_argnames=("graphdef",))
-
-
-@partial(jax.jit, static_argnames=("graphdef", "tx", "settings"), donate_argnames=("state",))
 def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorSettings):
     """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics).
 
@@ -143,22 +144,54 @@ def _no_span(name: str, **attrs):
 
 
 class ActorWorker:
-    """Holds the policy's TrainState (and frozen reference params when beta > 0)."""
+    """Holds the policy's TrainState (and frozen reference params when beta > 0) on its mesh."""
 
-    def __init__(self, model: Qwen3ForCausalLM, settings: ActorSettings, *, seed: int = 0):
+    def __init__(self, model: Qwen3ForCausalLM, settings: ActorSettings, *, seed: int = 0, mesh=None):
+        """mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, tp) (workers.models.sharding.mesh); default:
+        this process's first device."""
         if settings.mini_batch_size % settings.micro_batch_size:
             raise ValueError(f"mini_batch_size {settings.mini_batch_size} is not a multiple of micro_batch_size "
                              f"{settings.micro_batch_size}")
         self.settings = settings
         self.config = model.config
+        self.mesh = mesh if mesh is not None else S.mesh({}, jax.devices()[:1])
+        rows = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+        if settings.micro_batch_size % rows:
+            raise S.ShardingError(f"micro_batch_size {settings.micro_batch_size} does not split over dp "
+                                  f"{self.mesh.shape['dp']} x fsdp {self.mesh.shape['fsdp']} = {rows}")
         self.graphdef, params = nnx.split(model)
         self.tx = make_optimizer(settings)
-        self.state = TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32))
+        param_sh = S.state_shardings(params, self.mesh, kv_heads=self.config.num_key_value_heads)
+        params = jax.device_put(params, param_sh)
+        repl = S.replicated(self.mesh)
+        opt_sh = optax.tree_map_params(self.tx, lambda _, sh: sh, jax.eval_shape(self.tx.init, params), param_sh,
+                                       transform_non_params=lambda _: repl)
+        self.shardings = TrainState(param_sh, opt_sh, repl)
+        opt_state = jax.jit(self.tx.init, in_shardings=(param_sh,), out_shardings=opt_sh)(params)
+        self.state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), repl))
         # A separate copy: the policy's buffers are donated to train_step and change every update.
         self.ref_params = jax.tree.map(jnp.copy, params) if settings.beta > 0 else None
         self.version = 0
         self.seed = seed
         self._host = None  # (state, ref_params) while offloaded
+        self._programs: dict = {}
+
+    def _program(self, kind: str, keys: tuple[str, ...] = ()):
+        """The jitted train step (per set of batch keys) or logprobs program, with explicit shardings."""
+        if (kind, keys) in self._programs:
+            return self._programs[kind, keys]
+        repl, param_sh = S.replicated(self.mesh), self.shardings.params
+        if kind == "train":  # batch arrays (A, M, ...): rows (M) over dp x fsdp
+            batch_sh = {k: S.batch_sharding(self.mesh, 2 if k == "advantages" else 3, leading=1) for k in keys}
+            fn = jax.jit(partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings),
+                         in_shardings=(self.shardings, batch_sh), out_shardings=(self.shardings, repl),
+                         donate_argnums=0)
+        else:  # (params, tokens, mask) -> logprobs (B, T-1), rows over dp x fsdp
+            rows = S.batch_sharding(self.mesh, 2)
+            fn = jax.jit(partial(token_logprobs, self.graphdef, temperature=self.settings.temperature),
+                         in_shardings=(param_sh, rows, rows), out_shardings=rows)
+        self._programs[kind, keys] = fn
+        return fn
 
     # ---- logprobs -------------------------------------------------------------------------------
 
@@ -167,9 +200,9 @@ class ActorWorker:
         params = self.ref_params if reference else self.state.params
         if params is None:
             raise ValueError("no reference params: this actor was built with beta == 0")
-        m = self.settings.micro_batch_size
-        out = [_logprobs_jit(self.graphdef, params, batch.tokens[i : i + m], batch.attention_mask[i : i + m],
-                             self.settings.temperature) for i in range(0, batch.size, m)]
+        m, program = self.settings.micro_batch_size, self._program("logprobs")
+        out = [program(params, batch.tokens[i : i + m], batch.attention_mask[i : i + m])
+               for i in range(0, batch.size, m)]
         return np.concatenate([np.asarray(x) for x in out])
 
     # ---- update ---------------------------------------------------------------------------------
@@ -210,7 +243,8 @@ class ActorWorker:
                 idx = order[start : start + s.mini_batch_size]
                 acc = s.mini_batch_size // s.micro_batch_size
                 mini = {k: v[idx].reshape(acc, s.micro_batch_size, *v.shape[1:]) for k, v in arrays.items()}
-                self.state, metrics = train_step(self.state, mini, graphdef=self.graphdef, tx=self.tx, settings=s)
+                program = self._program("train", tuple(sorted(mini)))
+                self.state, metrics = program(self.state, mini)
                 history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +61,30 @@ class Qwen3Config:
         if self.dtype not in _DTYPES:
             raise ModelConfigError(f"config.dtype must be one of {_DTYPES}, got {self.dtype!r}")
 
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's flat name (workers.models.params) and shape, without building the model: the
+        control plane checks a mesh against these without importing JAX (a test holds them to the model's)."""
+        h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            out["lm_head.kernel"] = (h, v)
+        for layer in range(self.num_hidden_layers):
+            at = f"model.layers.{layer}"
+            out |= {f"{at}.input_layernorm.weight": (h,), f"{at}.post_attention_layernorm.weight": (h,),
+                    f"{at}.self_attn.q_proj.kernel": (h, q), f"{at}.self_attn.k_proj.kernel": (h, kv),
+                    f"{at}.self_attn.v_proj.kernel": (h, kv), f"{at}.self_attn.o_proj.kernel": (q, h),
+                    f"{at}.self_attn.q_norm.weight": (d,), f"{at}.self_attn.k_norm.weight": (d,),
+                    f"{at}.mlp.gate_proj.kernel": (h, i), f"{at}.mlp.up_proj.kernel": (h, i),
+                    f"{at}.mlp.down_proj.kernel": (i, h)}
+            if self.attention_bias:
+                out |= {f"{at}.self_attn.q_proj.bias": (q,), f"{at}.self_attn.k_proj.bias": (kv,),
+                        f"{at}.self_attn.v_proj.bias": (kv,), f"{at}.self_attn.o_proj.bias": (h,)}
+        return out
+
     @property
     def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv + h if self.attention_bias else 0) + 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+        return sum(math.prod(shape) for shape in self.param_shapes().values())
 
     # ---- Hugging Face config.json -------------------------------------------------------------
 

@@ -10,6 +10,9 @@ Design decisions:
   then folded with the step. The n samples of a prompt differ, a seed reproduces them, and the
   result does not depend on how rows are batched.
 - The loop stops as soon as every row has hit a stop token.
+- The engine lives on a mesh (dp x tp, one device by default): weights laid out by
+  workers.models.sharding, request rows over dp, the KV cache's heads over tp (whole on every device
+  when tp exceeds the KV heads). The program is compiled with those shardings explicitly.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from workers.models import params as P
+from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
 from workers.models.qwen3 import Qwen3ForCausalLM, init_cache
 from workers.offload import device_bytes, offload, onload
@@ -53,9 +57,12 @@ class JaxSampler:
     name = "jax_sampler"
 
     def __init__(self, model: Qwen3ForCausalLM, *, max_prompt_len: int = 512, max_new_tokens: int = 256,
-                 max_batch_size: int = 64, weight_version: int = 0, seed: int = 0, take_ownership: bool = False):
+                 max_batch_size: int = 64, weight_version: int = 0, seed: int = 0, take_ownership: bool = False,
+                 mesh=None):
         """take_ownership: the engine may free the model's buffers (release_memory, update_weights);
-        by default it copies them, so the caller's model stays usable."""
+        by default it copies them, so the caller's model stays usable.
+        mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, tp) (workers.models.sharding.mesh); default: this
+        process's first device."""
         cfg = model.config
         if max_prompt_len + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
@@ -63,10 +70,13 @@ class JaxSampler:
                 f"max_position_embeddings={cfg.max_position_embeddings}")
         self.config = cfg
         self.max_prompt_len, self.max_new_tokens, self.max_batch_size = max_prompt_len, max_new_tokens, max_batch_size
-        self._graphdef, self._state = nnx.split(model)
+        self.mesh = mesh if mesh is not None else S.mesh({}, jax.devices()[:1])
+        self._rows = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]  # request rows split this many ways
+        self._graphdef, state = nnx.split(model)
+        self._shardings = S.state_shardings(state, self.mesh, kv_heads=cfg.num_key_value_heads)
         # Committed placement from the start, as update_weights/resume_memory produce: otherwise the
         # first weight update changes the arrays' committedness and recompiles every program.
-        self._state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=take_ownership), self._state)
+        self._state = jax.tree.map(lambda x, sh: S.place(x, sh, copy=not take_ownership), state, self._shardings)
         self._host_state = None  # set while released
         self._version = weight_version
         self._checksum: str | None = None
@@ -111,12 +121,12 @@ class JaxSampler:
         def swap(old: jax.Array, new) -> jax.Array:
             nonlocal peak, largest
             # Free each old tensor before placing its successor, so a swap never holds two full
-            # copies on the device; may_alias=False: the engine owns its buffers (the caller's
+            # copies on the device; a copy: the engine owns its buffers (the caller's
             # array may be a read-only object-store view or the actor's live parameter).
             sharding = old.sharding
             largest = max(largest, old.nbytes)
             old.delete()
-            placed = jax.device_put(new, sharding, may_alias=False)
+            placed = S.place(new, sharding, copy=True)
             peak = max(peak, device_bytes())
             return placed
 
@@ -148,6 +158,10 @@ class JaxSampler:
         self._host_state = None
         self._checksum = None
 
+    def programs_compiled(self) -> int:
+        """Executables compiled so far for this engine's architecture and mesh (shared between engines)."""
+        return _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)._cache_size()
+
     @property
     def released(self) -> bool:
         return self._state is None
@@ -172,7 +186,7 @@ class JaxSampler:
                              generate_seconds=time.perf_counter() - t0)
 
     def _generate_chunk(self, state, prompts, chunk, params, seed, stop, new_bucket) -> list[Sample]:
-        batch = _bucket(len(chunk), 1, self.max_batch_size)
+        batch = -(-_bucket(len(chunk), 1, self.max_batch_size) // self._rows) * self._rows  # rows split over dp
         longest = max(len(prompts[i]) for i, _ in chunk)
         plen = _bucket(longest, 8, self.max_prompt_len)
         tokens = np.zeros((batch, plen), np.int32)
@@ -185,9 +199,10 @@ class JaxSampler:
             prompt_idx[r], sample_idx[r] = i, j
         active = np.arange(batch) < len(chunk)
         self.compiled_shapes.add((batch, plen, new_bucket, len(stop)))
-        out = _generate_program(self._graphdef, state, tokens, mask, active, np.uint32(seed), prompt_idx, sample_idx,
-                        np.float32(params.temperature), np.float32(params.top_p),
-                        np.int32(params.max_new_tokens), stop, new_bucket=new_bucket)
+        program = _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
+        out = program(state, tokens, mask, active, np.uint32(seed), prompt_idx, sample_idx,
+                      np.float32(params.temperature), np.float32(params.top_p),
+                      np.int32(params.max_new_tokens), stop, new_bucket)
         out_tokens, out_logprobs, lengths, stopped = jax.device_get(out)
         return [
             Sample(prompt_index=i, token_ids=out_tokens[r, : lengths[r]].copy(),
@@ -197,14 +212,26 @@ class JaxSampler:
         ]
 
 
-@partial(jax.jit, static_argnames=("graphdef", "new_bucket"))
-def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p,
-                      max_new, stop, *, new_bucket: int):
-    """tokens/mask (B, P) left-padded -> tokens (B, N), logprobs (B, N), lengths (B,), stopped (B,).
+_PROGRAMS: dict = {}
 
-    Module-level and keyed on the (hashable) graphdef, so engines over the same architecture share
-    compiled programs.
-    """
+
+def _program(graphdef, mesh, kv_heads: int, state_shardings):
+    """The generate program for one architecture on one mesh, compiled with explicit shardings: weights
+    as the table says, rows over dp, scalars replicated. Cached at module level, so engines over the same
+    architecture and mesh share compiled programs."""
+    key = (graphdef, mesh, kv_heads)
+    if key not in _PROGRAMS:
+        rows, vec, repl = S.batch_sharding(mesh, 2), S.batch_sharding(mesh, 1), S.replicated(mesh)
+        body = partial(_generate_program, graphdef, kv_sharding=S.kv_cache_sharding(mesh, kv_heads=kv_heads))
+        _PROGRAMS[key] = jax.jit(body, static_argnums=(11,),
+                                 in_shardings=(state_shardings, rows, rows, vec, repl, vec, vec, *[repl] * 4),
+                                 out_shardings=(rows, rows, vec, vec))
+    return _PROGRAMS[key]
+
+
+def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p,
+                      max_new, stop, new_bucket: int, *, kv_sharding):
+    """tokens/mask (B, P) left-padded -> tokens (B, N), logprobs (B, N), lengths (B,), stopped (B,)."""
     model = nnx.merge(graphdef, state)
     b, plen = tokens.shape
     base = jax.random.key(seed)
@@ -213,7 +240,9 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     prompt_len = mask.sum(axis=1).astype(jnp.int32)
 
-    hidden, cache = model.forward(tokens, positions, kv_mask, init_cache(model.config, b, plen + new_bucket), 0)
+    cache = [jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, kv_sharding), layer)
+             for layer in init_cache(model.config, b, plen + new_bucket)]
+    hidden, cache = model.forward(tokens, positions, kv_mask, cache, 0)
     logits = model.logits(hidden[:, -1])  # left padding: the last column is every row's last prompt token
 
     def emit(t, logits, out_tok, out_lp, done, length, stopped):

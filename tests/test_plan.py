@@ -1,0 +1,293 @@
+"""Meshes and `rlsched plan`: which devices each role gets, bytes per device by hand, and every mesh error
+through the real CLI (one stderr line, exit 2, before any process starts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rlsched.cli import main
+from rlsched.config import ConfigError, load_config
+from rlsched.meshes import check_platform, read_model_config, role_devices, task_devices
+from rlsched.plan import actor_bytes, device_plan, engine_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+# Qwen3-1.7B's config.json (the fields that shape it): a plan needs no weights.
+QWEN3_1P7B = {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "tie_word_embeddings": True, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+
+
+# --- role_devices --------------------------------------------------------------------------------------------
+
+
+def test_colocated_roles_share_the_first_devices():
+    assert role_devices("colocated", 8, {"fsdp": 4, "tp": 2}, {"tp": 2}) == {"actor": list(range(8)),
+                                                                             "engine": [0, 1]}
+    assert role_devices("colocated", 8, {}, {}) == {"actor": [0], "engine": [0]}
+
+
+def test_disaggregated_engine_first_actor_last():
+    assert role_devices("disaggregated", 4, {"fsdp": 2}, {"tp": 2}) == {"actor": [2, 3], "engine": [0, 1]}
+    # A larger pool leaves the middle free: the actor takes the last devices.
+    assert role_devices("disaggregated", 8, {"fsdp": 2}, {"tp": 2}) == {"actor": [6, 7], "engine": [0, 1]}
+    with pytest.raises(ConfigError, match=r"disaggregated: the actor mesh \(fsdp 4\) and the rollout mesh \(tp 2\) "
+                                          r"need 6 devices; the pool has 4"):
+        role_devices("disaggregated", 4, {"fsdp": 4}, {"tp": 2})
+
+
+def test_disaggregated_tasks_of_different_sizes_never_overlap(tmp_path):
+    path = tmp_path / "two.yaml"
+    path.write_text((CONFIGS / "demo_mesh.yaml").read_text())
+    cfg = load_config(path, ["cluster.placement=disaggregated", "cluster.num_devices=null",
+                             "tasks.0.rollout.mesh={dp: 1, tp: 1}", "tasks.0.actor.mesh={fsdp: 2, tp: 1}",
+                             "tasks.1.rollout.mesh={dp: 2, tp: 2}", "tasks.1.actor.mesh={fsdp: 2, tp: 2}"])
+    assert cfg.num_devices == 8  # largest rollout mesh 4 + largest actor mesh 4
+    devices = task_devices(cfg)
+    assert devices == {"addition": {"actor": [6, 7], "engine": [0]},
+                       "subtraction": {"actor": [4, 5, 6, 7], "engine": [0, 1, 2, 3]}}
+    engines = {d for t in devices.values() for d in t["engine"]}
+    actors = {d for t in devices.values() for d in t["actor"]}
+    assert not engines & actors
+
+
+# --- the platform rule ---------------------------------------------------------------------------------------
+
+
+def test_platform_rule():
+    with pytest.raises(ConfigError, match="colocated on tpu needs each task's actor and engine in one process"):
+        check_platform("tpu", "colocated", colocated_in_one_process=False)
+    check_platform("tpu", "colocated", colocated_in_one_process=True)
+    check_platform("tpu", "disaggregated", colocated_in_one_process=False)
+    for platform in ("cpu", "gpu", "cuda", "rocm"):
+        check_platform(platform, "colocated", colocated_in_one_process=False)
+    with pytest.raises(ConfigError, match="platform 'metal' is not one rlsched runs on"):
+        check_platform("metal", "colocated", colocated_in_one_process=True)
+
+
+# --- bytes per device, by hand -------------------------------------------------------------------------------
+
+
+def _demo_mesh(tmp_path, overrides=()):
+    """configs/demo_mesh.yaml with its models absent: the plan reads the tiny preset's shapes."""
+    return load_config(CONFIGS / "demo_mesh.yaml", [f"tasks.0.model.path={tmp_path / 'a'}",
+                                                    f"tasks.1.model.path={tmp_path / 'b'}", *overrides])
+
+
+def test_tiny_plan_by_hand(tmp_path):
+    """The tiny preset: vocab 384, hidden 64, MLP 192, 2 layers, 2 heads, 1 KV head, head_dim 128, tied.
+    Per layer: q (64, 256), k and v (64, 128), o (256, 64), gate/up (64, 192), down (192, 64), norms 64 + 64
+    + 128 + 128 = 384 values (replicated); embed (384, 64) and the final norm (64)."""
+    cfg = _demo_mesh(tmp_path)
+    task, model = cfg.tasks[0], read_model_config(cfg.tasks[0], 0)
+    assert model.num_params == 197_440  # 24,576 + 64 + 2 x 86,400
+    # actor fsdp 2 x tp 2: embed 192 x 32 = 6,144; per layer q 32 x 128, k and v 32 x 128 (one KV head cannot
+    # split over tp 2: replicated), o 128 x 32 -> 4 x 4,096; gate/up 32 x 96, down 96 x 32 -> 3 x 3,072; norms
+    # 384. (6,144 + 64 + 2 x (16,384 + 9,216 + 384)) = 58,176 values x 4 bytes (float32).
+    params = 58_176 * 4
+    assert actor_bytes(task, model) == {
+        "params": params, "grads": params,
+        "optimizer": 2 * params + 8,  # two moments + Adam's and the schedule's int32 counts
+        # micro-batch 64 / (dp 1 x fsdp 2) = 32 rows x (16 + 4) tokens x (2 layers x 16 x 64 + 2 x 384 / tp 2)
+        "activations": 32 * 20 * (2 * 16 * 64 + 2 * 192) * 4,
+    }
+    # engine tp 2: embed 192 x 64 = 12,288; per layer q 64 x 128, k, v 64 x 128 (replicated), o 128 x 64 ->
+    # 4 x 8,192; gate/up 64 x 96, down 96 x 64 -> 3 x 6,144; norms 384: 12,288 + 64 + 2 x 51,584 = 115,520.
+    # KV cache: 256 rows x 20 slots x 2 layers x (k, v) x 1 head (replicated) x 128 x 4 bytes = 10 MiB.
+    assert engine_bytes(task, model) == {"params": 115_520 * 4, "kv_cache": 256 * 20 * 2 * 2 * 1 * 128 * 4}
+    assert 256 * 20 * 2 * 2 * 128 * 4 == 10 * 2**20
+
+    plan = device_plan(cfg)
+    actor = sum(actor_bytes(task, model).values())
+    engine = sum(engine_bytes(task, model).values())
+    # Colocated, two identical tasks: devices 0-1 hold both actors and both engines, 2-3 the actors only.
+    assert plan.per_device == [2 * (actor + engine)] * 2 + [2 * actor] * 2 + [0] * 4
+    (group,) = plan.groups
+    assert (group.name, group.devices, group.resident, group.largest_role, group.fits) == (
+        "shared", list(range(8)), 2 * (actor + engine), max(actor, engine), None)
+
+
+def test_a_reference_model_doubles_the_params_it_keeps(tmp_path):
+    cfg = _demo_mesh(tmp_path, ["tasks.0.grpo.beta=0.04"])
+    b = actor_bytes(cfg.tasks[0], read_model_config(cfg.tasks[0], 0))
+    assert b["reference"] == b["params"] == 58_176 * 4
+
+
+def test_optimizer_bytes_are_what_optax_allocates(tmp_path):
+    """The plan's AdamW arithmetic against the real optimizer's state (shapes only: nothing is allocated)."""
+    import jax
+    import numpy as np
+
+    from rlsched.roles import actor_settings
+    from workers.actor import make_optimizer
+
+    cfg = _demo_mesh(tmp_path, ["tasks.0.actor.mesh={fsdp: 1, tp: 1}"])
+    task, model = cfg.tasks[0], read_model_config(cfg.tasks[0], 0)
+    params = {name: jax.ShapeDtypeStruct(shape, np.float32) for name, shape in model.param_shapes().items()}
+    state = jax.eval_shape(make_optimizer(actor_settings(cfg.task_specs()[0])).init, params)
+    allocated = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
+    assert actor_bytes(task, model)["optimizer"] == allocated == 2 * 197_440 * 4 + 8
+
+
+def test_qwen3_1p7b_recipe_plan_by_hand(tmp_path, capsys):
+    """configs/gsm8k_qwen3_1p7b_mesh.yaml from Qwen3-1.7B's config.json alone.
+
+    Parameters: embed 151,936 x 2,048 = 311,164,928; per layer q 2,048 x 2,048, k and v 2,048 x 1,024,
+    o 2,048 x 2,048, gate/up/down 3 x 2,048 x 6,144, norms 2 x 2,048 + 2 x 128 = 4,352 -> 50,336,000;
+    28 layers + the final norm (2,048): 1,720,574,976. Replicated (norms): 28 x 4,352 + 2,048 = 123,904.
+    Every other dimension splits exactly (8 KV heads over tp 2)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1P7B))
+    assert main(["plan", str(CONFIGS / "gsm8k_qwen3_1p7b_mesh.yaml"), "--set", f"tasks.0.model.path={tmp_path}",
+                 "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    total, replicated = 1_720_574_976, 123_904
+    actor_params = ((total - replicated) // 8 + replicated) * 2  # fsdp 4 x tp 2, bfloat16
+    engine_params = ((total - replicated) // 2 + replicated) * 2  # tp 2
+    assert actor_params == 430_360_576 and engine_params == 1_720_698_880
+    actor, engine = plan["roles"]
+    assert (actor["role"], actor["mesh"], actor["devices"]) == ("actor", {"dp": 1, "fsdp": 4, "tp": 2}, list(range(8)))
+    assert (engine["role"], engine["mesh"], engine["devices"]) == ("engine", {"dp": 1, "fsdp": 1, "tp": 2}, [0, 1])
+    activations = (8 // 4) * (256 + 1024) * (28 * 16 * 2048 + 2 * 151_936 // 2) * 4  # 2 rows x 1,280 tokens
+    assert actor["bytes"] == {
+        "params": actor_params, "grads": actor_params, "optimizer": 2 * actor_params + 8,
+        "reference": actor_params,  # beta 0.08
+        "activations": activations,
+        "total": 5 * actor_params + 8 + activations}
+    kv = 64 * (256 + 1024) * 28 * 2 * (8 // 2) * 128 * 2  # 64 rows x 1,280 slots x 28 layers x (k, v) x 4 heads
+    assert engine["bytes"] == {"params": engine_params, "kv_cache": kv, "total": engine_params + kv}
+    assert kv == 4_697_620_480
+    device0 = 5 * actor_params + 8 + activations + engine_params + kv
+    assert plan["per_device"] == [device0] * 2 + [5 * actor_params + 8 + activations] * 6
+    assert plan["memory_budget_bytes"] == 64 * 2**30 and plan["groups"][0]["fits"] == "yes" and plan["runnable"]
+
+
+def test_budget_verdicts(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1P7B))
+    recipe = [str(CONFIGS / "gsm8k_qwen3_1p7b_mesh.yaml"), "--set", f"tasks.0.model.path={tmp_path}"]
+    # 16 GiB: the actor (12.2 GiB) and the engine (6.0 GiB) do not fit at once, each alone does.
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=16"]) == 0
+    out = capsys.readouterr().out
+    assert "group shared (devices 0-7): 18.2 GiB on device 0 with every role resident; largest role 12.2 GiB; " \
+           "fits one role at a time (idle roles offload)" in out
+    assert "gsm8k  actor   fsdp 4 x tp 2  0-7" in out and "gsm8k  engine  tp 2           0-1" in out
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=8"]) == 1
+    out = capsys.readouterr()
+    assert "does NOT fit: a role alone is over the budget" in out.out
+    assert out.err == "error: a role does not fit cluster.memory_budget_gb even alone (see the group lines)\n"
+
+
+def test_disaggregated_plan_has_a_group_per_phase(tmp_path):
+    plan = device_plan(_demo_mesh(tmp_path, ["cluster.placement=disaggregated", "cluster.num_devices=6",
+                                             "cluster.memory_budget_gb=1"]))
+    rollout, train = plan.groups
+    assert (rollout.name, rollout.devices, train.name, train.devices) == ("rollout", [0, 1], "train", [2, 3, 4, 5])
+    engine, actor = plan.roles[1].total, plan.roles[0].total
+    assert plan.per_device == [2 * engine] * 2 + [2 * actor] * 4
+    assert (rollout.resident, train.resident, rollout.fits, train.fits) == (2 * engine, 2 * actor, "yes", "yes")
+
+
+def test_plan_needs_the_models_shapes(tmp_path):
+    cfg = _demo_mesh(tmp_path, ["tasks.1.model.init_preset=null"])
+    with pytest.raises(ConfigError, match=rf"tasks\.1\.model\.path: {tmp_path / 'b'} has no config\.json and "
+                                          r"tasks\.1\.model\.init_preset is not set"):
+        device_plan(cfg)
+
+
+# --- through the CLI, in a real process ---------------------------------------------------------------------
+
+TASK = """\
+experiment: {{name: mesh-errors, output_dir: {out}}}
+tasks:
+  - name: addition
+    model: {{path: {model}}}
+    data: {{kind: addition}}
+    reward: {{name: addition}}
+    grpo: {{prompts_per_step: 16, num_generations: 16, mini_batch_size: 128, micro_batch_size: 64}}
+    steps: 2
+"""
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlsched.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+@pytest.fixture
+def task_yaml(tmp_path, tiny_model_dir):
+    path = tmp_path / "task.yaml"
+    path.write_text(textwrap.dedent(TASK.format(out=tmp_path / "runs", model=tiny_model_dir)))
+    return path
+
+
+CONFIG_ERRORS = [  # caught when the config is validated: the same line from every command
+    (["cluster.num_devices=2", "tasks.0.actor.mesh.fsdp=4"],
+     "tasks.0.actor.mesh: fsdp 4 = 4 devices, but cluster.num_devices is 2"),
+    (["cluster.num_devices=2", "tasks.0.rollout.mesh.tp=4"],
+     "tasks.0.rollout.mesh: tp 4 = 4 devices, but cluster.num_devices is 2"),
+    (["cluster.placement=disaggregated", "cluster.num_devices=4", "tasks.0.actor.mesh.fsdp=4",
+      "tasks.0.rollout.mesh.tp=2"],
+     "cluster.num_devices: disaggregated puts a rollout group of 2 devices (tasks.0.rollout.mesh: tp 2 = 2) beside "
+     "a train group of 4 (tasks.0.actor.mesh: fsdp 4 = 4): 2 + 4 = 6 devices, but cluster.num_devices is 4"),
+    (["tasks.0.actor.mesh={dp: 3}"],
+     "tasks.0.actor.mesh: a micro-batch of 64 samples (grpo.micro_batch_size) does not split over dp 3 x fsdp 1 = 3"),
+    (["tasks.0.rollout.mesh.dp=3"],
+     "tasks.0.rollout.mesh: 256 samples/step (grpo.prompts_per_step 16 x grpo.num_generations 16) do not split "
+     "over dp 3"),
+    (["tasks.0.rollout.mesh.fsdp=2"], "tasks.0.rollout.mesh.fsdp: unknown key (got 2)"),
+]
+
+
+def _one_error_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), CONFIG_ERRORS, ids=[o[-1] for o, _ in CONFIG_ERRORS])
+def test_train_refuses_a_mesh_before_anything_starts(task_yaml, overrides, expected):
+    line = _one_error_line(cli("train", str(task_yaml), *(a for o in overrides for a in ("--set", o))))
+    assert f"error: {task_yaml}: {expected}" in line
+    assert not (task_yaml.parent / "runs").exists()  # no run directory: nothing started
+
+
+MODEL_ERRORS = [  # need the model's config.json: the tiny preset, vocab 384, hidden 64, q_proj (64, 256)
+    (["tasks.0.actor.mesh.fsdp=128", "tasks.0.grpo.micro_batch_size=128"],
+     "error: tasks.0.actor.mesh: model.embed_tokens.weight (384, 64): dimension 1 (embed, 64) does not split over "
+     "fsdp 128 = 128"),
+    (["tasks.0.actor.mesh.tp=3"],
+     "error: tasks.0.actor.mesh: model.layers.0.self_attn.q_proj.kernel (64, 256): dimension 1 (heads, 256) does "
+     "not split over tp 3 = 3"),
+    (["tasks.0.rollout.mesh.tp=3"],
+     "error: tasks.0.rollout.mesh: model.layers.0.self_attn.q_proj.kernel (64, 256): dimension 1 (heads, 256) does "
+     "not split over tp 3 = 3"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), MODEL_ERRORS, ids=[o[0] for o, _ in MODEL_ERRORS])
+def test_plan_refuses_a_mesh_that_does_not_split_the_model(task_yaml, overrides, expected):
+    assert _one_error_line(cli("plan", str(task_yaml), *(a for o in overrides for a in ("--set", o)))) == expected
+
+
+def test_tp_above_the_kv_heads_is_not_an_error(task_yaml, capsys):
+    """The tiny model has one KV head: tp 2 keeps it whole on both devices."""
+    assert main(["plan", str(task_yaml), "--set", "tasks.0.actor.mesh.tp=2", "--set", "tasks.0.rollout.mesh.tp=2"]) == 0
+    assert "addition  engine  tp 2" in capsys.readouterr().out
+
+
+def test_demo_mesh_plans_without_jax():
+    """`rlsched plan configs/demo_mesh.yaml` in a fresh process: exit 0, and JAX is never imported."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "rlsched.cli", "plan", "configs/demo_mesh.yaml"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "addition     actor   fsdp 2 x tp 2  0-3" in out.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
+    assert "rlsched.plan" in imported and not {m for m in imported if m.split(".")[0] in ("jax", "flax", "torch")}

@@ -1,0 +1,184 @@
+"""Sharded roles on 8 CPU devices: the rule table, and a sharded actor / engine computing what one
+device computes (transformers is the reference for one device; see test_models_reference.py)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from workers.actor import ActorSettings, ActorWorker
+from workers.models import load_pretrained
+from workers.models import params as P
+from workers.models import sharding as S
+from workers.models.checkpoint import abstract_model
+from workers.models.config import Qwen3Config
+from workers.models.presets import PRESETS
+from workers.rollout import SamplingParams
+from workers.rollout.jax_sampler import JaxSampler
+
+ACTOR_MESHES = [dict(dp=2, fsdp=2, tp=2), dict(fsdp=4, tp=2), dict(tp=4), dict(fsdp=8)]
+ROLLOUT_MESHES = [dict(tp=2), dict(dp=2, tp=2), dict(tp=4)]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_model):
+    _, tok = tiny_model
+    return [tok.encode(p) for p in ("1+2=", "hello world", "what is 7 plus 8?", "x")]
+
+
+def _mesh(shape):
+    return S.mesh(shape, jax.devices()[: S.num_devices(shape)])
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_parameter_has_a_rule_and_the_pure_shapes_are_the_models(preset, bias):
+    cfg = Qwen3Config(vocab_size=384, attention_bias=bias, **PRESETS[preset])
+    model = nnx.eval_shape(lambda: abstract_model(cfg))
+    real = {k: tuple(v.shape) for k, v in P.to_flat(nnx.state(model, nnx.Param)).items()}
+    assert cfg.param_shapes() == real  # what the control plane checks meshes against, without JAX
+    assert all(S.logical_axes(name) for name in real)
+
+
+def test_the_table_splits_as_it_says():
+    small = Qwen3Config(vocab_size=384, **PRESETS["small"])  # 2 KV heads
+    specs = S.param_specs(small.param_shapes(), dict(fsdp=4, tp=2), kv_heads=2)
+    assert specs["model.embed_tokens.weight"] == ("tp", "fsdp")
+    assert specs["lm_head.kernel"] == ("fsdp", "tp")
+    assert specs["model.layers.0.self_attn.q_proj.kernel"] == ("fsdp", "tp")  # column parallel
+    assert specs["model.layers.0.self_attn.k_proj.kernel"] == ("fsdp", "tp")
+    assert specs["model.layers.0.self_attn.o_proj.kernel"] == ("tp", "fsdp")  # row parallel
+    assert specs["model.layers.0.mlp.down_proj.kernel"] == ("tp", "fsdp")
+    assert specs["model.layers.0.input_layernorm.weight"] == (None,)
+    # tp 4 exceeds the 2 KV heads: k/v stay whole, the rest still splits.
+    tp4 = S.param_specs(small.param_shapes(), dict(tp=4), kv_heads=2)
+    assert tp4["model.layers.0.self_attn.v_proj.kernel"] == (None, None)
+    assert tp4["model.layers.0.self_attn.q_proj.kernel"] == (None, "tp")
+    assert S.shard_bytes((256, 512), ("fsdp", "tp"), dict(fsdp=4, tp=2), 4) == 256 * 512 * 4 // 8
+    assert S.shard_bytes((256, 512), (("dp", "fsdp"), None), dict(dp=2, fsdp=4), 2) == 256 * 512 * 2 // 8
+
+
+def test_a_misfit_names_the_parameter_its_shape_and_the_axis():
+    tiny = Qwen3Config(vocab_size=384, **PRESETS["tiny"])
+    with pytest.raises(S.ShardingError, match=re.escape(
+            "model.embed_tokens.weight (384, 64): dimension 1 (embed, 64) does not split over fsdp 128 = 128")):
+        S.check(tiny.param_shapes(), dict(fsdp=128), kv_heads=1)
+    with pytest.raises(S.ShardingError, match=r"micro_batch_size = 6 does not split over dp 2 x fsdp 2 = 4"):
+        S.check(tiny.param_shapes(), dict(dp=2, fsdp=2), kv_heads=1, batch_sizes={"micro_batch_size": 6})
+    S.check(tiny.param_shapes(), dict(tp=2), kv_heads=1)  # tp over one KV head: replicated, not an error
+
+
+# ---- the actor --------------------------------------------------------------------------------------------
+
+# lr 1e-3 (already 100x a typical RL rate): Adam turns float-rounding noise in near-zero gradients into
+# lr-sized steps, so a larger rate measures the optimizer's amplification rather than the sharding.
+SETTINGS = ActorSettings(lr=1e-3, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.01, grad_clip=1.0,
+                         b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
+                         temperature=1.0, micro_batch_size=8, mini_batch_size=16, epochs=1)
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 200, (16, 12)).astype(np.int32)
+    mask = np.ones_like(tokens, bool)
+    mask[::2, 9:] = False
+    loss_mask = np.zeros((16, 11), np.float32)
+    loss_mask[:, 4:8] = 1
+    advantages = rng.normal(size=16).astype(np.float32)
+    mini = {"tokens": tokens, "attention_mask": mask, "loss_mask": loss_mask, "advantages": advantages}
+    return tokens, mask, {k: v.reshape(2, 8, *v.shape[1:]) for k, v in mini.items()}
+
+
+def _train(model, shape):
+    """logits of a batch, then 3 optimizer steps -> (logits, flat params, specs before, specs after, ...)."""
+    actor = ActorWorker(model, SETTINGS, mesh=_mesh(shape))
+    tokens, mask, mini = _batch()
+    logits = jax.jit(lambda p: nnx.merge(actor.graphdef, p)(tokens, attention_mask=mask))(actor.state.params)
+    before = {k: v.sharding for k, v in P.to_flat(actor.state.params).items()}
+    program = actor._program("train", tuple(sorted(mini)))
+    for _ in range(3):
+        actor.state, _metrics = program(actor.state, mini)
+    flat = P.to_flat(actor.state.params)
+    after = {k: v.sharding for k, v in flat.items()}
+    return np.asarray(logits), {k: np.asarray(v) for k, v in flat.items()}, before, after, actor, program, mini
+
+
+@pytest.fixture(scope="module")
+def one_device(tiny_model_dir):
+    return _train(load_pretrained(tiny_model_dir)[0], {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ACTOR_MESHES, ids=S.describe)
+def test_a_sharded_actor_computes_what_one_device_does(tiny_model_dir, one_device, shape):
+    logits, params, before, after, actor, _, _ = _train(load_pretrained(tiny_model_dir)[0], shape)
+    ref_logits, ref_params = one_device[0], one_device[1]
+    scale = float(np.max(np.abs(ref_logits)))
+    assert np.max(np.abs(logits - ref_logits)) <= 1e-5 * scale
+    for name, ref in ref_params.items():  # three steps later, every parameter within 1e-5 (relative)
+        assert np.linalg.norm(params[name] - ref) <= 1e-5 * np.linalg.norm(ref), name
+    # Laid out as the table says, and still so after the steps: nothing came back gathered.
+    specs = S.param_specs({k: v.shape for k, v in params.items()}, shape, kv_heads=actor.config.num_key_value_heads)
+    for name, sharding in after.items():
+        assert sharding == before[name] and tuple(sharding.spec) == specs[name], name
+        leaf = P.to_flat(actor.state.params)[name]
+        itemsize = leaf.dtype.itemsize
+        assert leaf.addressable_shards[0].data.nbytes == S.shard_bytes(leaf.shape, specs[name], shape, itemsize)
+
+
+@pytest.mark.slow
+def test_the_compiled_train_step_never_gathers_a_tp_split_parameter_whole():
+    # Dimensions chosen so no whole parameter has the shape of another's tp shard (tiny's tied embedding
+    # shard, gathered over fsdp, is (192, 64): the shape of its whole down_proj).
+    cfg = Qwen3Config(vocab_size=416, hidden_size=48, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    *_, actor, program, mini = _train(abstract_model(cfg), dict(fsdp=2, tp=2))
+    hlo = program.lower(actor.state, mini).compile().as_text()
+    gathered = {tuple(int(d) for d in m.group(1).split(",") if d)
+                for m in re.finditer(r"= f32\[([\d,]*)\]\{[^}]*\} all-gather\(", hlo)}
+    assert gathered, "fsdp gathers parameters per use; none found: the regex no longer reads the HLO"
+    whole_tp = {tuple(v.shape) for k, v in P.to_flat(actor.state.params).items() if "tp" in v.sharding.spec}
+    assert not gathered & whole_tp, f"whole tp-split parameters gathered: {gathered & whole_tp}"
+
+
+@pytest.mark.slow
+def test_offload_and_onload_of_a_sharded_actor_keep_values_and_layout(tiny_model_dir):
+    model, _ = load_pretrained(tiny_model_dir)
+    actor = ActorWorker(model, SETTINGS, mesh=_mesh(dict(fsdp=2, tp=2)))
+    flat = P.to_flat(actor.state.params)
+    values = {k: np.asarray(v) for k, v in flat.items()}
+    layout = {k: v.sharding for k, v in flat.items()}
+    actor.release_memory()
+    assert actor.memory_bytes() == {"params": 0, "opt": 0, "ref": 0}
+    actor.resume_memory()
+    for name, leaf in P.to_flat(actor.state.params).items():
+        assert leaf.sharding == layout[name]
+        np.testing.assert_array_equal(np.asarray(leaf), values[name])
+
+
+# ---- the engine -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ROLLOUT_MESHES, ids=S.describe)
+def test_a_sharded_engine_decodes_the_tokens_one_device_does(tiny_model, prompt_ids, shape):
+    model, _ = tiny_model
+    one = JaxSampler(model, max_prompt_len=32, max_new_tokens=16)
+    sharded = JaxSampler(model, max_prompt_len=32, max_new_tokens=16, mesh=_mesh(shape))
+    for params in (SamplingParams(temperature=0, max_new_tokens=12),  # greedy
+                   SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)):  # same random numbers
+        for x, y in zip(one.generate(prompt_ids, params).samples, sharded.generate(prompt_ids, params).samples,
+                        strict=True):
+            np.testing.assert_array_equal(x.token_ids, y.token_ids)
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    assert sharded.weight_checksum == one.weight_checksum
+    sharded.release_memory()
+    sharded.resume_memory()
+    assert sharded.weight_checksum == one.weight_checksum

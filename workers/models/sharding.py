@@ -1,0 +1,231 @@
+"""How a model is laid out on a device mesh: one table, read top to bottom.
+
+Every role runs on a mesh with three named axes, `dp` x `fsdp` x `tp` (a rollout mesh is the same
+with fsdp 1). Each array's dimensions carry a *logical* axis name; the table `LOGICAL` maps a
+logical name to mesh axes, and `PARAMS` gives the logical names of every parameter's dimensions,
+matched on its flat name (workers.models.params). A new model family adds rows to `PARAMS`.
+
+    parameter / array              logical dims            mesh axes
+    embed_tokens.weight  (V, H)    vocab, embed            tp, fsdp
+    lm_head.kernel       (H, V)    embed, vocab            fsdp, tp
+    q_proj.kernel        (H, N*D)  embed, heads            fsdp, tp     (column parallel)
+    k_proj/v_proj.kernel (H, K*D)  embed, kv_heads         fsdp, tp     (tp replicated if it does not divide K)
+    o_proj.kernel        (N*D, H)  heads, embed            tp, fsdp     (row parallel)
+    gate/up_proj.kernel  (H, I)    embed, mlp              fsdp, tp     (column parallel)
+    down_proj.kernel     (I, H)    mlp, embed              tp, fsdp     (row parallel)
+    *norm.weight         (H,)/(D,) norm                    replicated
+    optimizer moments              as their parameter
+    batch / activations  (B, ...)  batch, ...              (dp, fsdp), replicated
+    KV cache          (B, S, K, D) batch, -, kv_heads, -   (dp, fsdp), -, tp, -
+
+Design decisions:
+- **Pure Python.** The control plane checks a config against this table (which axis fails to divide
+  which parameter) before any process starts, and it never imports JAX; `shardings()` and `mesh()`
+  import JAX only when a role builds its arrays.
+- **KV heads replicate rather than fail.** Grouped-query models have few KV heads (the tiny preset
+  has one); serving systems replicate them across tp when tp exceeds their count, and so do we: the
+  k/v projections and the KV cache keep their head axis whole, everything else still splits.
+- **Norm scales are replicated**: a few KB per layer, and splitting them would cost a gather per use.
+- **tp innermost.** Devices fill the mesh in the order given, tp fastest: tp groups are neighbours
+  (one NVLink island, one TPU ring), where the per-layer all-reduces go.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+AXES = ("dp", "fsdp", "tp")
+
+# logical axis -> mesh axes (None: replicated)
+LOGICAL: dict[str, tuple[str, ...] | None] = {
+    "batch": ("dp", "fsdp"),
+    "vocab": ("tp",),
+    "embed": ("fsdp",),
+    "heads": ("tp",),
+    "kv_heads": ("tp",),
+    "mlp": ("tp",),
+    "norm": None,
+}
+
+# parameter flat name (regex, full match) -> logical axis of each dimension
+PARAMS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"model\.embed_tokens\.weight", ("vocab", "embed")),
+    (r"lm_head\.kernel", ("embed", "vocab")),
+    (r".*\.q_proj\.kernel", ("embed", "heads")),
+    (r".*\.q_proj\.bias", ("heads",)),
+    (r".*\.(k|v)_proj\.kernel", ("embed", "kv_heads")),
+    (r".*\.(k|v)_proj\.bias", ("kv_heads",)),
+    (r".*\.o_proj\.kernel", ("heads", "embed")),
+    (r".*\.o_proj\.bias", ("embed",)),
+    (r".*\.(gate|up)_proj\.kernel", ("embed", "mlp")),
+    (r".*\.down_proj\.kernel", ("mlp", "embed")),
+    (r".*norm\.weight", ("norm",)),
+)
+
+KV_CACHE = ("batch", None, "kv_heads", None)  # (B, S, K, D)
+
+
+class ShardingError(ValueError):
+    """A mesh that cannot lay out this model or batch; the message names the array, its shape and the axis."""
+
+
+def mesh_shape(mesh: Mapping[str, int]) -> dict[str, int]:
+    """{"dp":.., "fsdp":.., "tp":..} with every axis present (missing axes are 1)."""
+    unknown = sorted(set(mesh) - set(AXES))
+    if unknown:
+        raise ShardingError(f"unknown mesh axes {unknown}; a mesh has axes {list(AXES)}")
+    return {a: int(mesh.get(a, 1)) for a in AXES}
+
+
+def num_devices(mesh: Mapping[str, int]) -> int:
+    shape = mesh_shape(mesh)
+    return shape["dp"] * shape["fsdp"] * shape["tp"]
+
+
+def describe(mesh: Mapping[str, int]) -> str:
+    """'fsdp 4 x tp 2' (axes of size 1 left out; '1 device' when all are)."""
+    parts = [f"{a} {n}" for a, n in mesh_shape(mesh).items() if n > 1]
+    return " x ".join(parts) if parts else "1 device"
+
+
+def logical_axes(name: str) -> tuple[str, ...]:
+    for pattern, axes in PARAMS:
+        if re.fullmatch(pattern, name):
+            return axes
+    raise ShardingError(f"no sharding rule for parameter {name!r}; add a row to workers.models.sharding.PARAMS")
+
+
+def _mesh_axes(logical: str | None, size: int, mesh: Mapping[str, int], *, kv_heads: int) -> tuple[str, ...]:  # noqa: ARG001
+    """The mesh axes one dimension is split over ((): replicated), after the KV-head exception."""
+    axes = tuple(a for a in (LOGICAL.get(logical) or ()) if mesh[a] > 1) if logical else ()
+    if logical == "kv_heads" and axes and kv_heads % _product(axes, mesh):
+        return ()  # tp exceeds (or does not divide) the KV heads: keep them whole on every device
+    return axes
+
+
+def _product(axes: Sequence[str], mesh: Mapping[str, int]) -> int:
+    out = 1
+    for a in axes:
+        out *= mesh[a]
+    return out
+
+
+def spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mapping[str, int], *, kv_heads: int,
+         what: str = "array") -> tuple[Any, ...]:
+    """PartitionSpec entries for an array whose dimensions have these logical names.
+
+    Raises ShardingError naming `what`, its shape and the axis when an axis does not divide a dimension."""
+    mesh = mesh_shape(mesh)
+    if len(logical) != len(shape):
+        raise ShardingError(f"{what}: {len(shape)} dimensions {tuple(shape)} but {len(logical)} logical axes {logical}")
+    out: list[Any] = []
+    for dim, (name, size) in enumerate(zip(logical, shape, strict=True)):
+        axes = _mesh_axes(name, size, mesh, kv_heads=kv_heads)
+        n = _product(axes, mesh)
+        if size % n:
+            split = " x ".join(f"{a} {mesh[a]}" for a in axes)
+            raise ShardingError(f"{what} {tuple(shape)}: dimension {dim} ({name}, {size}) does not split over "
+                                f"{split} = {n}")
+        out.append(_entry(axes))
+    return tuple(out)
+
+
+def param_specs(shapes: Mapping[str, Sequence[int]], mesh: Mapping[str, int], *, kv_heads: int) -> dict[str, tuple]:
+    """{flat name: PartitionSpec entries} for every parameter; the first misfit raises ShardingError."""
+    return {name: spec(logical_axes(name), shape, mesh, kv_heads=kv_heads, what=name)
+            for name, shape in shapes.items()}
+
+
+def check(shapes: Mapping[str, Sequence[int]], mesh: Mapping[str, int], *, kv_heads: int,
+          batch_sizes: Mapping[str, int] = {}) -> None:
+    """Every parameter and every named batch size splits over `mesh`, or ShardingError says which does not."""
+    param_specs(shapes, mesh, kv_heads=kv_heads)
+    m = mesh_shape(mesh)
+    rows = m["dp"] * m["fsdp"]
+    for key, size in batch_sizes.items():
+        if size % rows:
+            raise ShardingError(f"{key} = {size} does not split over dp {m['dp']} x fsdp {m['fsdp']} = {rows}")
+
+
+def shard_bytes(shape: Sequence[int], entries: Sequence[Any], mesh: Mapping[str, int], itemsize: int) -> int:
+    """Bytes one device holds of an array of `shape` laid out by PartitionSpec `entries`."""
+    m = mesh_shape(mesh)
+    count = 1
+    for size, entry in zip(shape, entries, strict=True):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        count *= size // _product(axes, m)
+    return count * itemsize
+
+
+# ---- JAX side: only processes that hold arrays call these -------------------------------------------
+
+def mesh(shape: Mapping[str, int], devices: Sequence[Any]):
+    """A `jax.sharding.Mesh` over exactly `devices` (in order, tp fastest)."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    m = mesh_shape(shape)
+    need = num_devices(m)
+    if len(devices) != need:
+        raise ShardingError(f"mesh {describe(m)} needs {need} devices, got {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(m["dp"], m["fsdp"], m["tp"]), AXES)
+
+
+def named(mesh_, entries: Sequence[Any]):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mesh_, PartitionSpec(*entries))
+
+
+def batch_sharding(mesh_, ndim: int, *, leading: int = 0):
+    """Rows over dp x fsdp, everything else replicated; `leading` unsplit dims first (e.g. accumulation)."""
+    entry = _entry(_mesh_axes("batch", 0, dict(mesh_.shape), kv_heads=0))
+    return named(mesh_, (None,) * leading + (entry,) + (None,) * (ndim - leading - 1))
+
+
+def replicated(mesh_):
+    return named(mesh_, ())
+
+
+def state_shardings(state, mesh_, *, kv_heads: int):
+    """An nnx.State of NamedShardings mirroring `state` (parameters laid out by the table)."""
+    from flax import nnx
+
+    from workers.models.params import name_of
+
+    shape = dict(mesh_.shape)
+    out = []
+    for path, var in nnx.to_flat_state(state):
+        name, value = name_of(path), var.get_value()
+        out.append((path, var.replace(named(mesh_, spec(logical_axes(name), value.shape, shape, kv_heads=kv_heads,
+                                                         what=name)))))
+    return nnx.from_flat_state(out)
+
+
+def kv_cache_sharding(mesh_, *, kv_heads: int):
+    """(B, S, K, D): rows over dp x fsdp, heads over tp (whole when tp does not divide them)."""
+    shape = dict(mesh_.shape)
+    return named(mesh_, tuple(_entry(_mesh_axes(name, 0, shape, kv_heads=kv_heads)) for name in KV_CACHE))
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+_COPIES: dict = {}
+
+
+def place(x, sharding, *, copy: bool):
+    """`x` laid out as `sharding`. copy=True guarantees fresh buffers: `jax.device_put(..., may_alias=False)`
+    onto a sharding over several devices hands back the source's own buffer on the device they share
+    (JAX 0.10), and freeing that would free the caller's array. A jitted copy never aliases its input."""
+    import jax
+    import jax.numpy as jnp
+
+    if not copy or not isinstance(x, jax.Array):
+        return jax.device_put(x, sharding, may_alias=not copy)
+    if sharding not in _COPIES:
+        _COPIES[sharding] = jax.jit(jnp.copy, out_shardings=sharding)
+    return _COPIES[sharding](x)
