@@ -12,10 +12,13 @@ Design decisions (and why):
 - **A message is (group, version, checksum, bytes, payload).** The payload is opaque to the driver
   that forwards it: an object reference here, a rendezvous id for a collective later. The driver never
   holds the weights, only the message.
-- **Host numpy in, host numpy out.** The receiver copies onto its devices (`device_put(...,
-  may_alias=False)` in the engine): object-store arrays are read-only views, and the engine must own
-  its buffers. The engine then hashes what it holds and the driver compares that with
-  `message.checksum`: verification never trusts the transport.
+- **Arrays in, arrays out; the receiver copies.** The sender hands its arrays as they lie (device arrays
+  on its mesh). `LocalChannel` passes them through, so an engine in the actor's process reshards them
+  device to device, leaf by leaf; `ObjectStoreChannel` moves them to host one leaf at a time into the
+  object store (the transfer between processes). The receiver copies onto its own devices and layout
+  (the engine must own its buffers: object-store arrays are read-only views, local ones the actor's), then
+  hashes what it holds on its devices, and the driver compares that with `message.checksum`:
+  verification never trusts the transport.
 - Implementations: `LocalChannel` (one process: the payload is the dict itself), `ObjectStoreChannel`
   (one node, several processes: `ray.put` in the sender, `ray.get` in the receiver), `FakeChannel`
   (tests: records what was sent and can corrupt a payload to prove verification catches it). A
@@ -60,7 +63,7 @@ def comm_group_name(experiment: str, task: str, src: str = "actor", dst: str = "
 
 
 def _nbytes(flat: Flat) -> int:
-    return int(sum(np.asarray(v).nbytes for v in flat.values()))
+    return int(sum(v.nbytes for v in flat.values()))  # from the arrays' metadata: nothing moves
 
 
 class _Channel:
@@ -79,14 +82,19 @@ class _Channel:
 
 
 class LocalChannel(_Channel):
-    """Sender and receiver in one process: the payload is the host dict itself (no copy here; the
-    receiver copies onto its devices)."""
+    """Sender and receiver in one process: the payload is the sender's dict itself (no copy here; the
+    receiver copies onto its devices and layout, device to device). The sender's arrays must still be
+    alive when it is received: the engine syncs in the ROLLOUT that follows the TRAIN that published."""
 
     def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
         return WeightMessage(self.name, int(version), checksum, _nbytes(flat), dict(flat))
 
     def receive(self, message: WeightMessage) -> Flat:
         self._check(message)
+        gone = [k for k, v in message.payload.items() if getattr(v, "is_deleted", lambda: False)()]
+        if gone:
+            raise ChannelError(f"{self.name}: the weights of v{message.version} were freed by their sender before "
+                               f"they were received ({len(gone)} tensors, e.g. {gone[0]})")
         return message.payload
 
 
@@ -100,7 +108,8 @@ class ObjectStoreChannel(_Channel):
     def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
         import ray
 
-        return WeightMessage(self.name, int(version), checksum, _nbytes(flat), ray.put(dict(flat)))
+        host = {k: np.asarray(v) for k, v in flat.items()}  # device -> host one leaf at a time
+        return WeightMessage(self.name, int(version), checksum, _nbytes(flat), ray.put(host))
 
     def receive(self, message: WeightMessage) -> Flat:
         import ray

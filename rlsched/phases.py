@@ -122,7 +122,8 @@ def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int,
         "ratio_mean": train["ratio_mean"], "grad_norm": train["grad_norm"],
         "lr": train["lr"], "skipped_updates": train["skipped"],
         "response_len/mean": float(lengths.mean()), "tokens/generated": int(lengths.sum()),
-        "weight_version": version, **times,
+        # the weights that generated this step's samples, and those the step's update published
+        "rollout/weight_version": output.weight_version, "weight_version": version, **times,
     }
 
 

@@ -67,9 +67,11 @@ def role_mesh(spec: TaskSpec, kind: str):
     (rlsched.meshes.role_devices: positions in the experiment's device pool)."""
     import jax
 
-    from rlsched.meshes import role_devices
+    from rlsched.meshes import check_platform, role_devices
     from workers.models import sharding
 
+    # Roles run in processes of their own: colocated on a TPU (one process per chip) that cannot work.
+    check_platform(jax.default_backend(), spec.placement, colocated_in_one_process=False)
     actor, rollout = spec.config.actor.mesh.as_dict(), spec.config.rollout.mesh.as_dict()
     shape = actor if kind == "actor" else rollout
     ids = role_devices(spec.placement, spec.num_devices, actor, rollout)[kind]
@@ -131,6 +133,7 @@ class ActorRole(_Role):
         self.checkpointer = TaskCheckpointer(spec.checkpoint_dir)
         self.timeline = Timeline("actor", task=spec.name)
         self._held = self.worker
+        self._published_checksum: str | None = None
 
     def start(self, resume: bool) -> tuple[dict[str, Any] | None, WeightMessage]:
         """Restore the latest checkpoint when resuming (its meta, or None without one), then publish the
@@ -151,7 +154,12 @@ class ActorRole(_Role):
             advantages = group_advantages(jnp.asarray(rewards), g.num_generations,
                                           normalize_std=g.normalize_advantage_std)
             metrics = self.worker.train(batch.with_advantages(advantages), step=step, timeline=self.timeline)
+        before = self._published_checksum
         message = self._publish()
+        if metrics.pop("moved") and message.checksum == before:
+            raise TaskError(f"task {self.spec.name}: step {step}'s update left every parameter as it was "
+                            f"(v{message.version} hashes like v{message.version - 1}); the update did not reach the "
+                            "weights (bfloat16 parameters with a learning rate too small to move them?)")
         return PhaseResult(metrics, self.timeline.drain(), self.memory_probe(), message=message)
 
     def _publish(self) -> WeightMessage:
@@ -160,6 +168,7 @@ class ActorRole(_Role):
             snapshot = self.worker.export_weights()
             message = self.channel.send(snapshot.flat, snapshot.version, snapshot.checksum)
             span["bytes"] = message.nbytes
+        self._published_checksum = message.checksum
         return message
 
     def publish(self) -> tuple[WeightMessage, list[dict]]:
@@ -219,7 +228,14 @@ class EngineRole(_Role):
             with self.timeline.span("receive", bytes=message.nbytes):
                 flat = self.channel.receive(message)
             with self.timeline.span("swap", bytes=message.nbytes) as span:
-                stats = dict(self.engine.update_weights(flat, message.version) or {})
+                from workers.models.params import WeightMismatchError  # JAX: this is the engine's process
+
+                before = self.version()
+                try:  # staged, then verified against what the actor hashed before sending
+                    stats = dict(self.engine.update_weights(flat, message.version, checksum=message.checksum) or {})
+                except WeightMismatchError as err:
+                    raise TaskError(f"task {self.name}: the weights received for v{message.version} were refused "
+                                    f"(the engine holds v{self.version()}, it held v{before}): {err}") from err
                 span.update(stats)
             sync.update(stats)
         return stats

@@ -8,8 +8,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # 8 XLA host devices in this process, for the sharded-role tests (a mesh needs as many devices as it
-# has); programs not given a mesh still run on the first device only.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+# has); programs not given a mesh still run on the first device only. Not in the sglang stage's
+# environment: it runs only the sglang tests, and sglang-jax fills unspecified mesh axes with every
+# device it sees.
+import importlib.util  # noqa: E402
+
+if (importlib.util.find_spec("sgl_jax") is None
+        and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import pytest  # noqa: E402

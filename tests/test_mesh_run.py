@@ -51,3 +51,46 @@ def test_sharded_tasks_compute_what_one_device_does_and_alone_equals_together(tm
     # Sharded under the scheduler beside another task = sharded alone in one process, bit for bit.
     assert _metrics(tmp_path / "alone", "addition") == together
     assert one.returncode == alone.returncode == 0
+
+
+def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(ray_session, tmp_path, tiny_model_dir):
+    """Disaggregated on a pool of 8: the engine's tp 2 takes devices 0-1, the actor's fsdp 2 x tp 2 the last
+    four; each role is a process of its own whose environment gives it the 8 XLA host devices."""
+    import os
+
+    import ray
+    import yaml
+
+    from rlsched import cluster
+    from rlsched.comm import make_channel
+    from rlsched.config import validate
+    from rlsched.placement import visible_cores
+    from rlsched.roles import ActorRole, EngineRole, spawn
+
+    raw = yaml.safe_load((ROOT / "configs/demo_mesh.yaml").read_text())
+    raw["experiment"].update(name="mesh-env", output_dir=str(tmp_path))
+    raw["cluster"]["placement"] = "disaggregated"
+    raw["tasks"] = raw["tasks"][:1]
+    raw["tasks"][0]["model"] = {"path": str(tiny_model_dir)}
+    spec = validate(raw).task_specs()[0]
+    resource = cluster.device_resource()
+    pg = cluster.make_placement_group("mesh-env", "disaggregated", resource)
+    where = cluster.role_placement(pg, "disaggregated", visible_cores(), resource)
+    channel = make_channel("object_store", spec.comm_group)
+    roles = {cls.kind: spawn(cls, spec, channel=channel, placement=where) for cls in (ActorRole, EngineRole)}
+
+    def seen(role):
+        held = lambda r: r.worker if r.kind == "actor" else r.engine  # noqa: E731
+        return ray.get(role.handle.__ray_call__.remote(lambda r: (
+            os.getpid(), os.environ["XLA_FLAGS"], __import__("jax").device_count(),
+            [d.id for d in held(r).mesh.devices.flat], dict(held(r).mesh.shape))))
+
+    actor, engine = seen(roles["actor"]), seen(roles["engine"])
+    assert actor[0] != engine[0] != os.getpid()
+    for _, flags, count, _, _ in (actor, engine):
+        assert "--xla_force_host_platform_device_count=8" in flags and count == 8
+    assert actor[3:] == ([4, 5, 6, 7], {"dp": 1, "fsdp": 2, "tp": 2})
+    assert engine[3:] == ([0, 1], {"dp": 1, "fsdp": 1, "tp": 2})
+    for role in roles.values():
+        role.terminate()
+    ray.util.remove_placement_group(pg)

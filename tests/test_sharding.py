@@ -182,3 +182,74 @@ def test_a_sharded_engine_decodes_the_tokens_one_device_does(tiny_model, prompt_
     sharded.release_memory()
     sharded.resume_memory()
     assert sharded.weight_checksum == one.weight_checksum
+
+
+# ---- weights between them ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_checksum_is_of_logical_values_and_is_hashed_where_they_lie(dtype):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    dt = jnp.dtype(dtype)
+    host = {"a": rng.normal(size=(384, 64)).astype(dt), "b": rng.normal(size=(64,)).astype(dt)}
+    mesh = _mesh(dict(fsdp=4, tp=2))
+    sharded = {"a": jax.device_put(host["a"], S.named(mesh, ("tp", "fsdp"))),
+               "b": jax.device_put(host["b"], S.named(mesh, ()))}
+    assert P.checksum(host) == P.checksum(sharded) == P.checksum({k: jnp.asarray(v) for k, v in host.items()})
+    changed = dict(host, a=host["a"].copy())
+    changed["a"][100, 7] = -changed["a"][100, 7]  # one element
+    assert P.checksum(changed) != P.checksum(host)
+    assert P.checksum(dict(host, b=host["b"][::-1].copy())) != P.checksum(host)  # same values, another order
+    hlo = P._digest_device.lower(sharded).compile().as_text()
+    assert "all-gather" not in hlo  # each device reduces its own shard; only the sums cross
+
+
+@pytest.fixture(scope="module")
+def actor_and_engine(tiny_model_dir):
+    """An actor on fsdp 4 x tp 2 (devices 0-7) and an engine on tp 2 (devices 0-1), in this process."""
+    model, _ = load_pretrained(tiny_model_dir)
+    actor = ActorWorker(model, SETTINGS, mesh=_mesh(dict(fsdp=4, tp=2)))
+    engine = JaxSampler(load_pretrained(tiny_model_dir)[0], max_prompt_len=32, max_new_tokens=16,
+                        mesh=_mesh(dict(tp=2)), take_ownership=True)
+    return actor, engine
+
+
+@pytest.mark.slow
+def test_a_sync_reshards_leaf_by_leaf_device_to_device(actor_and_engine, prompt_ids):
+    actor, engine = actor_and_engine
+    _, _, mini = _batch()
+    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)  # weights the engine lacks
+    snapshot = actor.export_weights()
+    layout = {k: v.sharding for k, v in P.to_flat(engine._state).items()}
+    stats = engine.update_weights(snapshot.flat, 1, checksum=snapshot.checksum)
+    assert engine.weight_version == 1 and engine.weight_checksum == snapshot.checksum
+    flat = P.to_flat(engine._state)
+    assert {k: v.sharding for k, v in flat.items()} == layout  # the engine's layout (tp 2), not the actor's
+    for name, leaf in flat.items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(snapshot.flat[name]))
+    # Never more than one leaf's shard beyond the steady state on any device.
+    assert 0 <= stats["peak_extra_bytes"] <= stats["largest_leaf_bytes"]
+    assert stats["largest_leaf_bytes"] == max(max(s.data.nbytes for s in v.addressable_shards) for v in flat.values())
+    assert not any(v.is_deleted() for v in snapshot.flat.values())  # the actor's own arrays are untouched
+
+
+@pytest.mark.slow
+def test_a_sync_that_fails_half_way_leaves_the_engine_on_its_previous_version(actor_and_engine, prompt_ids):
+    actor, engine = actor_and_engine
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    version, checksum = engine.weight_version, engine.weight_checksum
+    before = engine.generate(prompt_ids, greedy)
+    broken = {k: jax.numpy.copy(v) for k, v in actor.export_weights().flat.items()}
+    victim = sorted(broken)[len(broken) // 2]
+    broken[victim].delete()  # the transfer of this leaf fails, after half the leaves have landed
+    with pytest.raises(RuntimeError, match="deleted"):
+        engine.update_weights(broken, version + 1)
+    wrong = {k: np.asarray(v) * 1.01 for k, v in actor.export_weights().flat.items()}  # lands, but is not v+1
+    with pytest.raises(P.WeightMismatchError, match=f"keeping v{version}"):
+        engine.update_weights(wrong, version + 1, checksum=actor.export_weights().checksum)
+    assert (engine.weight_version, engine.weight_checksum) == (version, checksum)
+    after = engine.generate(prompt_ids, greedy)
+    for x, y in zip(before.samples, after.samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)

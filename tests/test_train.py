@@ -71,6 +71,7 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model
         assert set(REQUIRED_METRICS) <= m.keys()
         assert m["tokens/generated"] == m["response_len/mean"] * 16
         assert math.isfinite(m["loss"]) and m["weight_version"] == m["step"]
+        assert m["rollout/weight_version"] == m["step"] - 1  # sampled with the weights of the step before
     assert sorted(p.name for p in (run / "tasks/addition/checkpoints").iterdir()) == ["2", "4"]
     with pytest.raises(RunDirError, match="already holds a run; pass --resume"):
         train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), echo=_silent)
@@ -238,6 +239,34 @@ def test_weights_altered_in_transit_are_refused(tmp_path, tiny_model_dir):
     assert isinstance(driver.channel, FakeChannel) and driver.channel.name == "demo-addition/addition/actor->rollout"
     driver.channel.corrupt_next = True
     driver.published, _ = driver.roles[Role.ACTOR].publish()  # v0 again, altered on the way
-    with pytest.raises(TaskError, match="checksum differs from the actor's published v0; refusing"):
-        driver.step(1)
+    with pytest.raises(TaskError, match=r"weights received for v0 were refused \(the engine holds v-1, it held v-1\)"):
+        driver.step(1)  # staged, hashed, refused: the engine stays on what it held
+    driver.close()
+
+
+def test_an_update_that_leaves_the_weights_unchanged_is_an_error(tmp_path, tiny_model_dir):
+    """An update that reaches no weight (here an optimizer whose updates are all zero, as a wrong freeze mask
+    or a rate below bfloat16's resolution would give) must not be published as new weights: v2 would hash
+    like v1 and hide a broken run. The task fails instead. A step whose groups all scored alike has no
+    gradient: unchanged weights are right then, and pass."""
+    import optax
+
+    cfg = load_config(DEMO_CONFIG, _quick(tmp_path, tiny_model_dir, "tasks.0.optim.warmup_ratio=0"))
+    prepare_run_dir(cfg, resume=False, overwrite=False)
+    driver = _driver(cfg)
+    driver.start()
+    actor = driver.roles[Role.ACTOR]
+    rng = np.random.default_rng(0)
+    batch = build_train_batch([rng.integers(1, 200, 6) for _ in range(16)],
+                              [rng.integers(1, 200, 4) for _ in range(16)], pad_id=0)
+    actor.train(batch, np.zeros(16, np.float32), step=1)  # every group scored alike: nothing to move, no error
+    varied = np.tile([0.0, 1.0, 0.0, 1.0], 4).astype(np.float32)
+    actor.train(batch, varied, step=2)  # a real update
+    worker = actor.worker
+    worker.tx = optax.set_to_zero()
+    worker.state = worker.state._replace(opt_state=worker.tx.init(worker.state.params))
+    worker.shardings = worker.shardings._replace(opt_state=worker.tx.init(worker.state.params))
+    worker._programs.clear()  # the step compiles again with the broken optimizer
+    with pytest.raises(TaskError, match="step 3's update left every parameter as it was"):
+        actor.train(batch, varied, step=3)
     driver.close()

@@ -37,7 +37,7 @@ from workers.batch import TrainBatch
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.qwen3 import Qwen3ForCausalLM
-from workers.offload import offload, onload
+from workers.offload import offload, onload, per_device_bytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,9 +71,10 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class WeightSnapshot:
-    flat: dict[str, np.ndarray]  # host copy, rlsched flat names (see workers.models.params)
+    flat: dict[str, jax.Array]  # the live params by rlsched flat name (workers.models.params), on the mesh:
+    # valid until the next update or offload frees them (a channel copies or sends them before that)
     version: int  # bumps after every TRAIN
-    checksum: str
+    checksum: str  # params.checksum, computed on the devices
 
 
 def make_schedule(s: ActorSettings) -> optax.Schedule:
@@ -227,13 +228,28 @@ class ActorWorker:
                 arrays["ref_logp"] = self.logprobs(batch, reference=True)
         rng = np.random.default_rng([self.seed, step])
         history = []
+        first = int(self.state.step)
         with span("update", samples=batch.size):
             self._update(arrays, off_policy, rng, history)
         self.version += 1
         out = {k: float(np.mean([float(m[k]) for m in history])) for k in history[0]}
         out["skipped"] = float(sum(float(m["skipped"]) for m in history))
         out["lr"] = float(make_schedule(s)(self.state.step))  # the rate the next update will use
+        out["moved"] = float(self._moved(history, first))
         return out
+
+    def _moved(self, history: list[dict], first: int) -> bool:
+        """Whether the params should differ after these updates: one was applied (not skipped) at a non-zero
+        rate (warmup's first step runs at lr 0) with a gradient or weight decay to apply (a batch whose
+        groups all scored alike has no gradient). The caller checks that they do (rlsched.roles.ActorRole)."""
+        schedule, step = make_schedule(self.settings), first
+        for m in history:
+            if float(m["skipped"]):
+                continue  # a skipped update leaves the step count, and the params, as they were
+            if float(schedule(step)) > 0 and (float(m["grad_norm"]) > 0 or self.settings.weight_decay > 0):
+                return True
+            step += 1
+        return False
 
     def _update(self, arrays: dict[str, np.ndarray], off_policy: bool, rng, history: list) -> None:
         s, size = self.settings, len(arrays["tokens"])
@@ -251,9 +267,10 @@ class ActorWorker:
     # ---- weights --------------------------------------------------------------------------------
 
     def export_weights(self) -> WeightSnapshot:
-        """A host copy of the policy's params with its version and checksum (only params: the
-        optimizer state never leaves the actor)."""
-        flat = {k: np.asarray(v) for k, v in jax.device_get(P.to_flat(self.state.params)).items()}
+        """The policy's params (never the optimizer state) as they lie on the mesh, with their version and
+        logical checksum, hashed on the devices: nothing is copied here. Whoever moves them copies one leaf
+        at a time (rlsched.comm)."""
+        flat = P.to_flat(self.state.params)
         return WeightSnapshot(flat, self.version, P.checksum(flat))
 
     # ---- memory ---------------------------------------------------------------------------------
@@ -273,8 +290,8 @@ class ActorWorker:
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes on the devices by kind (params, opt, ref), from the live arrays this worker holds."""
-        def size(tree) -> int:
-            return int(sum(x.nbytes for x in jax.tree.leaves(tree))) if tree is not None else 0
+        def size(tree) -> int:  # per device: a budget is per device, and a mesh holds a share on each
+            return per_device_bytes(tree) if tree is not None else 0
 
         if self.state is None:
             return {"params": 0, "opt": 0, "ref": 0}

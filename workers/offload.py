@@ -74,5 +74,28 @@ def on_device(x: jax.Array) -> bool:
 
 
 def device_bytes() -> int:
-    """Bytes of this process's live JAX arrays in device memory."""
-    return sum(x.nbytes for x in jax.live_arrays() if on_device(x))
+    """Bytes of this process's live JAX arrays in device memory, over all its devices."""
+    return sum(bytes_by_device().values())
+
+
+def bytes_by_device(arrays=None) -> dict[Any, int]:
+    """{device: bytes} of `arrays` (default: this process's live arrays) in device memory, shard by shard.
+
+    Each buffer counts once: a sharded array's per-device pieces (`addressable_shards`) are live arrays
+    too, over the same buffers."""
+    out: dict[Any, int] = {}
+    seen: set[tuple[Any, int]] = set()
+    for x in jax.live_arrays() if arrays is None else arrays:
+        if isinstance(x, jax.Array) and on_device(x):
+            for shard in x.addressable_shards:
+                key = (shard.device, shard.data.unsafe_buffer_pointer())
+                if key not in seen:
+                    seen.add(key)
+                    out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
+
+
+def per_device_bytes(tree: Any) -> int:
+    """The most bytes `tree` holds on any one device (on one device: all of it). Memory budgets are per
+    device, and a role on a mesh holds its share on each."""
+    return max(bytes_by_device(jax.tree.leaves(tree)).values(), default=0)

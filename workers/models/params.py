@@ -77,17 +77,75 @@ def from_hf(tensors: Mapping[str, object], expected: set[str]) -> dict[str, obje
 
 
 def checksum(flat: Mapping[str, object]) -> str:
-    """Content hash of a flat parameter dict (names, dtypes, shapes and bytes), order independent.
+    """Hash of a flat parameter dict's *logical* values (names, dtypes, shapes, every element in its place),
+    whatever the layout: the same for host numpy, one device, or any sharding of the same values.
 
-    Used to prove that an engine holds exactly the weights its actor published.
+    Used to prove that an engine holds exactly the weights its actor published. Device arrays are hashed
+    where they lie (`_digest_device`: each device reduces its own shard, then four bytes per tensor
+    cross): nothing is gathered to one device or copied to the host. Per tensor, the element bits are
+    reduced one dimension at a time, innermost first, each weighted by an odd number that depends on the
+    dimension and the position, mod 2**32: changing any one element always changes the result (odd
+    weights are invertible), and a transposed or reordered tensor hashes differently (each dimension has
+    its own weights). It detects corruption and mix-ups, not an adversary. One pass over the bytes.
     """
+    on_device = {k: v for k, v in flat.items() if isinstance(v, jax.Array)}
+    sums = {k: int(v) for k, v in jax.device_get(_digest_device(on_device)).items()} if on_device else {}
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(flat):
-        arr = np.asarray(jax.device_get(flat[name]))
-        h.update(f"{name}|{arr.dtype.name}|{arr.shape}|".encode())
-        h.update(np.ascontiguousarray(arr).view(np.uint8).tobytes())
+        arr = flat[name]
+        digest = sums[name] if name in sums else _digest_host(np.asarray(arr))
+        h.update(f"{name}|{np.dtype(arr.dtype).name}|{tuple(arr.shape)}|{digest:08x}|".encode())
     return h.hexdigest()
+
+
+_UINT = {1: "uint8", 2: "uint16", 4: "uint32"}
+_DIM_MULT = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09)
+
+
+def _check_itemsize(dtype) -> int:
+    size = np.dtype(dtype).itemsize
+    if size not in _UINT:
+        raise ValueError(f"no checksum for {np.dtype(dtype).name} parameters (1-, 2- or 4-byte elements only)")
+    return size
+
+
+def _weights(n: int, dim: int, xp):
+    """The odd weight of each position along dimension `dim` (its own multiplier and offset: no symmetry
+    between dimensions, so a transpose changes the hash)."""
+    k = xp.arange(n, dtype=xp.uint32)
+    return (k * xp.uint32(_DIM_MULT[dim % len(_DIM_MULT)]) + xp.uint32(dim + 1)) * xp.uint32(2) + xp.uint32(1)
+
+
+def _digest_host(a: np.ndarray) -> int:
+    """One array in host memory; equal to `_digest_device` of the same values."""
+    h = np.asarray(a, order="C").view(_UINT[_check_itemsize(a.dtype)]).astype(np.uint32)  # keeps 0-d arrays 0-d
+    for d in reversed(range(a.ndim)):
+        h = np.sum(h * _weights(a.shape[d], d, np), axis=-1, dtype=np.uint32)
+    return int(h)
+
+
+@jax.jit
+def _digest_device(flat: dict) -> dict:
+    """{name: uint32} for device arrays, computed where they lie: uint32 sums wrap identically in any
+    order, so every sharding gives the same."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def one(x):
+        size = _check_itemsize(x.dtype)
+        h = (x.astype(jnp.uint32) if x.dtype == jnp.bool_
+             else lax.bitcast_convert_type(x, jnp.dtype(_UINT[size])).astype(jnp.uint32))
+        for d in reversed(range(x.ndim)):
+            h = jnp.sum(h * _weights(x.shape[d], d, jnp), axis=-1, dtype=jnp.uint32)
+        return h
+
+    return {k: one(v) for k, v in flat.items()}
 
 
 def num_bytes(flat: Mapping[str, object]) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in flat.values())
+
+
+def host_copy(flat: Mapping[str, object]) -> dict[str, np.ndarray]:
+    """Host numpy arrays of a flat dict, one leaf at a time (a sharded leaf is gathered on its own)."""
+    return {k: np.asarray(v) for k, v in flat.items()}

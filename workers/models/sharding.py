@@ -218,9 +218,10 @@ _COPIES: dict = {}
 
 
 def place(x, sharding, *, copy: bool):
-    """`x` laid out as `sharding`. copy=True guarantees fresh buffers: `jax.device_put(..., may_alias=False)`
-    onto a sharding over several devices hands back the source's own buffer on the device they share
-    (JAX 0.10), and freeing that would free the caller's array. A jitted copy never aliases its input."""
+    """`x` laid out as `sharding` (any devices of this process, any layout: device to device when `x` is on
+    devices already). copy=True guarantees buffers `x` does not share: `jax.device_put(..., may_alias=False)`
+    can hand back the source's own buffer on a device both layouts use (JAX 0.10), and freeing that would
+    free the caller's array; a jitted copy never aliases its input, but needs both on the same devices."""
     import jax
     import jax.numpy as jnp
 
@@ -228,4 +229,10 @@ def place(x, sharding, *, copy: bool):
         return jax.device_put(x, sharding, may_alias=not copy)
     if sharding not in _COPIES:
         _COPIES[sharding] = jax.jit(jnp.copy, out_shardings=sharding)
-    return _COPIES[sharding](x)
+    if x.sharding.device_set == sharding.device_set:
+        return _COPIES[sharding](x)
+    y = jax.device_put(x, sharding, may_alias=False)  # onto other devices: a transfer, shard by shard
+    theirs = {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    if any(s.data.unsafe_buffer_pointer() in theirs for s in y.addressable_shards):
+        y = _COPIES[sharding](y)  # a shard came back shared: copy it out (y is on `sharding`'s devices now)
+    return y

@@ -50,16 +50,21 @@ class FakeEngine:
     def released(self) -> bool:
         return self._released
 
-    def update_weights(self, flat_params: Mapping[str, object], version: int) -> dict[str, int]:
+    def update_weights(self, flat_params: Mapping[str, object], version: int, *,
+                       checksum: str | None = None) -> dict[str, int]:
         if self._released:
             raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
         if self._shapes is not None:
             got = {k: tuple(np.shape(v)) for k, v in flat_params.items()}
             if got != self._shapes:
                 raise P.WeightMismatchError(f"update_weights(version={version}): shapes differ from the engine's")
-        self._version, self._checksum = int(version), P.checksum(flat_params)
-        self._params_bytes = int(sum(np.asarray(v).nbytes for v in flat_params.values()))
-        largest = max((np.asarray(v).nbytes for v in flat_params.values()), default=0)
+        digest = P.checksum(flat_params)
+        if checksum is not None and digest != checksum:
+            raise P.WeightMismatchError(f"update_weights(version={version}): the weights hash to {digest}, the "
+                                        f"sender's to {checksum}; keeping v{self._version}")
+        self._version, self._checksum = int(version), digest
+        self._params_bytes = int(sum(v.nbytes for v in flat_params.values()))
+        largest = max((v.nbytes for v in flat_params.values()), default=0)
         return {"params_bytes": self._params_bytes, "largest_leaf_bytes": int(largest), "peak_extra_bytes": 0}
 
     def memory_bytes(self) -> dict[str, int]:

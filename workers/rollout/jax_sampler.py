@@ -31,7 +31,7 @@ from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
 from workers.models.qwen3 import Qwen3ForCausalLM, init_cache
-from workers.offload import device_bytes, offload, onload
+from workers.offload import bytes_by_device, offload, onload, per_device_bytes
 from workers.rollout.base import (
     EngineReleasedError,
     FinishReason,
@@ -105,41 +105,55 @@ class JaxSampler:
             raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
         return self._state
 
-    def update_weights(self, flat_params: Mapping[str, object], version: int) -> dict[str, int]:
-        """Swap in `flat_params` as weights `version`; returns what the swap held on the devices:
-        {"params_bytes", "largest_leaf_bytes", "peak_extra_bytes"} (peak over the steady state,
-        measured from the live arrays after every leaf: the swap's promise is <= one leaf)."""
+    def update_weights(self, flat_params: Mapping[str, object], version: int, *,
+                       checksum: str | None = None) -> dict[str, int]:
+        """Swap in `flat_params` (host arrays, or device arrays in any layout) as weights `version`.
+
+        A transaction, leaf by leaf: each old leaf goes to host memory, its device buffers are freed, and
+        the new leaf is copied into the engine's layout in its place (device to device when it is on this
+        process's devices), so a device never holds more than one extra leaf's shard. The new weights are
+        then hashed on the devices and, with `checksum`, must match it. Any failure (a bad tensor, a
+        transfer error, a mismatch) puts the old leaves back: the engine stays on its previous version,
+        never on a mix. Returns, per device: {"params_bytes", "largest_leaf_bytes" (the largest leaf's
+        shard), "peak_extra_bytes" (over the steady state: a tally of the leaves the swap holds, after
+        every leaf)}."""
         current = self._live_state()
         incoming = P.from_flat(current, flat_params, source=f"update_weights(version={version})")
-        # Until the last leaf is in place the engine holds neither version: a failure midway leaves
-        # it refusing to generate rather than generating with half-old weights.
-        self._version, self._checksum = -1, None
-        before = device_bytes()
-        peak = before
-        largest = 0
-
-        def swap(old: jax.Array, new) -> jax.Array:
-            nonlocal peak, largest
-            # Free each old tensor before placing its successor, so a swap never holds two full
-            # copies on the device; a copy: the engine owns its buffers (the caller's
-            # array may be a read-only object-store view or the actor's live parameter).
-            sharding = old.sharding
-            largest = max(largest, old.nbytes)
-            old.delete()
-            placed = S.place(new, sharding, copy=True)
-            peak = max(peak, device_bytes())
-            return placed
-
-        self._state = jax.tree.map(swap, current, incoming)
-        self._version, self._checksum = int(version), None
-        return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": largest,
-                "peak_extra_bytes": max(0, peak - before)}
+        old, treedef = jax.tree.flatten(current)
+        new = treedef.flatten_up_to(incoming)
+        leaves, saved = list(old), {}  # saved: index -> the old leaf's host copy, while the new one lands
+        extra: dict = {}  # device -> bytes the swap holds beyond the engine's steady state (a running tally)
+        peak = largest = 0
+        try:
+            for i, (was, arriving) in enumerate(zip(old, new, strict=True)):
+                shards = bytes_by_device([was])
+                largest = max(largest, *shards.values())
+                saved[i] = offload(was)  # to host; frees the device buffers
+                leaves[i] = S.place(arriving, was.sharding, copy=True)  # the engine owns its buffers
+                for device, nbytes in bytes_by_device([leaves[i]]).items():
+                    extra[device] = extra.get(device, 0) + nbytes - shards.get(device, 0)
+                peak = max(peak, *extra.values())
+            state = treedef.unflatten(leaves)
+            digest = P.checksum(P.to_flat(state))
+            if checksum is not None and digest != checksum:
+                raise P.WeightMismatchError(f"update_weights(version={version}): the weights that landed hash to "
+                                            f"{digest}, the sender's to {checksum}; keeping v{self._version}")
+        except BaseException:
+            for i, host in saved.items():  # back to the previous version, leaf by leaf
+                if leaves[i] is not old[i] and not leaves[i].is_deleted():
+                    leaves[i].delete()
+                leaves[i] = onload(host)
+            self._state = treedef.unflatten(leaves)
+            raise
+        self._state, self._version, self._checksum = state, int(version), digest
+        for host in saved.values():  # pinned-host copies: freed now that the new version stands
+            jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, host.tree)
+        return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": int(largest),
+                "peak_extra_bytes": max(0, int(peak))}
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this engine holds on its devices by kind; the KV cache exists only inside `generate`."""
-        state = self._state
-        params = 0 if state is None else sum(x.nbytes for x in jax.tree.leaves(state))
-        return {"params": int(params), "kv": 0}
+        return {"params": per_device_bytes(self._state) if self._state is not None else 0, "kv": 0}
 
     def release_memory(self) -> None:
         """Move weights to host memory (pinned host where the backend has it) and free them on the

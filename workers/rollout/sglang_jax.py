@@ -201,9 +201,12 @@ class SglangJaxEngine:
                     f"{source}: {name} is {np.dtype(new.dtype).name}{tuple(new.shape)}, "
                     f"the engine's model expects {np.dtype(leaf.dtype).name}{want}")
 
-    def update_weights(self, flat_params: Mapping[str, object], version: int) -> dict[str, int]:
+    def update_weights(self, flat_params: Mapping[str, object], version: int, *,
+                       checksum: str | None = None) -> dict[str, int]:
         """Swap in `flat_params` as weights `version`, leaf by leaf; returns {"params_bytes",
-        "largest_leaf_bytes", "peak_extra_bytes"} (peak over the steady state, from live arrays)."""
+        "largest_leaf_bytes", "peak_extra_bytes"} (peak over the steady state, from live arrays).
+        With `checksum`, the weights that landed must hash to it, else WeightMismatchError and the engine
+        stays at version -1, refusing to generate (it keeps no host copy to roll back to)."""
         self._check_live()
         self._validate(flat_params, f"update_weights(version={version})")
         # Until the last leaf is in place the engine holds neither version (see jax_sampler).
@@ -221,6 +224,9 @@ class SglangJaxEngine:
             self._leaves[i] = jax.device_put(np.ascontiguousarray(host.T) if t else host, sharding, may_alias=False)
             peak = max(peak, device_bytes())
         self._sync_model()
+        if checksum is not None and self.weight_checksum != checksum:
+            raise P.WeightMismatchError(f"update_weights(version={version}): the weights that landed hash to "
+                                        f"{self._checksum}, the sender's to {checksum}")
         self._version = int(version)
         return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": int(largest),
                 "peak_extra_bytes": max(0, peak - before)}
