@@ -326,7 +326,10 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement.placement_group, placement_group_bundle_index=placement.bundles[cls.kind])
         cores = placement.cores[cls.kind]
-    options["runtime_env"] = {"env_vars": role_env(spec.num_devices, resource,
+    # A role on an rlsched mesh sees the pool and takes its devices from it (role_mesh); an engine that lays
+    # itself out (sglang-jax fills its mesh with every device it sees) sees one: its own.
+    on_mesh = cls is ActorRole or spec.config.rollout.engine == "jax_sampler"
+    options["runtime_env"] = {"env_vars": role_env(spec.num_devices if on_mesh else 1, resource,
                                                    shares_devices=spec.placement == "colocated")}
     handle = ray.remote(cls).options(**options).remote(spec, channel=channel, cores=cores)
     return RemoteRole(handle, cls.kind)
