@@ -97,7 +97,7 @@ def logical_axes(name: str) -> tuple[str, ...]:
     raise ShardingError(f"no sharding rule for parameter {name!r}; add a row to workers.models.sharding.PARAMS")
 
 
-def _mesh_axes(logical: str | None, size: int, mesh: Mapping[str, int], *, kv_heads: int) -> tuple[str, ...]:  # noqa: ARG001
+def _mesh_axes(logical: str | None, mesh: Mapping[str, int], *, kv_heads: int) -> tuple[str, ...]:
     """The mesh axes one dimension is split over ((): replicated), after the KV-head exception."""
     axes = tuple(a for a in (LOGICAL.get(logical) or ()) if mesh[a] > 1) if logical else ()
     if logical == "kv_heads" and axes and kv_heads % _product(axes, mesh):
@@ -122,7 +122,7 @@ def spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mapping[str,
         raise ShardingError(f"{what}: {len(shape)} dimensions {tuple(shape)} but {len(logical)} logical axes {logical}")
     out: list[Any] = []
     for dim, (name, size) in enumerate(zip(logical, shape, strict=True)):
-        axes = _mesh_axes(name, size, mesh, kv_heads=kv_heads)
+        axes = _mesh_axes(name, mesh, kv_heads=kv_heads)
         n = _product(axes, mesh)
         if size % n:
             split = " x ".join(f"{a} {mesh[a]}" for a in axes)
@@ -181,7 +181,7 @@ def named(mesh_, entries: Sequence[Any]):
 
 def batch_sharding(mesh_, ndim: int, *, leading: int = 0):
     """Rows over dp x fsdp, everything else replicated; `leading` unsplit dims first (e.g. accumulation)."""
-    entry = _entry(_mesh_axes("batch", 0, dict(mesh_.shape), kv_heads=0))
+    entry = _entry(_mesh_axes("batch", dict(mesh_.shape), kv_heads=0))
     return named(mesh_, (None,) * leading + (entry,) + (None,) * (ndim - leading - 1))
 
 
@@ -207,7 +207,7 @@ def state_shardings(state, mesh_, *, kv_heads: int):
 def kv_cache_sharding(mesh_, *, kv_heads: int):
     """(B, S, K, D): rows over dp x fsdp, heads over tp (whole when tp does not divide them)."""
     shape = dict(mesh_.shape)
-    return named(mesh_, tuple(_entry(_mesh_axes(name, 0, shape, kv_heads=kv_heads)) for name in KV_CACHE))
+    return named(mesh_, tuple(_entry(_mesh_axes(name, shape, kv_heads=kv_heads)) for name in KV_CACHE))
 
 
 def _entry(axes: tuple[str, ...]):
