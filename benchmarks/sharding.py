@@ -11,8 +11,9 @@ weight sync (actor fsdp 4 x tp 2 -> engine tp 2) against a plain device copy of 
    live params (fsdp 4 x tp 2) into the engine's layout (tp 2) leaf by leaf, old leaves to host first
    (the transaction), then hashed on the devices and checked; against `raw`: one `device_put` of every
    leaf into the engine's layout (the same bytes resharded, nothing else), with each part of the sync
-   timed alone beside it. Goal: sync <= 1.5 x raw; and its peak extra bytes on a device <= the largest
-   leaf's shard.
+   timed alone beside it; and the same sync into an engine just onloaded (the colocated step: its old
+   weights still on host, so there is no undo copy to make). Goal: sync <= 1.5 x raw; and its peak extra
+   bytes on a device <= the largest leaf's shard.
 On CPU the "devices" share two cores and one memory: the ratios say what the code adds, not what
 NVLink or ICI would give.
 """
@@ -96,13 +97,20 @@ def weight_sync(args) -> dict:
                                                       for k, x in flat.items()]),
         "hash": lambda: P.checksum(flat),
     }
-    times: dict[str, list[float]] = {k: [] for k in ("sync", *parts)}
+    times: dict[str, list[float]] = {k: [] for k in ("sync", "sync_resumed", *parts)}
     stats = {}
     for version in range(1, args.repeats + 2):  # the first round compiles: not counted
         checksum = P.checksum(flat)  # the actor hashes before publishing (its own cost, not the sync's)
         t0 = time.perf_counter()
-        stats = engine.update_weights(flat, version, checksum=checksum)
+        stats = engine.update_weights(flat, 2 * version, checksum=checksum)
         times["sync"].append(time.perf_counter() - t0)
+        # The colocated step: the engine was offloaded while the actor trained and is onloaded for ROLLOUT;
+        # its old weights wait on host (a lazy onload), so the sync has no undo copy to make.
+        engine.release_memory()
+        engine.resume_memory()
+        t0 = time.perf_counter()
+        engine.update_weights(flat, 2 * version + 1, checksum=checksum)
+        times["sync_resumed"].append(time.perf_counter() - t0)
         for name, run in parts.items():
             t0 = time.perf_counter()
             run()
@@ -110,7 +118,7 @@ def weight_sync(args) -> dict:
     median = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
     median["host_backup"] = max(0.0, median["host_backup"] - median["raw"])  # it placed the leaves first
     return {"params": cfg.num_params, "bytes": P.num_bytes(flat), "seconds": median,
-            "ratio": median["sync"] / median["raw"],
+            "ratio": median["sync"] / median["raw"], "ratio_resumed": median["sync_resumed"] / median["raw"],
             "largest_leaf_shard_bytes": stats["largest_leaf_bytes"], "peak_extra_bytes": stats["peak_extra_bytes"],
             "checksum_equal": engine.weight_checksum == P.checksum(flat)}
 
@@ -144,11 +152,14 @@ def main(argv: list[str] | None = None) -> dict:
               "<= 1.5 x); peak extra "
               f"{sync['peak_extra_bytes'] / mib:.1f} MiB/device (largest leaf shard "
               f"{sync['largest_leaf_shard_bytes'] / mib:.1f} MiB); logical checksum equal: {sync['checksum_equal']}",
+              f"; into an engine just onloaded (the colocated step): {sec['sync_resumed']:.3f} s = "
+              f"{sync['ratio_resumed']:.1f} x raw",
               "", "| part of a sync, alone | seconds | x raw |", "|---|---:|---:|"]
     for name, what in (("raw", "resharding transfer (device_put of every leaf into the engine's layout)"),
                        ("host_backup", "the old leaves to host memory (the transaction's undo copy)"),
                        ("hash", "logical checksum on the devices (the verification)"),
-                       ("sync", "update_weights: all of the above, leaf by leaf")):
+                       ("sync", "update_weights: all of the above, leaf by leaf"),
+                       ("sync_resumed", "update_weights into a just-onloaded engine: transfer + checksum, no undo")):
         lines.append(f"| {what} | {sec[name]:.3f} | {sec[name] / sec['raw']:.2f} |")
     results = {"environment": environment(), "bytes_per_device": memory, "weight_sync": sync}
     save_results(args.out, "Sharded roles: bytes per device and resharding weight sync", results, "\n".join(lines))

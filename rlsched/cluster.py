@@ -61,10 +61,11 @@ def use_host_devices(num_devices: int) -> None:
 
 
 def device_resource() -> str:
-    """The Ray resource a device is: GPU where the cluster has GPUs, else a CPU core."""
+    """The Ray resource a device is: TPU or GPU where the cluster has them, else a CPU core."""
     import ray
 
-    return "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
+    have = ray.cluster_resources()
+    return next((r for r in ("TPU", "GPU") if have.get(r, 0) > 0), "CPU")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,25 +76,49 @@ class RolePlacement:
     placement_group: Any  # ray.util.placement_group.PlacementGroup
     bundles: dict[str, int]  # role ("actor" / "engine") -> bundle index
     cores: dict[str, list[int]]  # role -> cores its process is pinned to
-    resource: str = "CPU"  # the Ray resource a device is ("GPU" or "CPU")
+    resource: str = "CPU"  # the Ray resource a device is ("TPU", "GPU" or "CPU")
+    bundle_devices: dict[str, int] = dataclasses.field(default_factory=lambda: {"engine": 1, "actor": 1})
+    hosts: dict[str, Any] | None = None  # role -> its device group's host (rlsched.hosts), per_device_group only
+
+    @property
+    def one_process(self) -> bool:
+        """Both roles of a task in one process: a colocated group's host."""
+        return self.hosts is not None and self.bundles["engine"] == self.bundles["actor"]
 
 
-def make_placement_group(experiment: str, placement: str, resource: str):
-    """One placement group for the device group: a rollout bundle and a train bundle (disaggregated)
-    or one shared bundle (colocated). Every task's roles are placed in it, so they land on the
-    group's devices; which device each uses is decided by pinning (see rlsched.placement)."""
+def group_devices(placement: str, num_devices: int, rollout_devices: int) -> dict[str, int]:
+    """Devices of each role's group: colocated, the whole pool for both; disaggregated, the rollout group is
+    the pool's first `rollout_devices` (the largest rollout mesh) and the train group the rest."""
+    if placement == "colocated":
+        return {"engine": num_devices, "actor": num_devices}
+    return {"engine": rollout_devices, "actor": num_devices - rollout_devices}
+
+
+def bundle_shapes(placement: str, resource: str, devices: dict[str, int]) -> list[dict[str, float]]:
+    """The placement group's bundles: one (colocated) or rollout then train (disaggregated). On an accelerator
+    a bundle reserves its group's devices; on CPU a device is an XLA host device of each process, and a
+    bundle reserves one core (the pinning decides which cores a group uses)."""
+    kinds = ["engine"] if placement == "colocated" else ["engine", "actor"]
+    return [{resource: 1 if resource == "CPU" else devices[k]} for k in kinds]
+
+
+def make_placement_group(experiment: str, placement: str, resource: str, devices: dict[str, int] | None = None):
+    """One placement group for the device group (see `bundle_shapes`). Every task's roles are placed in it, so
+    they land on the group's devices."""
     import ray
     from ray.util.placement_group import placement_group
 
-    bundles = [{resource: 1}] if placement == "colocated" else [{resource: 1}, {resource: 1}]
+    bundles = bundle_shapes(placement, resource, devices or {"engine": 1, "actor": 1})
     pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{experiment}/{GROUP}")
     ray.get(pg.ready(), timeout=60)
     return pg
 
 
-def role_placement(pg, placement: str, cores: list[int], resource: str) -> RolePlacement:
+def role_placement(pg, placement: str, cores: list[int], resource: str,
+                   devices: dict[str, int] | None = None) -> RolePlacement:
     """Disaggregated: the engine on the rollout bundle and cores, the actor on the train ones;
     colocated: both on the one bundle and every core."""
     return RolePlacement(pg, {"engine": 0, "actor": 0 if placement == "colocated" else 1},
                          {"engine": phase_cores(placement, Phase.ROLLOUT, cores),
-                          "actor": phase_cores(placement, Phase.TRAIN, cores)}, resource)
+                          "actor": phase_cores(placement, Phase.TRAIN, cores)}, resource,
+                         dict(devices or {"engine": 1, "actor": 1}))

@@ -19,7 +19,7 @@ Design decisions (and why):
   (the engine must own its buffers: object-store arrays are read-only views, local ones the actor's), then
   hashes what it holds on its devices, and the driver compares that with `message.checksum`:
   verification never trusts the transport.
-- Implementations: `LocalChannel` (one process: the payload is the dict itself), `ObjectStoreChannel`
+- Implementations: `LocalChannel` (one process: the weights wait in a slot of the process), `ObjectStoreChannel`
   (one node, several processes: `ray.put` in the sender, `ray.get` in the receiver), `FakeChannel`
   (tests: records what was sent and can corrupt a payload to prove verification catches it). A
   cross-node collective (an NCCL/ICI broadcast from the actor's ranks to the engine's) fills the same
@@ -57,6 +57,8 @@ class WeightChannel(Protocol):
 
     def receive(self, message: WeightMessage) -> Flat: ...
 
+    def close(self) -> None: ...
+
 
 def comm_group_name(experiment: str, task: str, src: str = "actor", dst: str = "rollout") -> str:
     return f"{experiment}/{task}/{src}->{dst}"
@@ -77,25 +79,44 @@ class _Channel:
             raise ChannelError(f"channel {self.name!r} received a message of group {message.group!r}: "
                                "weights never cross between tasks")
 
+    def close(self) -> None:
+        """Free what this process keeps for the channel (nothing, unless a subclass keeps something)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
 
 class LocalChannel(_Channel):
-    """Sender and receiver in one process: the payload is the sender's dict itself (no copy here; the
-    receiver copies onto its devices and layout, device to device). The sender's arrays must still be
-    alive when it is received: the engine syncs in the ROLLOUT that follows the TRAIN that published."""
+    """Sender and receiver in one process: the weights wait in this process's slot for the channel, and the
+    message carries only their version. Nothing is copied here (the receiver copies onto its devices and
+    layout, device to device), and a message that travels through another process (a driver forwarding it
+    between two roles hosted in one process, rlsched.hosts) carries no arrays. The slot holds the latest
+    version only, and the sender's arrays must still be alive when it is received: the engine syncs in the
+    ROLLOUT that follows the TRAIN that published."""
 
     def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
-        return WeightMessage(self.name, int(version), checksum, _nbytes(flat), dict(flat))
+        _SLOTS[self.name] = (int(version), dict(flat))
+        return WeightMessage(self.name, int(version), checksum, _nbytes(flat), None)
 
     def receive(self, message: WeightMessage) -> Flat:
         self._check(message)
-        gone = [k for k, v in message.payload.items() if getattr(v, "is_deleted", lambda: False)()]
+        version, flat = _SLOTS.get(self.name, (None, {}))
+        if version != message.version:
+            held = "nothing" if version is None else f"v{version}"
+            raise ChannelError(f"{self.name}: v{message.version} was not sent in this process (its slot holds "
+                               f"{held}); a local channel joins two roles of one process only")
+        gone = [k for k, v in flat.items() if getattr(v, "is_deleted", lambda: False)()]
         if gone:
             raise ChannelError(f"{self.name}: the weights of v{message.version} were freed by their sender before "
                                f"they were received ({len(gone)} tensors, e.g. {gone[0]})")
-        return message.payload
+        return flat
+
+    def close(self) -> None:
+        """Drop this channel's slot (the sender's last weights) in this process."""
+        _SLOTS.pop(self.name, None)
+
+
+_SLOTS: dict[str, tuple[int, dict]] = {}  # LocalChannel name -> (version, weights) last sent in this process
 
 
 class ObjectStoreChannel(_Channel):

@@ -40,6 +40,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 
 from rlsched.comm import comm_group_name
 from workers.models import sharding
+from workers.rollout import OWN_PROCESS_ENGINES
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,12 @@ class ClusterConfig(_Section):
     """Memory budget of each device, in GiB (a role on an n-device mesh holds its share on each); None = unlimited."""
     lease_timeout_s: float = Field(600.0, gt=0)
     """Longest a task may hold one phase's lock, in seconds; a holder past it loses the lock and fails."""
+    processes: Literal["auto", "per_role", "per_device_group"] = "auto"
+    """Which processes hold the roles. `per_role`: each task's actor and engine in a process of its own (roles
+    that time-share devices are then several processes on one device: CPU, and GPU with rlsched turning XLA's
+    preallocation off). `per_device_group`: one process per host for each device group, holding every task's
+    roles there and swapping them between device and host (what a TPU needs: a chip opens in one process).
+    `auto`: per_device_group on TPU and GPU, per_role on CPU (README "Sharded roles: meshes")."""
 
 
 class ModelSection(_Section):
@@ -382,6 +389,13 @@ class ExperimentConfig(_Section):
                 raise _FieldError(f"tasks.{i}.rollout.mesh", rollout.model_dump(),
                                   f"{plan.samples_per_step} samples/step (grpo.prompts_per_step {plan.prompts_per_step}"
                                   f" x grpo.num_generations {plan.num_generations}) do not split over dp {rollout.dp}")
+        if self.cluster.processes == "per_device_group":
+            for i, task in enumerate(self.tasks):
+                if task.rollout.engine in OWN_PROCESS_ENGINES:
+                    raise _FieldError(f"tasks.{i}.rollout.engine", task.rollout.engine,
+                                      f"{task.rollout.engine} runs in a process of its own, which "
+                                      "cluster.processes=per_device_group cannot give it; use cluster.processes="
+                                      "per_role (or auto) or rollout.engine=jax_sampler")
         if self.cluster.placement == "disaggregated" and given is not None and self._devices_needed() > given:
             e = max(range(len(self.tasks)), key=lambda i: _devices(self.tasks[i].rollout.mesh))
             a = max(range(len(self.tasks)), key=lambda i: _devices(self.tasks[i].actor.mesh))
@@ -442,6 +456,7 @@ class TaskSpec:
     tracking: TrackingSection  # where metrics go besides metrics.jsonl
     placement: Literal["colocated", "disaggregated"]
     num_devices: int  # the experiment's device pool (rlsched.meshes.role_devices picks each role's from it)
+    processes: Literal["per_role", "per_device_group"] = "per_role"  # cluster.processes once the platform is known
 
     @property
     def name(self) -> str:

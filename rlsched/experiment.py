@@ -12,6 +12,8 @@ task after task in this process, with always-free locks (debugging).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -20,9 +22,10 @@ from typing import Any
 
 from rlsched import cluster
 from rlsched.config import ExperimentConfig, TaskConfig, load_configs, select_tasks
-from rlsched.meshes import check_meshes
+from rlsched.meshes import check_meshes, check_platform, resolve_processes
 from rlsched.policy import GroupSpec, Policy
 from rlsched.runfiles import prepare_run_dir, write_atomic
+from workers.models import sharding
 
 
 def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str] = (), resume: bool = False,
@@ -52,8 +55,8 @@ def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -
     from rlsched.task import TaskDriver
 
     cluster.use_host_devices(cfg.num_devices)
-    return {spec.name: TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo).run()
-            for spec in cfg.task_specs()}
+    specs = [dataclasses.replace(s, processes="per_device_group") for s in cfg.task_specs()]  # all in this one
+    return {spec.name: TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo).run() for spec in specs}
 
 
 def estimate_bytes(task: TaskConfig) -> tuple[int, int]:
@@ -97,8 +100,23 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
 
     cluster.init_ray(address)
     resource = cluster.device_resource()
-    pg = cluster.make_placement_group(cfg.experiment.name, cfg.cluster.placement, resource)
-    where = cluster.role_placement(pg, cfg.cluster.placement, visible_cores(), resource)
+    processes = resolve_processes(cfg.cluster.processes, resource)
+    check_platform(resource, cfg, processes)  # what cannot work on this platform: before any role starts
+    devices = cluster.group_devices(cfg.cluster.placement, cfg.num_devices,
+                                    max(sharding.num_devices(t.rollout.mesh.as_dict()) for t in cfg.tasks))
+    pg = cluster.make_placement_group(cfg.experiment.name, cfg.cluster.placement, resource, devices)
+    where = cluster.role_placement(pg, cfg.cluster.placement, visible_cores(), resource, devices)
+    hosts = []
+    if processes == "per_device_group":  # one process per device group holds every task's roles there
+        from rlsched.hosts import start_host
+
+        group = {"engine": start_host(where, "engine", num_devices=cfg.num_devices, max_tasks=len(cfg.tasks))}
+        group["actor"] = group["engine"] if cfg.cluster.placement == "colocated" else start_host(
+            where, "actor", num_devices=cfg.num_devices, max_tasks=len(cfg.tasks))
+        where = dataclasses.replace(where, hosts=group)
+        hosts = list({id(h): h for h in group.values()}.values())
+        echo(f"roles held by {len(hosts)} device-group process(es) (cluster.processes: per_device_group)")
+    specs = [dataclasses.replace(s, processes=processes) for s in cfg.task_specs()]
     policy, initial_moves = build_policy(cfg)
     scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)
     # Drivers need no device: they wait on locks and score rewards between phases. Threads, not asyncio:
@@ -106,7 +124,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
     drivers = {s.name: driver_cls.remote(s, SchedulerLocks(scheduler, s.name), placement=where, resume=resume,
                                          initial_moves=initial_moves[s.name])
-               for s in cfg.task_specs()}
+               for s in specs}
     for name, driver in drivers.items():
         # The lifeline ref is wrapped in a list so Ray passes the ref itself rather than waiting for it.
         scheduler.watch.remote(name, [driver.lifeline.remote()])
@@ -120,6 +138,10 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
         done, _ = ray.wait(list(pending), num_returns=1)
         name = pending.pop(done[0])
         results[name] = _result(name, done[0], scheduler, cfg)
+        # Which process holds each role and which devices it uses (summary.json); a driver that died with its
+        # task has no answer, and the result says why.
+        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            results[name]["roles"] = ray.get(drivers[name].role_places.remote(), timeout=30)
         status = results[name]["status"]
         echo(f"[{name}] {status}" + (f": {results[name]['error']}" if status == "failed" else "")
              + f" after {time.perf_counter() - t0:.1f}s")
@@ -132,6 +154,8 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     state = ray.get(scheduler.state.remote())
     for driver in drivers.values():
         ray.kill(driver)  # its roles go with it: Ray ends the actors a process owns when it dies
+    for host in hosts:
+        ray.kill(host)
     ray.kill(scheduler)
     remove_placement_group(pg)
     write_run_outputs(cfg, events, results, state, echo=echo)

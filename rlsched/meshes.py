@@ -2,7 +2,7 @@
 
     role_devices("colocated", 8, {"fsdp": 4, "tp": 2}, {"tp": 2})  # {"actor": [0..7], "engine": [0, 1]}
     check_meshes(cfg)                 # before any process starts: every mesh splits its model, or ConfigError
-    check_platform("tpu", "colocated", colocated_in_one_process=False)   # ConfigError: it cannot work
+    check_platform("tpu", cfg, "per_role")   # colocated: ConfigError, a TPU chip opens in one process
 
 Device indices are positions in the experiment's device pool (`ExperimentConfig.num_devices`): on CPU the
 XLA host devices of a role's process, on GPU the Ray accelerator ids in the order of the group's bundle.
@@ -27,6 +27,7 @@ from pathlib import Path
 from rlsched.config import ConfigError, ExperimentConfig, TaskConfig
 from workers.models import sharding
 from workers.models.config import Qwen3Config
+from workers.rollout import OWN_PROCESS_ENGINES
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -45,6 +46,24 @@ def role_devices(placement: str, num_devices: int, actor_mesh: Mapping[str, int]
     if placement == "colocated":
         return {"actor": list(range(n_actor)), "engine": list(range(n_engine))}
     return {"actor": list(range(num_devices - n_actor, num_devices)), "engine": list(range(n_engine))}
+
+
+def local_role_devices(placement: str, kind: str, num_devices: int, visible: int, actor_mesh: Mapping[str, int],
+                       rollout_mesh: Mapping[str, int]) -> list[int]:
+    """The positions in its process's `jax.local_devices()` of a role's mesh devices.
+
+    A process that sees the whole pool (CPU: every role process gets the pool's XLA host devices) takes the
+    role's place in it (`role_devices`). One that sees fewer sees its group's devices only (on an accelerator
+    Ray makes the group's bundle visible to the process that holds the group): the same rule within them,
+    an engine's mesh first and an actor's last (colocated: both first)."""
+    if visible >= num_devices:
+        return role_devices(placement, num_devices, actor_mesh, rollout_mesh)[kind]
+    n = sharding.num_devices(actor_mesh if kind == "actor" else rollout_mesh)
+    if n > visible:
+        raise ConfigError(f"the {kind}'s mesh ({sharding.describe(actor_mesh if kind == 'actor' else rollout_mesh)}) "
+                          f"needs {n} devices, but its process sees {visible}")
+    last = kind == "actor" and placement == "disaggregated"
+    return list(range(visible - n, visible)) if last else list(range(n))
 
 
 def task_devices(cfg: ExperimentConfig) -> dict[str, dict[str, list[int]]]:
@@ -103,17 +122,53 @@ def check_meshes(cfg: ExperimentConfig, model_config: ModelConfigs | None = read
 # ---- the platform --------------------------------------------------------------------------------------------
 
 
-def check_platform(platform: str, placement: str, colocated_in_one_process: bool) -> None:
-    """Refuse what cannot run on `platform` (a JAX platform name: cpu, gpu/cuda/rocm, tpu), before it starts.
-
-    - tpu, colocated, actor and engine in two processes: a TPU chip is opened by one process at a time, so
-      the second role could never reach the devices it shares with the first.
-    Everything else can run: CPU devices are per-process host devices, and GPUs take several processes
-    (each must leave the others memory: no XLA preallocation of most of the device)."""
-    kind = "gpu" if platform in ("cuda", "rocm") else platform
+def platform_kind(platform: str) -> str:
+    """"cpu", "gpu" or "tpu" from a JAX platform name (cuda and rocm are gpu) or a Ray resource (CPU/GPU/TPU)."""
+    kind = platform.lower()
+    kind = "gpu" if kind in ("cuda", "rocm") else kind
     if kind not in PLATFORMS:
         raise ConfigError(f"platform {platform!r} is not one rlsched runs on; expected one of {', '.join(PLATFORMS)}")
-    if kind == "tpu" and placement == "colocated" and not colocated_in_one_process:
-        raise ConfigError("cluster.placement: colocated on tpu needs each task's actor and engine in one process "
-                          "(a TPU chip is opened by one process at a time); use cluster.placement=disaggregated "
-                          "or an engine that runs in its actor's process")
+    return kind
+
+
+def resolve_processes(setting: str, platform: str) -> str:
+    """`cluster.processes` once the platform is known: auto is per_device_group on an accelerator (one
+    process owns each device), per_role on CPU (a role's crash then ends its own process only)."""
+    if setting != "auto":
+        return setting
+    return "per_role" if platform_kind(platform) == "cpu" else "per_device_group"
+
+
+def check_platform(platform: str, cfg: ExperimentConfig, processes: str) -> None:
+    """Refuse what cannot run on `platform` with roles in `processes` (resolved: per_role or
+    per_device_group), before any role process starts; one ConfigError line naming the key.
+
+    - tpu, per_role, when two role processes would share chips (colocated, or several tasks' actors on one
+      train group): a TPU chip is opened by one process at a time.
+    - gpu, per_role, a mesh of more than one device: roles that time-share a GPU each take a fraction of it
+      from Ray, and Ray gives a fractional share exactly one device.
+    - per_device_group with an engine that needs a process of its own (sglang_jax).
+    CPU runs everything: its devices are per-process host devices."""
+    kind = platform_kind(platform)
+    if processes == "per_device_group":
+        for i, task in enumerate(cfg.tasks):
+            if task.rollout.engine in OWN_PROCESS_ENGINES:
+                raise ConfigError(f"tasks.{i}.rollout.engine: {task.rollout.engine} runs in a process of its own, but "
+                                  f"cluster.processes resolves to per_device_group on {kind}; use rollout.engine="
+                                  "jax_sampler, or cluster.processes=per_role where the platform allows it")
+        return
+    shared = cfg.cluster.placement == "colocated" or len(cfg.tasks) > 1
+    if kind == "tpu" and shared:
+        why = "each task's actor and engine share chips" if cfg.cluster.placement == "colocated" else \
+            f"the {len(cfg.tasks)} tasks' actors share the train group's chips"
+        raise ConfigError(f"cluster.processes: per_role on tpu cannot work here: {why}, and a TPU chip is opened by "
+                          "one process at a time; use cluster.processes=per_device_group (or auto)")
+    if kind == "gpu" and shared:
+        for i, task in enumerate(cfg.tasks):
+            for key, mesh in (("actor.mesh", task.actor.mesh), ("rollout.mesh", task.rollout.mesh)):
+                shape = mesh.as_dict()
+                n = sharding.num_devices(shape)
+                if n > 1:
+                    raise ConfigError(f"cluster.processes: per_role on gpu gives each role that time-shares a GPU a "
+                                      f"fraction of one device, but tasks.{i}.{key} ({sharding.describe(shape)})"
+                                      f" needs {n}; use cluster.processes=per_device_group (or auto)")

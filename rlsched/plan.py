@@ -216,3 +216,32 @@ def _ranges(devices: list[int]) -> str:
         else:
             runs.append([d])
     return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+# The kinds a role measures from its live arrays (ActorRole / EngineRole `memory()`), by their plan name.
+MEASURED_KINDS = {"actor": {"params": "params", "opt": "optimizer", "ref": "reference"},
+                  "engine": {"params": "params"}}  # an engine's KV cache exists only inside generate
+
+
+def measured_vs_plan(task: str, step: int, measured: dict[str, dict[str, int]],
+                     planned: dict[str, dict[str, int]]) -> str:
+    """One line: each role's bytes per device by kind as measured after `step`, beside the plan's.
+
+    >>> measured_vs_plan("a", 1, {"actor": {"params": 2048, "opt": 4104, "ref": 0}},
+    ...                  {"actor": {"params": 2048, "optimizer": 4104, "grads": 2048}})
+    '[a] bytes per device after step 1, measured / planned: actor params 2.0 KiB / 2.0 KiB, optimizer 4.0 KiB / 4.0 KiB'
+    """
+    parts = []
+    for role, kinds in MEASURED_KINDS.items():
+        if role not in measured:
+            continue
+        shown = [f"{name} {_size(measured[role].get(kind, 0))} / {_size(planned[role][name])}"
+                 for kind, name in kinds.items() if name in planned.get(role, {})]
+        parts.append(f"{role} " + ", ".join(shown))
+    return f"[{task}] bytes per device after step {step}, measured / planned: " + "; ".join(parts)
+
+
+def planned_bytes(task: TaskConfig, index: int) -> dict[str, dict[str, int]]:
+    """{"actor": actor_bytes, "engine": engine_bytes} of one task, from its model's config.json."""
+    model = read_model_config(task, index, required=True)
+    return {"actor": actor_bytes(task, model), "engine": engine_bytes(task, model)}

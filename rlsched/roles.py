@@ -67,20 +67,22 @@ def role_mesh(spec: TaskSpec, kind: str):
     (rlsched.meshes.role_devices: positions in the experiment's device pool)."""
     import jax
 
-    from rlsched.meshes import check_platform, role_devices
+    from rlsched.meshes import local_role_devices, platform_kind
     from workers.models import sharding
 
-    # Roles run in processes of their own: colocated on a TPU (one process per chip) that cannot work.
-    check_platform(jax.default_backend(), spec.placement, colocated_in_one_process=False)
+    # The experiment checked the platform from Ray's resources (rlsched.meshes.check_platform); a TPU that Ray
+    # did not announce is caught here, where JAX sees it.
+    if platform_kind(jax.default_backend()) == "tpu" and spec.processes == "per_role" and spec.placement == "colocated":
+        raise TaskError(f"task {spec.name}: its {kind} is a process of its own colocated on a TPU, whose chips open "
+                        "in one process at a time; set cluster.processes=per_device_group")
     actor, rollout = spec.config.actor.mesh.as_dict(), spec.config.rollout.mesh.as_dict()
     shape = actor if kind == "actor" else rollout
-    ids = role_devices(spec.placement, spec.num_devices, actor, rollout)[kind]
     local = jax.local_devices()
-    if max(ids) >= len(local):
-        raise TaskError(f"task {spec.name}: the {kind}'s mesh ({sharding.describe(shape)})"
-                        f" takes devices {ids} of a pool of {spec.num_devices}, but its process sees {len(local)} "
-                        f"{jax.default_backend()} device(s); on CPU the pool comes from XLA_FLAGS="
-                        f"--xla_force_host_platform_device_count, which must be set before JAX starts")
+    try:
+        ids = local_role_devices(spec.placement, kind, spec.num_devices, len(local), actor, rollout)
+    except ValueError as err:
+        raise TaskError(f"task {spec.name}: {err} ({jax.default_backend()}; on CPU the pool comes from XLA_FLAGS="
+                        "--xla_force_host_platform_device_count, which must be set before JAX starts)") from None
     return sharding.mesh(shape, [local[i] for i in ids])
 
 
@@ -101,11 +103,24 @@ class _Role:
     def memory(self) -> dict[str, int]:
         return self._held.memory_bytes()
 
+    def where(self) -> dict[str, Any]:
+        """The process holding the role and its mesh's device ids: {"pid": ..., "devices": [...]}."""
+        import os
+
+        return {"pid": os.getpid(), "devices": self.device_ids()}
+
+    def device_ids(self) -> list[int]:
+        """The ids of the devices the role's mesh uses (empty for an engine that lays itself out)."""
+        mesh = getattr(self._held, "mesh", None)
+        return [] if mesh is None else [int(d.id) for d in mesh.devices.flat]
+
     def memory_probe(self) -> dict[str, int]:
-        """This process's RSS and device bytes, named `mem/<kind>/...` (see rlsched.memprobe)."""
+        """This process's RSS and device bytes, named `mem/<kind>/...` (see rlsched.memprobe), and what the
+        role itself holds per device by kind, `mem/<kind>/held/<params|opt|ref|kv>` (the plan's numbers)."""
         from rlsched.memprobe import memory_metrics
 
-        return memory_metrics(prefix=f"mem/{self.kind}")
+        held = {f"mem/{self.kind}/held/{k}": v for k, v in self.memory().items()}
+        return memory_metrics(prefix=f"mem/{self.kind}") | held
 
     def close(self) -> None:
         pass
@@ -188,6 +203,7 @@ class ActorRole(_Role):
 
     def close(self) -> None:
         self.checkpointer.close()
+        self.channel.close()  # a local channel's slot holds our last published weights
 
 
 class EngineRole(_Role):
@@ -216,6 +232,9 @@ class EngineRole(_Role):
         """ROLLOUT: bring the engine up to `message`'s weights if it is behind, verify them, generate."""
         if self.version() != message.version:
             self.update_weights(message)  # its stats ride on its "sync_weights" span
+        elif hasattr(self.engine, "restore_weights"):  # weights left on host by a lazy onload come back now
+            with self.timeline.span("restore_weights") as span:
+                span["bytes"] = self.engine.restore_weights()
         output = self.generate(prompt_ids, params, expected=message)
         return PhaseResult(output, self.timeline.drain(), self.memory_probe())
 
@@ -295,8 +314,9 @@ class RemoteRole:
 
 
 def channel_for(spec: TaskSpec, placement: RolePlacement | None, kind: str | None = None) -> WeightChannel:
-    """The task's comm channel: in memory when both roles share this process, else Ray's object store."""
-    local = placement is None and not _own_process(spec)
+    """The task's comm channel: in memory when both roles share a process (this one, or a colocated group's
+    host), else Ray's object store."""
+    local = (placement is None and not _own_process(spec)) or (placement is not None and placement.one_process)
     return make_channel(kind or ("local" if local else "object_store"), spec.comm_group)
 
 
@@ -308,9 +328,14 @@ def _own_process(spec: TaskSpec) -> bool:
 
 def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlacement | None):
     """Start role `cls` for `spec`: in this process (`placement` None), except an engine that must have a
-    process of its own (workers.rollout.OWN_PROCESS_ENGINES), or as a Ray actor in `placement`."""
+    process of its own (workers.rollout.OWN_PROCESS_ENGINES); in its device group's host (`placement.hosts`,
+    rlsched.hosts); or as a Ray actor of its own in `placement`."""
     if placement is None and not (cls is EngineRole and _own_process(spec)):
         return cls(spec, channel=channel)
+    if placement is not None and placement.hosts is not None:
+        from rlsched.hosts import HostedRole
+
+        return HostedRole.launch(placement.hosts[cls.kind], cls, spec, channel)
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

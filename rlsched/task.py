@@ -35,6 +35,7 @@ from typing import Any
 from rlsched.cluster import RolePlacement
 from rlsched.config import TaskSpec
 from rlsched.errors import TaskError
+from rlsched.hosts import HostedRole
 from rlsched.memory import MemoryPool, Residency
 from rlsched.phases import HostWork, check_model_path, progress_line, step_metrics
 from rlsched.policy import Phase, Role
@@ -55,6 +56,7 @@ class TaskDriver:
         self.memory: dict[Role, dict[str, int]] = {Role.ACTOR: {}, Role.ENGINE: {}}  # last probe of each role
         self.where: dict[str, str] = {}  # phase and resource of the lock held now
         self.step_done = 0
+        self.places: dict[str, dict[str, Any]] = {}  # role -> {"pid", "devices"}: which process holds what
         self.tracker = None
         self._initial_moves = list(initial_moves)  # offloads the policy decided at registration
         self._started = threading.Event()
@@ -78,6 +80,9 @@ class TaskDriver:
             self.tracker = make_trackers(self.spec.tracking, run_dir=self.spec.dir, experiment=self.spec.experiment,
                                          task=self.name, hparams=self.spec.config.model_dump(mode="json"))
             self._resume_from(meta)
+            self.places = {str(role): r.where() for role, r in self.roles.items()}
+            self.echo(f"[{self.name}] " + ", ".join(f"{role} on devices {p['devices']} (pid {p['pid']})"
+                                                   for role, p in self.places.items()))
             pool = MemoryPool(self.name)
             self.residency = {role: Residency(pool, self.name, str(role), onload=w.onload, offload=w.offload,
                                               timeline=self.timeline, resident=True, sizes=w.memory(),
@@ -108,6 +113,8 @@ class TaskDriver:
             last = self.spec.config.steps if until is None else min(until, self.spec.config.steps)
             for n in range(self.step_done + 1, last + 1):
                 history.append(self.step(n))
+                if len(history) == 1:
+                    self.echo(self.memory_vs_plan(n))
         except BaseException as err:
             self.close(exit_code=1)  # roles stopped first: their memory is really free when the scheduler hears
             with contextlib.suppress(Exception):  # the scheduler may be gone too; the error below says why
@@ -127,7 +134,7 @@ class TaskDriver:
         closes = [("trackers", lambda: self.tracker and self.tracker.finish(exit_code))]
         for role, r in self.roles.items():
             closes.append((f"{role} close", r.close))
-            if isinstance(r, RemoteRole):
+            if isinstance(r, RemoteRole | HostedRole):
                 closes.append((f"{role} process", r.terminate))
         closes.append(("locks", self.locks.close))
         for what, close in closes:
@@ -224,6 +231,14 @@ class TaskDriver:
             r = self.residency[Role(role)]
             (r.offload if action == "offload" else r.onload)(**self.where)
 
+    def memory_vs_plan(self, n: int) -> str:
+        """What each role held per device by kind after its phase of step `n`, beside `rlsched plan`'s numbers."""
+        from rlsched.plan import measured_vs_plan, planned_bytes
+
+        measured = {str(role): {key.rsplit("/", 1)[1]: v for key, v in probe.items() if f"/{role}/held/" in key}
+                    for role, probe in self.memory.items()}
+        return measured_vs_plan(self.name, n, measured, planned_bytes(self.spec.config, self.spec.index))
+
     def _report_memory(self, task: str, role: str, sizes: dict[str, int]) -> None:
         self.locks.report_memory(role, sizes)
 
@@ -237,10 +252,14 @@ class TaskDriver:
         """This task's timeline (driver and roles), for the experiment's trace."""
         return self.timeline.events()
 
+    def role_places(self) -> dict[str, dict[str, Any]]:
+        """{"actor": {"pid", "devices"}, "engine": {...}}: the process and device ids of each role."""
+        return self.places
+
     def role_handles(self) -> dict[str, Any]:
         """{"engine": handle, "actor": handle} of this task's role actors (for tools and fault tests)."""
         self._started.wait()
-        return {str(role): r.handle for role, r in self.roles.items() if isinstance(r, RemoteRole)}
+        return {str(role): r.handle for role, r in self.roles.items() if isinstance(r, RemoteRole | HostedRole)}
 
 
 def _print_flushed(line: str) -> None:

@@ -83,3 +83,20 @@ def test_object_store_channel_carries_weights_between_processes(ray_session):
     assert not any(writeable for _, writeable in got.values())
     ray.kill(sender)
     ray.kill(receiver)
+
+
+def test_a_local_message_carries_no_arrays_and_is_received_only_where_it_was_sent():
+    """The message is what a driver forwards between two roles hosted in one process: only the version
+    travels, the weights wait in the process's slot (the latest version), and a closed channel drops them."""
+    import pickle
+
+    channel = LocalChannel(comm_group_name("exp", "slot"))
+    first = channel.send(_flat(), 1, "c1")
+    assert first.payload is None and len(pickle.dumps(first)) < 300
+    second = channel.send(_flat(), 2, "c2")
+    with pytest.raises(ChannelError, match="v1 was not sent in this process \\(its slot holds v2\\)"):
+        channel.receive(first)
+    assert channel.receive(second).keys() == _flat().keys()
+    channel.close()
+    with pytest.raises(ChannelError, match="its slot holds nothing"):
+        channel.receive(second)

@@ -5,6 +5,7 @@ against one task alone."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,11 @@ def _metrics(out: Path, task: str) -> list[dict]:
 
 
 def test_sharded_tasks_compute_what_one_device_does_and_alone_equals_together(tmp_path):
+    """The scheduler's run holds both tasks' roles in one device-group process (cluster.processes:
+    per_device_group, what a TPU needs): one pid for all four roles, each mesh on its devices, and the same
+    numbers as a task alone in one process and (within float tolerance) on one device."""
     models = tmp_path / "models"
-    sharded = _train(tmp_path / "sharded", models)
+    sharded = _train(tmp_path / "sharded", models, "cluster.processes=per_device_group")
     assert "[addition] ok" in sharded.stdout + sharded.stderr
     one = _train(tmp_path / "one", models, *ONE_DEVICE, "--in-process", "--tasks", "addition")
     alone = _train(tmp_path / "alone", models, "--in-process", "--tasks", "addition")
@@ -51,6 +55,18 @@ def test_sharded_tasks_compute_what_one_device_does_and_alone_equals_together(tm
     # Sharded under the scheduler beside another task = sharded alone in one process, bit for bit.
     assert _metrics(tmp_path / "alone", "addition") == together
     assert one.returncode == alone.returncode == 0
+    # After the first step each role's bytes per device, measured from its live arrays, beside the plan's.
+    for out in (sharded.stdout, alone.stdout):
+        line = re.search(r"\[addition\] bytes per device after step 1, measured / planned: actor params (.+) / (.+), "
+                         r"optimizer (.+) / (.+); engine params (.+) / (.+)\n", out)
+        assert line is not None, out[-3000:]
+        got = line.groups()
+        assert got[0] == got[1] and got[2] == got[3] and got[4] == got[5], got  # params and AdamW are exact
+    tasks = json.loads((tmp_path / "sharded" / "demo-mesh" / "summary.json").read_text())["tasks"]
+    places = {(t, role): p for t in ("addition", "subtraction") for role, p in tasks[t]["roles"].items()}
+    assert len({p["pid"] for p in places.values()}) == 1, places  # one process holds the group
+    for t in ("addition", "subtraction"):  # colocated: actor fsdp 2 x tp 2 on 0-3, engine tp 2 on 0-1
+        assert (places[t, "actor"]["devices"], places[t, "engine"]["devices"]) == ([0, 1, 2, 3], [0, 1])
 
 
 def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(ray_session, tmp_path, tiny_model_dir):
@@ -93,4 +109,55 @@ def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(
     assert engine[3:] == ([0, 1], {"dp": 1, "fsdp": 1, "tp": 2})
     for role in roles.values():
         role.terminate()
+    ray.util.remove_placement_group(pg)
+
+
+def test_a_device_group_host_holds_its_groups_roles_and_its_death_is_named(ray_session, tmp_path, tiny_model_dir):
+    """cluster.processes: per_device_group, disaggregated on a pool of 8: a rollout host and a train host, each
+    one process seeing the pool; the engine's tp 2 on devices 0-1 of the first, the actor's fsdp 2 x tp 2 on 4-7
+    of the second. A host that dies fails its roles' calls with RoleDied naming it."""
+    import os
+
+    import ray
+    import yaml
+
+    from rlsched import cluster
+    from rlsched.comm import make_channel
+    from rlsched.config import validate
+    from rlsched.errors import RoleDied
+    from rlsched.hosts import HostedRole, start_host
+    from rlsched.placement import visible_cores
+    from rlsched.roles import ActorRole, EngineRole, spawn
+
+    raw = yaml.safe_load((ROOT / "configs/demo_mesh.yaml").read_text())
+    raw["experiment"].update(name="mesh-host", output_dir=str(tmp_path))
+    raw["cluster"].update(placement="disaggregated", processes="per_device_group")
+    raw["tasks"] = raw["tasks"][:1]
+    raw["tasks"][0]["model"] = {"path": str(tiny_model_dir)}
+    spec = validate(raw).task_specs()[0]
+    devices = cluster.group_devices("disaggregated", 8, 2)
+    assert devices == {"engine": 2, "actor": 6}
+    pg = cluster.make_placement_group("mesh-host", "disaggregated", "CPU", devices)
+    where = cluster.role_placement(pg, "disaggregated", visible_cores(), "CPU", devices)
+    hosts = {k: start_host(where, k, num_devices=8, max_tasks=1) for k in ("engine", "actor")}
+    import dataclasses
+
+    where = dataclasses.replace(where, hosts=hosts)
+    assert not where.one_process
+    channel = make_channel("object_store", spec.comm_group)
+    roles = {cls.kind: spawn(cls, spec, channel=channel, placement=where) for cls in (ActorRole, EngineRole)}
+    assert all(isinstance(r, HostedRole) for r in roles.values())
+    seen = {k: ray.get(h.where.remote()) for k, h in hosts.items()}
+    assert seen["engine"]["pid"] != seen["actor"]["pid"] != os.getpid()
+    assert seen["engine"]["devices"] == seen["actor"]["devices"] == list(range(8))
+    assert seen["engine"]["roles"] == {"addition/engine": [0, 1]}
+    assert seen["actor"]["roles"] == {"addition/actor": [4, 5, 6, 7]}
+    assert roles["actor"].where() == {"pid": seen["actor"]["pid"], "devices": [4, 5, 6, 7]}
+    ray.kill(hosts["engine"], no_restart=True)
+    with pytest.raises(RoleDied, match="host process holding its engine died during version\\(\\)"):
+        roles["engine"].version()
+    roles["engine"].terminate()  # a dead host: nothing left to free, and no error
+    roles["actor"].terminate()
+    assert ray.get(hosts["actor"].where.remote())["roles"] == {}
+    ray.kill(hosts["actor"])
     ray.util.remove_placement_group(pg)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlsched.cli import main
-from rlsched.config import ConfigError, load_config
+from rlsched.config import ConfigError, load_config, select_tasks
 from rlsched.meshes import check_platform, read_model_config, role_devices, task_devices
 from rlsched.plan import actor_bytes, device_plan, engine_bytes
 
@@ -58,27 +58,82 @@ def test_disaggregated_tasks_of_different_sizes_never_overlap(tmp_path):
     assert not engines & actors
 
 
+def test_a_process_that_sees_only_its_group_places_the_mesh_within_it():
+    """On an accelerator the group's host sees its bundle's devices only: the rule holds within them (engine
+    first, disaggregated actor last); a process that sees the pool takes the role's place in it."""
+    from rlsched.meshes import local_role_devices
+
+    actor, rollout = {"fsdp": 2, "tp": 2}, {"tp": 2}
+    assert local_role_devices("disaggregated", "actor", 8, 8, actor, rollout) == [4, 5, 6, 7]
+    assert local_role_devices("disaggregated", "actor", 8, 6, actor, rollout) == [2, 3, 4, 5]  # the train group
+    assert local_role_devices("disaggregated", "engine", 8, 2, actor, rollout) == [0, 1]
+    assert local_role_devices("colocated", "actor", 8, 4, actor, rollout) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="the actor's mesh \\(fsdp 2 x tp 2\\) needs 4 devices, but its process "
+                                          "sees 1"):
+        local_role_devices("colocated", "actor", 8, 1, actor, rollout)
+
+
+def test_bundles_reserve_each_groups_accelerators():
+    from rlsched.cluster import bundle_shapes, group_devices
+
+    disagg = group_devices("disaggregated", 8, 2)
+    assert bundle_shapes("disaggregated", "TPU", disagg) == [{"TPU": 2}, {"TPU": 6}]
+    assert bundle_shapes("colocated", "GPU", group_devices("colocated", 8, 2)) == [{"GPU": 8}]
+    assert bundle_shapes("disaggregated", "CPU", disagg) == [{"CPU": 1}, {"CPU": 1}]  # a core; devices are XLA's
+
+
+def test_an_engine_with_a_process_of_its_own_cannot_be_held_by_a_group_process(tmp_path):
+    with pytest.raises(ConfigError, match="tasks.0.rollout.engine: sglang_jax runs in a process of its own, which "
+                                          "cluster.processes=per_device_group cannot give it"):
+        _demo_mesh(tmp_path, ["cluster.processes=per_device_group", "tasks.0.rollout.engine=sglang_jax",
+                              "tasks.0.rollout.mesh.tp=1"])
+
+
 # --- the platform rule ---------------------------------------------------------------------------------------
 
 
-def test_platform_rule():
-    with pytest.raises(ConfigError, match="colocated on tpu needs each task's actor and engine in one process"):
-        check_platform("tpu", "colocated", colocated_in_one_process=False)
-    check_platform("tpu", "colocated", colocated_in_one_process=True)
-    check_platform("tpu", "disaggregated", colocated_in_one_process=False)
-    for platform in ("cpu", "gpu", "cuda", "rocm"):
-        check_platform(platform, "colocated", colocated_in_one_process=False)
+def test_platform_rule(tmp_path):
+    """Which role processes can run where: CPU takes anything; a TPU chip opens in one process; a GPU shared by
+    role processes is a fraction of one device; an engine with a process of its own cannot be hosted."""
+    from rlsched.meshes import resolve_processes
+
+    colocated, disaggregated = _demo_mesh(tmp_path), _demo_mesh(tmp_path, ["cluster.placement=disaggregated"])
+    one_task = _demo_mesh(tmp_path, ["cluster.placement=disaggregated", "--tasks", "addition"])
+    assert [resolve_processes("auto", p) for p in ("cpu", "CPU", "gpu", "cuda", "TPU")] == [
+        "per_role", "per_role", "per_device_group", "per_device_group", "per_device_group"]
+    assert resolve_processes("per_role", "tpu") == "per_role"
+    for cfg in (colocated, disaggregated, one_task):
+        for platform in ("cpu", "gpu", "tpu"):
+            check_platform(platform, cfg, "per_device_group")
+        check_platform("cpu", cfg, "per_role")
+    with pytest.raises(ConfigError, match="^cluster.processes: per_role on tpu cannot work here: each task's actor "
+                                          "and engine share chips, and a TPU chip is opened by one process at a time"):
+        check_platform("tpu", colocated, "per_role")
+    with pytest.raises(ConfigError, match="the 2 tasks' actors share the train group's chips"):
+        check_platform("tpu", disaggregated, "per_role")
+    check_platform("tpu", one_task, "per_role")  # one actor and one engine on chips of their own
+    with pytest.raises(ConfigError, match=r"per_role on gpu .* tasks.0.actor.mesh \(fsdp 2 x tp 2\) needs 4"):
+        check_platform("cuda", colocated, "per_role")
+    sglang = _demo_mesh(tmp_path, [f"tasks.{i}.{k}" for i in (0, 1) for k in (
+        "rollout.engine=sglang_jax", "rollout.mesh.tp=1")])
+    with pytest.raises(ConfigError, match="tasks.0.rollout.engine: sglang_jax runs in a process of its own, but "
+                                          "cluster.processes resolves to per_device_group on tpu"):
+        check_platform("tpu", sglang, "per_device_group")
     with pytest.raises(ConfigError, match="platform 'metal' is not one rlsched runs on"):
-        check_platform("metal", "colocated", colocated_in_one_process=True)
+        check_platform("metal", colocated, "per_role")
 
 
 # --- bytes per device, by hand -------------------------------------------------------------------------------
 
 
 def _demo_mesh(tmp_path, overrides=()):
-    """configs/demo_mesh.yaml with its models absent: the plan reads the tiny preset's shapes."""
-    return load_config(CONFIGS / "demo_mesh.yaml", [f"tasks.0.model.path={tmp_path / 'a'}",
-                                                    f"tasks.1.model.path={tmp_path / 'b'}", *overrides])
+    """configs/demo_mesh.yaml with its models absent: the plan reads the tiny preset's shapes. `--tasks` and a
+    name in `overrides` keep only that task."""
+    sets = [o for o in overrides if not o.startswith("--") and "=" in o]
+    names = [o for o in overrides if "=" not in o and not o.startswith("--")]
+    cfg = load_config(CONFIGS / "demo_mesh.yaml", [f"tasks.0.model.path={tmp_path / 'a'}",
+                                                   f"tasks.1.model.path={tmp_path / 'b'}", *sets])
+    return select_tasks(cfg, names) if names else cfg
 
 
 def test_tiny_plan_by_hand(tmp_path):
@@ -291,3 +346,15 @@ def test_demo_mesh_plans_without_jax():
     assert "addition     actor   fsdp 2 x tp 2  0-3" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
     assert "rlsched.plan" in imported and not {m for m in imported if m.split(".")[0] in ("jax", "flax", "torch")}
+
+
+def test_the_memory_line_puts_each_measured_kind_beside_the_plans():
+    from rlsched.plan import measured_vs_plan
+
+    line = measured_vs_plan("a", 1, {"actor": {"params": 2048, "opt": 4104, "ref": 0},
+                                     "engine": {"params": 3 * 2**20, "kv": 0}},
+                            {"actor": {"params": 2048, "grads": 2048, "optimizer": 4104, "activations": 9},
+                             "engine": {"params": 3 * 2**20, "kv_cache": 5}})
+    # no reference in the plan (beta 0): not shown; grads, activations and the KV cache live only inside a phase
+    assert line == ("[a] bytes per device after step 1, measured / planned: actor params 2.0 KiB / 2.0 KiB, "
+                    "optimizer 4.0 KiB / 4.0 KiB; engine params 3.0 MiB / 3.0 MiB")

@@ -253,3 +253,40 @@ def test_a_sync_that_fails_half_way_leaves_the_engine_on_its_previous_version(ac
     after = engine.generate(prompt_ids, greedy)
     for x, y in zip(before.samples, after.samples, strict=True):
         np.testing.assert_array_equal(x.token_ids, y.token_ids)
+
+
+@pytest.mark.slow
+def test_a_sync_into_a_resumed_engine_lands_in_place_of_weights_still_on_host(actor_and_engine, prompt_ids):
+    """The colocated step: the engine is onloaded, then synced to the actor's newer version. Its old weights
+    wait on host since the onload (their device memory counted as the engine's), so the sync moves nothing
+    out; a failed sync leaves them waiting, and they come back on first use."""
+    actor, engine = actor_and_engine
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    version, checksum = engine.weight_version, engine.weight_checksum
+    before = engine.generate(prompt_ids, greedy)
+    resident = engine.memory_bytes()
+    layout = {k: v.sharding for k, v in P.to_flat(engine._state).items()}
+    engine.release_memory()
+    assert engine.released and engine.memory_bytes()["params"] == 0
+    engine.resume_memory()
+    assert not engine.released and engine._state is None  # reserved, not moved
+    assert engine.memory_bytes() == resident  # the reservation is exactly what the weights take
+    broken = {k: jax.numpy.copy(v) for k, v in actor.export_weights().flat.items()}
+    broken[sorted(broken)[3]].delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        engine.update_weights(broken, version + 1)
+    assert engine._state is None and (engine.weight_version, engine.memory_bytes()) == (version, resident)
+    after = engine.generate(prompt_ids, greedy)  # first use: the old weights come back
+    for x, y in zip(before.samples, after.samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+    assert engine.weight_checksum == checksum
+    engine.release_memory()
+    engine.resume_memory()
+    _, _, mini = _batch()
+    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)
+    snapshot = actor.export_weights()
+    stats = engine.update_weights(snapshot.flat, version + 1, checksum=snapshot.checksum)
+    assert (engine.weight_version, engine.weight_checksum) == (version + 1, snapshot.checksum)
+    assert stats["peak_extra_bytes"] == 0 and stats["params_bytes"] == resident["params"]
+    assert {k: v.sharding for k, v in P.to_flat(engine._state).items()} == layout
+    assert engine.restore_weights() == 0  # nothing waits on host any more

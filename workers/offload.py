@@ -95,6 +95,16 @@ def bytes_by_device(arrays=None) -> dict[Any, int]:
     return out
 
 
+def reserved_bytes(off: Offloaded) -> int:
+    """The most bytes an offloaded tree takes on any one device once it is back (from its shardings)."""
+    out: dict[Any, int] = {}
+    for x, sharding in zip(jax.tree.leaves(off.tree), jax.tree.leaves(off.shardings), strict=True):
+        shard = int(np.prod(sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        for device in sharding.device_set:
+            out[device] = out.get(device, 0) + shard
+    return max(out.values(), default=0)
+
+
 def per_device_bytes(tree: Any) -> int:
     """The most bytes `tree` holds on any one device (on one device: all of it). Memory budgets are per
     device, and a role on a mesh holds its share on each."""

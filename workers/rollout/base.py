@@ -21,8 +21,9 @@ Contract (every implementation, tested in tests/test_rollout_contract.py):
   from its live arrays (on CPU there are no device memory statistics).
 - Memory: `release_memory()` frees the engine's device memory (weights and KV cache);
   `resume_memory()` takes it back. Whether weight *contents* survive is backend-specific (sglang
-  releases rather than saves), so callers treat a resumed engine as unverified until its checksum
-  is checked or weights are re-synced. `generate` on a released engine raises EngineReleasedError.
+  releases rather than saves; jax_sampler keeps them on host and moves them back on first use, or
+  never when `update_weights` replaces them first), so callers treat a resumed engine as unverified
+  until its checksum is checked or weights are re-synced. `generate` on a released engine raises EngineReleasedError.
 - Errors are raised before any work starts: empty prompt lists or prompts, prompts longer than
   `max_prompt_len`, token ids outside the vocabulary, and invalid sampling parameters.
 """

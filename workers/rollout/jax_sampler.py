@@ -31,7 +31,7 @@ from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
 from workers.models.qwen3 import Qwen3ForCausalLM, init_cache
-from workers.offload import bytes_by_device, offload, onload, per_device_bytes
+from workers.offload import bytes_by_device, offload, onload, per_device_bytes, reserved_bytes
 from workers.rollout.base import (
     EngineReleasedError,
     FinishReason,
@@ -77,7 +77,8 @@ class JaxSampler:
         # Committed placement from the start, as update_weights/resume_memory produce: otherwise the
         # first weight update changes the arrays' committedness and recompiles every program.
         self._state = jax.tree.map(lambda x, sh: S.place(x, sh, copy=not take_ownership), state, self._shardings)
-        self._host_state = None  # set while released
+        self._host_state = None  # set while released, and while resumed but not yet used
+        self._deferred = False  # resumed: the weights wait on host, their device memory counted as ours
         self._version = weight_version
         self._checksum: str | None = None
         self._rng = np.random.default_rng(seed)
@@ -102,8 +103,18 @@ class JaxSampler:
 
     def _live_state(self):
         if self._state is None:
-            raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
+            if self._host_state is None or not self._deferred:
+                raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
+            self.restore_weights()
         return self._state
+
+    def restore_weights(self) -> int:
+        """Move weights that wait on host since `resume_memory` to the devices; the bytes moved per device
+        (0 when they are there already). Called on first use (generate, checksum) if not before."""
+        if self._state is not None or not self._deferred:
+            return 0
+        self._state, self._host_state, self._deferred = onload(self._host_state), None, False
+        return per_device_bytes(self._state)
 
     def update_weights(self, flat_params: Mapping[str, object], version: int, *,
                        checksum: str | None = None) -> dict[str, int]:
@@ -114,9 +125,12 @@ class JaxSampler:
         process's devices), so a device never holds more than one extra leaf's shard. The new weights are
         then hashed on the devices and, with `checksum`, must match it. Any failure (a bad tensor, a
         transfer error, a mismatch) puts the old leaves back: the engine stays on its previous version,
-        never on a mix. Returns, per device: {"params_bytes", "largest_leaf_bytes" (the largest leaf's
-        shard), "peak_extra_bytes" (over the steady state: a tally of the leaves the swap holds, after
-        every leaf)}."""
+        never on a mix. When the old weights wait on host (resumed, not yet used) they are the undo copy
+        already: nothing moves out, and a failure leaves them waiting. Returns, per device:
+        {"params_bytes", "largest_leaf_bytes" (the largest leaf's shard), "peak_extra_bytes" (over the
+        steady state: a tally of the leaves the swap holds, after every leaf)}."""
+        if self._state is None and self._deferred:
+            return self._update_from_host(flat_params, version, checksum)
         current = self._live_state()
         incoming = P.from_flat(current, flat_params, source=f"update_weights(version={version})")
         old, treedef = jax.tree.flatten(current)
@@ -134,10 +148,7 @@ class JaxSampler:
                     extra[device] = extra.get(device, 0) + nbytes - shards.get(device, 0)
                 peak = max(peak, *extra.values())
             state = treedef.unflatten(leaves)
-            digest = P.checksum(P.to_flat(state))
-            if checksum is not None and digest != checksum:
-                raise P.WeightMismatchError(f"update_weights(version={version}): the weights that landed hash to "
-                                            f"{digest}, the sender's to {checksum}; keeping v{self._version}")
+            digest = self._verify(state, version, checksum)
         except BaseException:
             for i, host in saved.items():  # back to the previous version, leaf by leaf
                 if leaves[i] is not old[i] and not leaves[i].is_deleted():
@@ -151,25 +162,65 @@ class JaxSampler:
         return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": int(largest),
                 "peak_extra_bytes": max(0, int(peak))}
 
+    def _update_from_host(self, flat_params, version: int, checksum: str | None) -> dict[str, int]:
+        """`update_weights` while the old weights wait on host: the new leaves land in their device memory
+        (reserved by `resume_memory`) and the host copy is dropped only once they verify."""
+        waiting = self._host_state
+        incoming = P.from_flat(waiting.tree, flat_params, source=f"update_weights(version={version})")
+        treedef = jax.tree.structure(waiting.tree)
+        shardings = treedef.flatten_up_to(waiting.shardings)
+        leaves: list = []
+        largest = 0
+        try:
+            for sharding, arriving in zip(shardings, treedef.flatten_up_to(incoming), strict=True):
+                leaves.append(S.place(arriving, sharding, copy=True))
+                largest = max(largest, *bytes_by_device(leaves[-1:]).values())
+            state = treedef.unflatten(leaves)
+            digest = self._verify(state, version, checksum)
+        except BaseException:
+            for leaf in leaves:  # the old version still waits on host, untouched
+                if not leaf.is_deleted():
+                    leaf.delete()
+            raise
+        self._state, self._host_state, self._deferred = state, None, False
+        self._version, self._checksum = int(version), digest
+        jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, waiting.tree)
+        return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": int(largest),
+                "peak_extra_bytes": 0}  # the reservation holds exactly the new leaves
+
+    def _verify(self, state, version: int, checksum: str | None) -> str:
+        digest = P.checksum(P.to_flat(state))
+        if checksum is not None and digest != checksum:
+            raise P.WeightMismatchError(f"update_weights(version={version}): the weights that landed hash to "
+                                        f"{digest}, the sender's to {checksum}; keeping v{self._version}")
+        return digest
+
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this engine holds on its devices by kind; the KV cache exists only inside `generate`."""
-        return {"params": per_device_bytes(self._state) if self._state is not None else 0, "kv": 0}
+        """Bytes this engine holds on its devices by kind (weights waiting on host since `resume_memory` count:
+        their device memory is the engine's); the KV cache exists only inside `generate`."""
+        if self._state is not None:
+            params = per_device_bytes(self._state)
+        else:
+            params = reserved_bytes(self._host_state) if self._deferred else 0
+        return {"params": params, "kv": 0}
 
     def release_memory(self) -> None:
         """Move weights to host memory (pinned host where the backend has it) and free them on the
         device; the KV cache lives only inside a generate call, so it is already gone."""
         if self._state is None:
+            self._deferred = False  # resumed but never used: the weights are on host already
             return
         self._host_state = offload(self._state)
         self._state = None
 
     def resume_memory(self) -> None:
-        """Bring the saved weights back. The cached checksum is dropped: the next `weight_checksum`
-        hashes what is actually on the device, so an onload is verified, never assumed."""
-        if self._state is not None:
+        """Take the device memory back. The weights move on first use (`restore_weights`: generate or a
+        checksum), or never, when `update_weights` replaces them first (the colocated step: onload, then
+        sync to the actor's newer version); their host copy is then the swap's undo copy. The cached
+        checksum is dropped: the next `weight_checksum` hashes what is on the devices, never assumed."""
+        if self._state is not None or self._host_state is None:
             return
-        self._state = onload(self._host_state)
-        self._host_state = None
+        self._deferred = True
         self._checksum = None
 
     def programs_compiled(self) -> int:
@@ -178,7 +229,7 @@ class JaxSampler:
 
     @property
     def released(self) -> bool:
-        return self._state is None
+        return self._state is None and not self._deferred
 
     # ---- generation ---------------------------------------------------------------------------
 
