@@ -77,7 +77,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     names = [t.name for t in load_config(DEMO_MULTITASK).tasks]
     overrides = [f"experiment.output_dir={out}",
                  *(f"tasks.{i}.model.path={out / 'models' / ('tiny-' + n)}" for i, n in enumerate(names)), *args.set]
-    results = train(DEMO_MULTITASK, overrides=overrides, overwrite=True, in_process=False)
+    from rlsched.stopping import Interrupted, Stopped
+
+    try:
+        results = train(DEMO_MULTITASK, overrides=overrides, overwrite=True, in_process=False)
+    except Stopped as stop:
+        print(f"[demo] {stop}; `rlsched demo` starts afresh each time", file=sys.stderr)
+        return stop.exit_code
+    except Interrupted as err:
+        print(f"[demo] {err}", file=sys.stderr)
+        return err.exit_code
     for task, result in results.items():
         rewards = [m["reward/mean"] for m in read_metrics(out / "demo-multitask" / "tasks" / task / "metrics.jsonl")]
         k = min(10, len(rewards))
@@ -91,16 +100,34 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from rlsched.experiment import train
+    from rlsched.stopping import Interrupted, Stopped
 
     tasks = [t for spec in args.tasks for t in spec.split(",") if t] if args.tasks else None
-    results = train(args.config, overrides=args.set, resume=args.resume, overwrite=args.overwrite, tasks=tasks,
-                    in_process=args.in_process, address=args.address)
+    try:
+        results = train(args.config, overrides=args.set, resume=args.resume, overwrite=args.overwrite, tasks=tasks,
+                        in_process=args.in_process, address=args.address)
+    except Stopped as stop:
+        print(f"{stop}. Continue with:\n  {_resume_command(args.argv)}", file=sys.stderr)
+        return stop.exit_code
+    except (Interrupted, KeyboardInterrupt) as err:
+        code = err.exit_code if isinstance(err, Interrupted) else 130
+        print(f"{err or 'interrupted'}; each task keeps its last checkpoint. Continue with:\n"
+              f"  {_resume_command(args.argv)}", file=sys.stderr)
+        return code
     if args.in_process:
         return 0
     failed = {name: r for name, r in results.items() if r["status"] != "ok"}
     for name, r in failed.items():
         print(f"error: task {name} failed: {r['error']}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _resume_command(argv: list[str]) -> str:
+    """The command line of this run with --resume in place of --overwrite."""
+    import shlex
+
+    words = [w for w in argv if w != "--overwrite"]
+    return shlex.join(["rlsched", *words, *([] if "--resume" in words else ["--resume"])])
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -206,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in PASSTHROUGH:  # their options belong to their own parsers, --help included
         return _cmd_passthrough(PASSTHROUGH[argv[0]])(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line as given (a resume hint repeats it)
     from rlsched.errors import CheckpointError, TaskError
     from workers.models import ModelConfigError, TokenizerError
     from workers.rewards import RewardError
@@ -213,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a run's own handling (loading, compiling, a plan)
+        print("interrupted", file=sys.stderr)
+        return 130
     except (ModelConfigError, TokenizerError, RolloutInputError, ValueError, TaskError, RewardError,
             CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -25,6 +25,7 @@ from rlsched.config import ExperimentConfig, TaskConfig, load_configs, select_ta
 from rlsched.meshes import check_meshes, check_platform, resolve_processes
 from rlsched.policy import GroupSpec, Policy
 from rlsched.runfiles import prepare_run_dir, write_atomic
+from rlsched.stopping import Stopped, StopSignals
 from workers.models import sharding
 
 
@@ -56,7 +57,18 @@ def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -
 
     cluster.use_host_devices(cfg.num_devices)
     specs = [dataclasses.replace(s, processes="per_device_group") for s in cfg.task_specs()]  # all in this one
-    return {spec.name: TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo).run() for spec in specs}
+    results: dict[str, list[dict[str, Any]]] = {}
+    with StopSignals(echo) as stop:
+        for spec in specs:
+            driver = TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo)
+            if stop.requested:  # the stop came during an earlier task: this one does not start
+                break
+            stop.on_request = driver.request_stop  # the handler may call it: it only sets an event
+            results[spec.name] = driver.run()
+    if stop.signum is not None:
+        raise Stopped(stop.signum, {n: {"status": "stopped", "steps": len(h)} for n, h in results.items()},
+                      "stopped on request; the task in progress saved its last step")
+    return results
 
 
 def estimate_bytes(task: TaskConfig) -> tuple[int, int]:
@@ -90,7 +102,11 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
 
 def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str | None = None, echo=print,
                    on_started=None) -> dict[str, dict[str, Any]]:
-    """Run every task of `cfg` concurrently; returns {task: {"status": "ok"|"failed", ...}}."""
+    """Run every task of `cfg` concurrently; returns {task: {"status": "ok"|"failed", ...}}.
+
+    The first SIGINT/SIGTERM lets every task finish its step and save it, writes the outputs and raises
+    `rlsched.stopping.Stopped`; a second raises `Interrupted` at once. Whatever happens, the placement group,
+    the scheduler, the drivers and the role processes are released before this returns or raises."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -104,62 +120,101 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     check_platform(resource, cfg, processes)  # what cannot work on this platform: before any role starts
     devices = cluster.group_devices(cfg.cluster.placement, cfg.num_devices,
                                     max(sharding.num_devices(t.rollout.mesh.as_dict()) for t in cfg.tasks))
-    pg = cluster.make_placement_group(cfg.experiment.name, cfg.cluster.placement, resource, devices)
-    where = cluster.role_placement(pg, cfg.cluster.placement, visible_cores(), resource, devices)
-    hosts = []
-    if processes == "per_device_group":  # one process per device group holds every task's roles there
-        from rlsched.hosts import start_host
-
-        group = {"engine": start_host(where, "engine", num_devices=cfg.num_devices, max_tasks=len(cfg.tasks))}
-        group["actor"] = group["engine"] if cfg.cluster.placement == "colocated" else start_host(
-            where, "actor", num_devices=cfg.num_devices, max_tasks=len(cfg.tasks))
-        where = dataclasses.replace(where, hosts=group)
-        hosts = list({id(h): h for h in group.values()}.values())
-        echo(f"roles held by {len(hosts)} device-group process(es) (cluster.processes: per_device_group)")
-    specs = [dataclasses.replace(s, processes=processes) for s in cfg.task_specs()]
     policy, initial_moves = build_policy(cfg)
-    scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)
-    # Drivers need no device: they wait on locks and score rewards between phases. Threads, not asyncio:
-    # the step loop blocks one, while the lifeline and the scheduler's eviction requests take others.
-    driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
-    drivers = {s.name: driver_cls.remote(s, SchedulerLocks(scheduler, s.name), placement=where, resume=resume,
-                                         initial_moves=initial_moves[s.name])
-               for s in specs}
-    for name, driver in drivers.items():
-        # The lifeline ref is wrapped in a list so Ray passes the ref itself rather than waiting for it.
-        scheduler.watch.remote(name, [driver.lifeline.remote()])
-        scheduler.register_driver.remote(name, driver)
-    pending = {driver.run.remote(): name for name, driver in drivers.items()}
-    if on_started is not None:  # a hook for tests and tools: {task: driver handle}
-        on_started(drivers)
+    with StopSignals(echo) as stop:
+        pg = cluster.make_placement_group(cfg.experiment.name, cfg.cluster.placement, resource, devices)
+        actors: list = []  # everything this run started, ended in `finally` whatever happens
+        try:
+            where = cluster.role_placement(pg, cfg.cluster.placement, visible_cores(), resource, devices)
+            if processes == "per_device_group":  # one process per device group holds every task's roles there
+                where = _start_hosts(cfg, where, actors, echo)
+            specs = [dataclasses.replace(s, processes=processes) for s in cfg.task_specs()]
+            scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)
+            actors.append(scheduler)
+            # Drivers need no device: they wait on locks and score rewards between phases. Threads, not asyncio:
+            # the step loop blocks one, while the lifeline and the scheduler's eviction requests take others.
+            driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
+            drivers = {s.name: driver_cls.remote(s, SchedulerLocks(scheduler, s.name), placement=where,
+                                                 resume=resume, initial_moves=initial_moves[s.name])
+                       for s in specs}
+            actors += drivers.values()  # a driver's roles go with it: Ray ends the actors a process owns
+            for name, driver in drivers.items():
+                # The lifeline ref is wrapped in a list so Ray passes the ref itself rather than waiting for it.
+                scheduler.watch.remote(name, [driver.lifeline.remote()])
+                scheduler.register_driver.remote(name, driver)
+            pending = {driver.run.remote(): name for name, driver in drivers.items()}
+            if on_started is not None:  # a hook for tests and tools: {task: driver handle}
+                on_started(drivers)
+            results = _wait_for_tasks(pending, drivers, scheduler, cfg, stop, echo)
+            events = list(ray.get(scheduler.events.remote()))
+            for name, driver in drivers.items():
+                try:
+                    events += ray.get(driver.events.remote(), timeout=60)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    echo(f"[{name}] its timeline is lost with its process")
+            state = ray.get(scheduler.state.remote())
+        finally:
+            for actor in actors:
+                with contextlib.suppress(Exception):  # one that is gone already must not keep the others
+                    ray.kill(actor)
+            remove_placement_group(pg)
+        write_run_outputs(cfg, events, results, state, echo=echo)
+    if stop.signum is not None:
+        raise Stopped(stop.signum, results, _stopped_message(results))
+    return results
+
+
+def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo):
+    """`cluster.processes: per_device_group`: a host process per device group (one when colocated), added to
+    `actors`; the placement with them."""
+    from rlsched.hosts import start_host
+
+    group = {"engine": start_host(where, "engine", num_devices=cfg.num_devices, max_tasks=len(cfg.tasks))}
+    actors.append(group["engine"])
+    if cfg.cluster.placement == "colocated":
+        group["actor"] = group["engine"]
+    else:
+        group["actor"] = start_host(where, "actor", num_devices=cfg.num_devices, max_tasks=len(cfg.tasks))
+        actors.append(group["actor"])
+    echo(f"roles held by {len(set(map(id, group.values())))} device-group process(es) "
+         "(cluster.processes: per_device_group)")
+    return dataclasses.replace(where, hosts=group)
+
+
+def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConfig, stop: StopSignals,
+                    echo) -> dict[str, dict[str, Any]]:
+    """Each task's result as it ends; on a stop request, ask every driver to stop after its step."""
+    import ray
+
     results: dict[str, dict[str, Any]] = {}
-    t0 = time.perf_counter()
+    t0, asked = time.perf_counter(), False
     while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
+        if stop.requested and not asked:  # sent from here, never from the signal handler
+            for name in pending.values():
+                drivers[name].request_stop.remote()
+            asked = True
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+        if not done:
+            continue
         name = pending.pop(done[0])
         results[name] = _result(name, done[0], scheduler, cfg)
-        # Which process holds each role and which devices it uses (summary.json); a driver that died with its
-        # task has no answer, and the result says why.
+        # Which process holds each role and which devices it uses (summary.json), and whether it stopped
+        # early; a driver that died with its task has no answer, and the result says why.
         with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             results[name]["roles"] = ray.get(drivers[name].role_places.remote(), timeout=30)
+            progress = ray.get(drivers[name].progress.remote(), timeout=30)
+            if results[name]["status"] == "ok" and progress["stopped"]:
+                results[name].update(status="stopped", steps=progress["step"])
         status = results[name]["status"]
         echo(f"[{name}] {status}" + (f": {results[name]['error']}" if status == "failed" else "")
+             + (f" after step {results[name]['steps']}" if status == "stopped" else "")
              + f" after {time.perf_counter() - t0:.1f}s")
-    events = list(ray.get(scheduler.events.remote()))
-    for name, driver in drivers.items():
-        try:
-            events += ray.get(driver.events.remote(), timeout=60)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            echo(f"[{name}] its timeline is lost with its process")
-    state = ray.get(scheduler.state.remote())
-    for driver in drivers.values():
-        ray.kill(driver)  # its roles go with it: Ray ends the actors a process owns when it dies
-    for host in hosts:
-        ray.kill(host)
-    ray.kill(scheduler)
-    remove_placement_group(pg)
-    write_run_outputs(cfg, events, results, state, echo=echo)
     return results
+
+
+def _stopped_message(results: dict[str, dict[str, Any]]) -> str:
+    done = ", ".join(f"{name} at step {r['steps']}" for name, r in results.items() if r["status"] == "stopped")
+    return f"stopped on request ({done or 'every task had finished'}); each task saved its last step"
 
 
 def _result(name: str, ref, scheduler, cfg: ExperimentConfig) -> dict[str, Any]:

@@ -57,6 +57,8 @@ class TaskDriver:
         self.where: dict[str, str] = {}  # phase and resource of the lock held now
         self.step_done = 0
         self.places: dict[str, dict[str, Any]] = {}  # role -> {"pid", "devices"}: which process holds what
+        self.saved_step = 0  # the last step with a checkpoint (0: none)
+        self._stop = threading.Event()  # request_stop: end after the step in progress
         self.tracker = None
         self._initial_moves = list(initial_moves)  # offloads the policy decided at registration
         self._started = threading.Event()
@@ -98,9 +100,10 @@ class TaskDriver:
             return
         if meta is None:
             self.echo(f"[{self.name}] --resume: no checkpoint in {self.spec.checkpoint_dir}; starting fresh")
+            self.tracker.truncate_after(0)  # rows of steps that were never saved are replayed
             return
         self.host.loader.load_state(meta["loader"])
-        self.step_done = int(meta["step"])
+        self.step_done = self.saved_step = int(meta["step"])
         self.tracker.truncate_after(self.step_done)  # lines written after the checkpoint are replayed
         self.echo(f"[{self.name}] resumed after step {self.step_done} (weights v{meta['version']})")
 
@@ -112,9 +115,13 @@ class TaskDriver:
             self.start()
             last = self.spec.config.steps if until is None else min(until, self.spec.config.steps)
             for n in range(self.step_done + 1, last + 1):
+                if self._stop.is_set():
+                    break
                 history.append(self.step(n))
                 if len(history) == 1:
                     self.echo(self.memory_vs_plan(n))
+            if self._stop.is_set():
+                self.save_on_stop()
         except BaseException as err:
             self.close(exit_code=1)  # roles stopped first: their memory is really free when the scheduler hears
             with contextlib.suppress(Exception):  # the scheduler may be gone too; the error below says why
@@ -208,9 +215,32 @@ class TaskDriver:
             self.echo(progress_line(self.name, n, self.spec.config.steps, metrics))
 
     def checkpoint_if_due(self, n: int) -> None:
+        """Save step `n` when `checkpoint_every` says so, at the last step, or when the run is stopping."""
         every = self.spec.config.checkpoint_every
-        if every and (n % every == 0 or n == self.spec.config.steps):
+        if (every and (n % every == 0 or n == self.spec.config.steps)) or self._stop.is_set():
             self.roles[Role.ACTOR].save(n, {"step": n, "loader": self.host.loader.state(), "task": self.name})
+            self.saved_step = n
+
+    # ---- stopping on request ----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Finish the step in progress, save a checkpoint there and end (rlsched.stopping). Any thread."""
+        self._stop.set()
+
+    def save_on_stop(self) -> None:
+        """The stop came between two steps: save the last completed one, under the TRAIN lock (the actor's
+        state must be resident and nobody may evict it mid-save), unless it is saved already."""
+        if self.step_done > 0 and self.saved_step != self.step_done:
+            with self.hold(Phase.TRAIN):
+                n = self.step_done
+                self.roles[Role.ACTOR].save(n, {"step": n, "loader": self.host.loader.state(), "task": self.name})
+                self.saved_step = n
+        self.echo(f"[{self.name}] stopped after step {self.step_done} of {self.spec.config.steps}"
+                  + (f"; checkpoint {self.saved_step} saved" if self.saved_step else "; no step to save"))
+
+    def progress(self) -> dict[str, Any]:
+        """{"step": last completed step, "stopped": whether it ended on a stop request}."""
+        return {"step": self.step_done, "stopped": self._stop.is_set() and self.step_done < self.spec.config.steps}
 
     # ---- memory moves ---------------------------------------------------------------------------------
 
