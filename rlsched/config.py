@@ -126,7 +126,8 @@ class DataSection(_Section):
     kind: Literal["jsonl", "parquet", "gsm8k", "addition", "subtraction"]
     """Prompt source: files (jsonl/parquet/gsm8k) or a synthetic generator (addition/subtraction)."""
     path: str | None = None
-    """Dataset file; required for jsonl/parquet/gsm8k, must be absent for synthetic kinds."""
+    """Dataset file; required for jsonl/parquet, must be absent for synthetic kinds; for gsm8k, None = the
+    GSM8K train split shipped with rlsched (workers/datasets/gsm8k, MIT)."""
     question_field: str = "question"
     """Record field holding the prompt text."""
     answer_field: str = "answer"
@@ -145,7 +146,7 @@ class DataSection(_Section):
         if self.kind in _SYNTHETIC_KINDS and self.path is not None:
             # A path here usually means the wrong kind was chosen; ignoring it would hide that.
             raise _FieldError("path", self.path, f"synthetic kind {self.kind!r} reads no file; remove data.path")
-        if self.kind not in _SYNTHETIC_KINDS and self.path is None:
+        if self.kind in ("jsonl", "parquet") and self.path is None:
             raise _FieldError("path", None, f"data.path is required when data.kind is {self.kind!r}")
         return self
 

@@ -23,9 +23,8 @@ from workers.data import (
     make_source,
     render_prompt,
 )
+from workers.datasets import GSM8K_TEST, GSM8K_TRAIN
 from workers.models.tokenizer import build_byte_tokenizer
-
-GSM8K_TRAIN = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"
 
 
 def _write_jsonl(path: Path, records: list) -> Path:
@@ -247,3 +246,20 @@ def test_render_prompt_without_chat_template():
         render_prompt(tok, "hi", template="chat")
     with pytest.raises(DataError, match="template must be 'auto', 'chat' or 'plain', got 'chatml'"):
         render_prompt(tok, "hi", template="chatml")
+
+
+def test_gsm8k_ships_with_its_licence_and_needs_no_path():
+    """A fresh clone runs the GSM8K recipe: both splits and the MIT licence are package data, and
+    `data: {kind: gsm8k}` without a path reads the shipped train split."""
+    from workers.datasets import GSM8K_DIR
+
+    licence = (GSM8K_DIR / "LICENSE").read_text()
+    assert licence.startswith("MIT License") and "Copyright (c) 2021 OpenAI" in licence
+    assert len(load_gsm8k()) == 7473 and len(load_gsm8k(GSM8K_TEST)) == 1319
+    assert load_gsm8k()[0] == load_gsm8k(GSM8K_TRAIN)[0]
+    assert len(make_source("gsm8k")) == 7473
+    import tomllib
+
+    shipped = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    patterns = shipped["tool"]["setuptools"]["package-data"]["workers.datasets"]
+    assert {"gsm8k/*.jsonl", "gsm8k/LICENSE"} <= set(patterns)  # a wheel carries them too

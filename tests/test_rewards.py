@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from workers import rewards as R
+from workers.datasets import GSM8K_TRAIN
 from workers.rewards import RewardError, ScoreResult, extract_gsm8k_answer, extract_last_number, get_reward, score
-
-GSM8K_TRAIN = Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"
 
 
 def test_registry_has_the_promised_rewards_and_names_them_on_a_miss():

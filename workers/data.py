@@ -136,9 +136,12 @@ def load_parquet(path: str | Path, *, question_field: str = "question", answer_f
                           for i, r in enumerate(rows)], name=name)
 
 
-def load_gsm8k(path: str | Path, *, name: str | None = None) -> PromptDataset:
-    """GSM8K JSONL (`question`, `answer` ending in "#### N"); the answer is reduced to N, commas stripped."""
-    path = Path(path)
+def load_gsm8k(path: str | Path | None = None, *, name: str | None = None) -> PromptDataset:
+    """GSM8K JSONL (`question`, `answer` ending in "#### N"); the answer is reduced to N, commas stripped.
+    `path` None: the train split shipped with rlsched (workers.datasets)."""
+    from workers.datasets import GSM8K_TRAIN
+
+    path = GSM8K_TRAIN if path is None else Path(path)
     full = load_jsonl(path, name=name or f"gsm8k-{path.stem}")
     prompts = []
     for i, p in enumerate(full):
