@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_passthrough(PASSTHROUGH[argv[0]])(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command line as given (a resume hint repeats it)
-    from rlsched.errors import CheckpointError, TaskError
+    from rlsched.errors import CheckpointError, ClusterUnreachable, TaskError
     from workers.models import ModelConfigError, TokenizerError
     from workers.rewards import RewardError
     from workers.rollout import RolloutInputError
@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside a run's own handling (loading, compiling, a plan)
         print("interrupted", file=sys.stderr)
         return 130
+    except ClusterUnreachable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except (ModelConfigError, TokenizerError, RolloutInputError, ValueError, TaskError, RewardError,
             CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)

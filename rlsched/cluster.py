@@ -28,8 +28,29 @@ def init_ray(address: str | None = None) -> None:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not ray.is_initialized():
+        if address is not None:
+            check_reachable(address)
         ray.init(address=address or "local", include_dashboard=False, log_to_driver=True,
                  **({"num_cpus": max(4, 2 * os.cpu_count())} if address is None else {}))
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, naming `address`, when nothing listens there: Ray itself retries for minutes. Only a
+    `host:port` address is probed ("auto", "local" and ray:// client addresses go to Ray as they are)."""
+    import socket
+
+    from rlsched.errors import ClusterUnreachable
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except OSError as err:
+        raise ClusterUnreachable(f"--address {address}: no Ray cluster answers there ({err.strerror or err}); "
+                                 "start one with `ray start --head` and pass the address it prints, or leave "
+                                 "--address out for an embedded local Ray") from None
 
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"

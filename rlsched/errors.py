@@ -16,3 +16,7 @@ class RoleDied(TaskError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written (non-finite params) or read (none there, or damaged)."""
+
+
+class ClusterUnreachable(RuntimeError):
+    """`--address` names no Ray cluster this process can reach; the message names the address."""

@@ -23,6 +23,7 @@ from typing import Any
 from rlsched import cluster
 from rlsched.config import ExperimentConfig, TaskConfig, load_configs, select_tasks
 from rlsched.meshes import check_meshes, check_platform, resolve_processes
+from rlsched.plan import check_budget
 from rlsched.policy import GroupSpec, Policy
 from rlsched.runfiles import prepare_run_dir, write_atomic
 from rlsched.stopping import Stopped, StopSignals
@@ -40,9 +41,12 @@ def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str
     """
     paths = [configs] if isinstance(configs, str | Path) else list(configs)
     cfg = select_tasks(load_configs(paths, overrides), tasks)
-    check_meshes(cfg)  # every mesh splits its model: before any process starts
+    check_meshes(cfg)  # every mesh splits its model, its positions fit: before any process starts
+    check_budget(cfg)  # every role fits the memory budget on its own
     for task in cfg.tasks:
         echo(task.batch_plan().describe())
+    if address is not None and not in_process:
+        cluster.check_reachable(address)  # in seconds, before anything is written
     run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
     echo(f"run directory: {run_dir}")
     if in_process:

@@ -93,12 +93,17 @@ def read_model_config(task: TaskConfig, index: int, *, required: bool = False) -
     return None
 
 
+def _model_source(task: TaskConfig) -> str:
+    path = Path(task.model.path) / "config.json"
+    return str(path) if path.is_file() else f"the {task.model.init_preset} preset"
+
+
 ModelConfigs = Callable[[TaskConfig, int], Qwen3Config | None]
 
 
 def check_meshes(cfg: ExperimentConfig, model_config: ModelConfigs | None = read_model_config) -> None:
-    """Every task's actor and rollout mesh splits every parameter of its model, or one ConfigError line
-    naming the key, the parameter, its shape and the axis.
+    """Every task's actor and rollout mesh splits every parameter of its model, and its prompts plus new
+    tokens fit the model's positions; or one ConfigError line naming the key and the numbers.
 
     `cfg` is validated, so device counts and batch rows are checked already (rlsched.config).
     `model_config(task, index)` gives a task's architecture, None to skip the task (a model that does not
@@ -110,6 +115,11 @@ def check_meshes(cfg: ExperimentConfig, model_config: ModelConfigs | None = read
         model = model_config(task, i)
         if model is None:
             continue
+        g, positions = task.grpo, model.max_position_embeddings
+        if g.max_prompt_len + g.max_new_tokens > positions:
+            raise ConfigError(f"tasks.{i}.grpo.max_new_tokens: max_prompt_len {g.max_prompt_len} + max_new_tokens "
+                              f"{g.max_new_tokens} = {g.max_prompt_len + g.max_new_tokens} positions, but the model "
+                              f"has max_position_embeddings {positions} ({_model_source(task)}); lower them")
         shapes, kv_heads = model.param_shapes(), model.num_key_value_heads
         for key, mesh in ((f"tasks.{i}.actor.mesh", task.actor.mesh.as_dict()),
                           (f"tasks.{i}.rollout.mesh", task.rollout.mesh.as_dict())):

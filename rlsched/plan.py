@@ -35,7 +35,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from rlsched.config import ExperimentConfig, TaskConfig
+from rlsched.config import ConfigError, ExperimentConfig, TaskConfig
 from rlsched.meshes import ModelConfigs, check_meshes, read_model_config, role_devices
 from workers.models import sharding
 from workers.models.config import Qwen3Config
@@ -245,3 +245,23 @@ def planned_bytes(task: TaskConfig, index: int) -> dict[str, dict[str, int]]:
     """{"actor": actor_bytes, "engine": engine_bytes} of one task, from its model's config.json."""
     model = read_model_config(task, index, required=True)
     return {"actor": actor_bytes(task, model), "engine": engine_bytes(task, model)}
+
+
+def check_budget(cfg: ExperimentConfig) -> None:
+    """Every role fits `cluster.memory_budget_gb` on one device by itself (what the scheduler's admission
+    counts: an engine's params and KV cache, an actor's params, AdamW state and reference), or one
+    ConfigError line with the budget, the role's share by kind and what to change. Before any process."""
+    budget = cfg.cluster.memory_budget_gb
+    if budget is None:
+        return
+    for i, task in enumerate(cfg.tasks):
+        planned = planned_bytes(task, i)
+        for role, kinds in (("engine", ("params", "kv_cache")), ("actor", ("params", "optimizer", "reference"))):
+            parts = {k: planned[role][k] for k in kinds if k in planned[role]}
+            need = sum(parts.values())
+            if need > budget * GiB:
+                shares = " + ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in parts.items())
+                fix = "rollout.max_batch_size or rollout.mesh" if role == "engine" else "actor.mesh (fsdp)"
+                raise ConfigError(f"cluster.memory_budget_gb: {budget:g} GiB per device, but task {task.name}'s "
+                                  f"{role} needs {need / GiB:.3g} GiB on one device ({shares}); raise the budget or "
+                                  f"split the role wider with tasks.{i}.{fix}")

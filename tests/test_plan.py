@@ -4,9 +4,11 @@ through the real CLI (one stderr line, exit 2, before any process starts)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -358,3 +360,23 @@ def test_the_memory_line_puts_each_measured_kind_beside_the_plans():
     # no reference in the plan (beta 0): not shown; grads, activations and the KV cache live only inside a phase
     assert line == ("[a] bytes per device after step 1, measured / planned: actor params 2.0 KiB / 2.0 KiB, "
                     "optimizer 4.0 KiB / 4.0 KiB; engine params 3.0 MiB / 3.0 MiB")
+
+
+def test_settings_that_could_only_fail_later_are_refused_before_anything_starts(task_yaml):
+    """Positions past the model's, a budget smaller than one role, an address where no Ray listens: each
+    one line naming the key (or address) and the numbers, before a run directory exists."""
+    too_long = _one_error_line(cli("train", str(task_yaml), "--set", "tasks.0.grpo.max_new_tokens=100000"))
+    assert re.fullmatch(r"error: tasks\.0\.grpo\.max_new_tokens: max_prompt_len (\d+) \+ max_new_tokens 100000 = "
+                        r"\d+ positions, but the model has max_position_embeddings 4096 \(.*config\.json\); lower "
+                        r"them", too_long), too_long
+    small = _one_error_line(cli("train", str(task_yaml), "--set", "cluster.memory_budget_gb=0.004"))
+    assert re.fullmatch(r"error: cluster\.memory_budget_gb: 0\.004 GiB per device, but task addition's engine needs "
+                        r"0\.\d+ GiB on one device \(params \S+ \S+ \+ kv cache \S+ \S+\); raise the budget or split "
+                        r"the role wider with tasks\.0\.rollout\.max_batch_size or rollout\.mesh", small), small
+    t0 = time.monotonic()
+    nowhere = cli("train", str(task_yaml), "--address", "127.0.0.1:1")
+    assert nowhere.returncode == 1 and time.monotonic() - t0 < 30 and "Traceback" not in nowhere.stderr
+    assert nowhere.stderr.splitlines() == [
+        "error: --address 127.0.0.1:1: no Ray cluster answers there (Connection refused); start one with `ray start "
+        "--head` and pass the address it prints, or leave --address out for an embedded local Ray"]
+    assert not (task_yaml.parent / "runs").exists()
