@@ -22,9 +22,9 @@ from typing import Any
 
 from rlsched import cluster
 from rlsched.config import ExperimentConfig, TaskConfig, load_configs, select_tasks
-from rlsched.meshes import check_meshes, check_platform, resolve_processes
-from rlsched.plan import check_budget
+from rlsched.meshes import check_platform, resolve_processes
 from rlsched.policy import GroupSpec, Policy
+from rlsched.preflight import preflight
 from rlsched.runfiles import prepare_run_dir, write_atomic
 from rlsched.stopping import Stopped, StopSignals
 from workers.models import sharding
@@ -41,8 +41,7 @@ def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str
     """
     paths = [configs] if isinstance(configs, str | Path) else list(configs)
     cfg = select_tasks(load_configs(paths, overrides), tasks)
-    check_meshes(cfg)  # every mesh splits its model, its positions fit: before any process starts
-    check_budget(cfg)  # every role fits the memory budget on its own
+    preflight(cfg)  # what could only fail later (meshes, positions, budget, data, reward, output dir)
     for task in cfg.tasks:
         echo(task.batch_plan().describe())
     if address is not None and not in_process:

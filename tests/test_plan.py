@@ -380,3 +380,20 @@ def test_settings_that_could_only_fail_later_are_refused_before_anything_starts(
         "error: --address 127.0.0.1:1: no Ray cluster answers there (Connection refused); start one with `ray start "
         "--head` and pass the address it prints, or leave --address out for an embedded local Ray"]
     assert not (task_yaml.parent / "runs").exists()
+
+
+def test_data_reward_and_output_dir_are_checked_before_anything_starts(task_yaml, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('\n{"prompt": "1+1=", "answer": "2"}\n')
+    sets = [f"tasks.0.data={{kind: jsonl, path: {bad}}}", "tasks.0.reward.name=addition"]
+    no_field = _one_error_line(cli("train", str(task_yaml), *(a for s in sets for a in ("--set", s))))
+    assert no_field == (f"error: tasks.0.data.path: the first record of {bad} has no field 'question' (it has "
+                        "['answer', 'prompt']); set tasks.0.data.question_field / answer_field")
+    reward = _one_error_line(cli("train", str(task_yaml), "--set", "tasks.0.reward.name=additoin"))
+    assert reward.startswith("error: tasks.0.reward.name: unknown reward 'additoin'; known rewards: addition, ")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    out_dir = _one_error_line(cli("train", str(task_yaml), "--set", f"experiment.output_dir={blocked / 'runs'}"))
+    assert out_dir == (f"error: experiment.output_dir: {blocked} is not a directory, so {blocked / 'runs'} cannot "
+                       f"hold the run (got '{blocked / 'runs'}')")
+    assert not (task_yaml.parent / "runs").exists()
