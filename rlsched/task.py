@@ -117,7 +117,11 @@ class TaskDriver:
             for n in range(self.step_done + 1, last + 1):
                 if self._stop.is_set():
                     break
-                history.append(self.step(n))
+                try:
+                    history.append(self.step(n))
+                except BaseException as err:
+                    _annotate(err, f"task {self.name}, step {n}")  # where, beside what (the error's own message)
+                    raise
                 if len(history) == 1:
                     self.echo(self.memory_vs_plan(n))
             if self._stop.is_set():
@@ -198,7 +202,11 @@ class TaskDriver:
 
     def call(self, role: Role, method: str, *args) -> PhaseResult:
         """A phase's one call on `role`: its spans join our timeline on the lock held, its probe is kept."""
-        result = getattr(self.roles[role], method)(*args)
+        try:
+            result = getattr(self.roles[role], method)(*args)
+        except BaseException as err:
+            _annotate(err, f"in the {role}'s {method}()")
+            raise
         held = self.where
         self.timeline.extend([{**e, **{k: v for k, v in held.items() if e.get(k) is None}} for e in result.events])
         self.memory[role] = result.memory
@@ -290,6 +298,14 @@ class TaskDriver:
         """{"engine": handle, "actor": handle} of this task's role actors (for tools and fault tests)."""
         self._started.wait()
         return {str(role): r.handle for role, r in self.roles.items() if isinstance(r, RemoteRole | HostedRole)}
+
+
+def _annotate(err: BaseException, note: str) -> None:
+    """Add `note` to the original error: a role's error reaches us wrapped by Ray (a RayTaskError whose `cause`
+    is the role's own exception), and Ray carries on only the cause when it wraps it again."""
+    while getattr(err, "cause", None) is not None and isinstance(err.cause, BaseException) and err.cause is not err:
+        err = err.cause
+    err.add_note(note)
 
 
 def _print_flushed(line: str) -> None:

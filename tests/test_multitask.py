@@ -170,6 +170,7 @@ def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_pa
     assert results["addition"]["status"] == "ok", results
     assert results["subtraction"]["status"] == "failed", results
     assert "its engine process died" in results["subtraction"]["error"]
+    assert "task subtraction, step " in results["subtraction"]["error"]  # where it happened, beside the cause
     # One W&B run per task and one for the scheduler, each finished, the failed task's as failed.
     assert _wandb_exit(cfg.run_dir / "tasks" / "addition") == 0
     assert _wandb_exit(cfg.run_dir / "tasks" / "subtraction") == 1

@@ -153,3 +153,33 @@ def test_a_release_is_answered_before_the_next_acquire_is_sent(ray_session):
     locks.acquire("train")
     assert ray.get(actor.seen.remote()) == ["release rollout start", "release rollout end", "acquire train"]
     ray.kill(actor)
+
+
+def test_a_failed_tasks_cause_is_the_original_error_through_rays_wrapping(ray_session):
+    """A role's error re-raised by its driver reaches the user as its own type and message, with where it
+    happened (the notes the driver added), not as Ray's wrapper and its traceback."""
+    import ray
+
+    from rlsched.experiment import cause_of
+
+    @ray.remote(num_cpus=0)
+    class Role:
+        def rollout(self):
+            raise ValueError("max_new_tokens 9 exceeds the engine's 4")
+
+    @ray.remote(num_cpus=0)
+    class Driver:
+        def run(self, role):
+            from rlsched.task import _annotate
+
+            try:
+                ray.get(role.rollout.remote())
+            except Exception as err:
+                _annotate(err, "in the engine's rollout()")
+                _annotate(err, "task a, step 3")
+                raise
+
+    with pytest.raises(ray.exceptions.RayTaskError) as caught:
+        ray.get(Driver.remote().run.remote(Role.remote()))
+    assert cause_of(caught.value) == ("ValueError: max_new_tokens 9 exceeds the engine's 4 (task a, step 3; "
+                                      "in the engine's rollout())")
