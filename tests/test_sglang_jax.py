@@ -268,13 +268,15 @@ e = SglangJaxEngine({path!r}, max_prompt_len=32, max_new_tokens=16, max_batch_si
 
 
 @pytest.mark.sglang
-def test_shims_are_applied_only_for_affected_versions():
+def test_shims_apply_to_the_supported_version_and_another_version_is_refused():
     from workers.rollout import sglang_compat as C
 
     assert C.installed_version() == "0.0.2"
     assert all(s.versions == {"0.0.2"} for s in C.SHIMS)
+    assert {"0.0.2"} == C.SUPPORTED_VERSIONS
     r = _run_without("", "from workers.rollout import sglang_compat as C; print(C.apply_shims('9.9.9'))")
-    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-2000:]
+    assert r.returncode != 0 and "RuntimeError: sglang-jax 9.9.9 is not supported: rlsched's fixes for its " \
+        "defects (workers/rollout/sglang_compat.py) are written for 0.0.2" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.sglang

@@ -199,6 +199,9 @@ SHIMS = (
     Shim("watchdog_signals_own_process", V002, _watchdog_signals_own_process),
 )
 _applied: set[str] = set()
+# The versions the shims were written and tested against; any other is refused at engine start rather than
+# run with fixes that silently do not apply (its sampler was wrong without them).
+SUPPORTED_VERSIONS = frozenset({"0.0.2"})
 
 
 def apply_shims(version: str | None = None) -> list[str]:
@@ -206,6 +209,10 @@ def apply_shims(version: str | None = None) -> list[str]:
     the names of the shims in effect. `RLSCHED_SGLANG_SKIP_SHIMS=name,...` leaves those out (the
     defect tests use it to show each defect still exists in the installed version)."""
     version = version or installed_version()
+    if version not in SUPPORTED_VERSIONS:  # fail closed: another version would run without the fixes it needs
+        raise RuntimeError(f"sglang-jax {version} is not supported: rlsched's fixes for its defects "
+                           f"(workers/rollout/sglang_compat.py) are written for {', '.join(sorted(SUPPORTED_VERSIONS))};"
+                           f" install that (pip install -e '.[sglang]'), or use rollout.engine=jax_sampler")
     skip = set(filter(None, os.environ.get("RLSCHED_SGLANG_SKIP_SHIMS", "").split(",")))
     unknown = skip - {s.name for s in SHIMS}
     if unknown:
