@@ -210,9 +210,10 @@ def apply_shims(version: str | None = None) -> list[str]:
     defect tests use it to show each defect still exists in the installed version)."""
     version = version or installed_version()
     if version not in SUPPORTED_VERSIONS:  # fail closed: another version would run without the fixes it needs
+        supported = ", ".join(sorted(SUPPORTED_VERSIONS))
         raise RuntimeError(f"sglang-jax {version} is not supported: rlsched's fixes for its defects "
-                           f"(workers/rollout/sglang_compat.py) are written for {', '.join(sorted(SUPPORTED_VERSIONS))};"
-                           f" install that (pip install -e '.[sglang]'), or use rollout.engine=jax_sampler")
+                           f"(workers/rollout/sglang_compat.py) are written for {supported}; install that "
+                           "(pip install -e '.[sglang]'), or use rollout.engine=jax_sampler")
     skip = set(filter(None, os.environ.get("RLSCHED_SGLANG_SKIP_SHIMS", "").split(",")))
     unknown = skip - {s.name for s in SHIMS}
     if unknown:
