@@ -80,7 +80,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from rlsched.stopping import Interrupted, Stopped
 
     try:
-        results = train(DEMO_MULTITASK, overrides=overrides, overwrite=True, in_process=False)
+        results = train(DEMO_MULTITASK, overrides=overrides, overwrite=True, in_process=False,
+                        live=sys.stdout.isatty())
     except Stopped as stop:
         print(f"[demo] {stop}; `rlsched demo` starts afresh each time", file=sys.stderr)
         return stop.exit_code
@@ -105,7 +106,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     tasks = [t for spec in args.tasks for t in spec.split(",") if t] if args.tasks else None
     try:
         results = train(args.config, overrides=args.set, resume=args.resume, overwrite=args.overwrite, tasks=tasks,
-                        in_process=args.in_process, address=args.address)
+                        in_process=args.in_process, address=args.address, live=sys.stdout.isatty())
     except Stopped as stop:
         print(f"{stop}. Continue with:\n  {_resume_command(args.argv)}", file=sys.stderr)
         return stop.exit_code

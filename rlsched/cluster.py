@@ -8,6 +8,7 @@ Ray is imported inside the functions: importing this module costs nothing where 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -17,21 +18,39 @@ from rlsched.policy import Phase
 GROUP = "g0"  # one device group per experiment for now: every task shares it
 
 
-def init_ray(address: str | None = None) -> None:
+def init_ray(address: str | None = None, *, log_to_driver: bool = True) -> None:
     """Connect to the Ray cluster at `address`, or start an embedded local one (no dashboard).
 
     Ray's token authentication stays as Ray sets it: on for a new local cluster (Ray generates the token
     into ~/.ray/auth_token, and only clients holding it can connect: Ray's servers listen on every
     interface), and whatever a cluster the user brings has, its token read by Ray from RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token."""
+    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token. `log_to_driver=False`: what worker processes print stays in Ray's
+    log files (/tmp/ray/session_latest/logs), not on this process's terminal."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not ray.is_initialized():
         if address is not None:
             check_reachable(address)
-        ray.init(address=address or "local", include_dashboard=False, log_to_driver=True,
-                 **({"num_cpus": max(4, 2 * os.cpu_count())} if address is None else {}))
+        # Ray's start-up chatter ("Started a local Ray instance", and a note that suggests turning token
+        # authentication off, which rlsched never does) is not for a user: only Ray's errors show while it starts.
+        loggers = [logging.getLogger(name) for name in _RAY_STARTUP_LOGGERS]
+        for logger in loggers:
+            logger.addFilter(_errors_only)
+        try:
+            ray.init(address=address or "local", include_dashboard=False, log_to_driver=log_to_driver,
+                     **({"num_cpus": max(4, 2 * os.cpu_count())} if address is None else {}))
+        finally:
+            for logger in loggers:
+                logger.removeFilter(_errors_only)
+
+
+# The loggers of Ray's start-up messages (a logger's filter sees the records it creates itself).
+_RAY_STARTUP_LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
 
 
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:

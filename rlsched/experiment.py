@@ -25,6 +25,7 @@ from rlsched.config import ExperimentConfig, TaskConfig, load_configs, select_ta
 from rlsched.meshes import check_platform, resolve_processes
 from rlsched.policy import GroupSpec, Policy
 from rlsched.preflight import preflight
+from rlsched.progress import LineBuffer, ProgressView
 from rlsched.runfiles import prepare_run_dir, write_atomic
 from rlsched.stopping import Stopped, StopSignals
 from workers.models import sharding
@@ -32,8 +33,8 @@ from workers.models import sharding
 
 def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str] = (), resume: bool = False,
           overwrite: bool = False, tasks: Sequence[str] | None = None, in_process: bool = True,
-          address: str | None = None, echo=print) -> dict[str, Any]:
-    """Validate, prepare runs/<experiment>/, run the tasks.
+          address: str | None = None, echo=print, live: bool = False) -> dict[str, Any]:
+    """Validate, prepare runs/<experiment>/, run the tasks (`live`: a live table of the tasks, for a terminal).
 
     in_process=True runs the tasks one after another in this process and returns
     {task: [metrics per step]}, raising the first task's error; otherwise they run concurrently under
@@ -50,7 +51,7 @@ def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str
     echo(f"run directory: {run_dir}")
     if in_process:
         return run_in_process(cfg, resume=resume, echo=echo)
-    return run_experiment(cfg, resume=resume, address=address, echo=echo)
+    return run_experiment(cfg, resume=resume, address=address, echo=echo, live=live)
 
 
 def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -> dict[str, list[dict[str, Any]]]:
@@ -104,7 +105,7 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
 
 
 def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str | None = None, echo=print,
-                   on_started=None) -> dict[str, dict[str, Any]]:
+                   on_started=None, live: bool = False) -> dict[str, dict[str, Any]]:
     """Run every task of `cfg` concurrently; returns {task: {"status": "ok"|"failed", ...}}.
 
     The first SIGINT/SIGTERM lets every task finish its step and save it, writes the outputs and raises
@@ -117,7 +118,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     from rlsched.scheduler import Scheduler, SchedulerLocks
     from rlsched.task import TaskDriver
 
-    cluster.init_ray(address)
+    cluster.init_ray(address, log_to_driver=False)  # task lines are pulled (rlsched.progress); the rest is logged
     resource = cluster.device_resource()
     processes = resolve_processes(cfg.cluster.processes, resource)
     check_platform(resource, cfg, processes)  # what cannot work on this platform: before any role starts
@@ -138,7 +139,8 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
             # the step loop blocks one, while the lifeline and the scheduler's eviction requests take others.
             driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
             drivers = {s.name: driver_cls.remote(s, SchedulerLocks(scheduler, s.name), placement=where,
-                                                 resume=resume, initial_moves=initial_moves[s.name])
+                                                 resume=resume, initial_moves=initial_moves[s.name],
+                                                 echo=LineBuffer())  # pulled and printed here
                        for s in specs}
             actors += drivers.values()  # a driver's roles go with it: Ray ends the actors a process owns
             for name, driver in drivers.items():
@@ -148,7 +150,8 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
             pending = {driver.run.remote(): name for name, driver in drivers.items()}
             if on_started is not None:  # a hook for tests and tools: {task: driver handle}
                 on_started(drivers)
-            results = _wait_for_tasks(pending, drivers, scheduler, cfg, stop, echo)
+            with ProgressView(echo, live=live) as view:
+                results = _wait_for_tasks(pending, drivers, scheduler, cfg, stop, view)
             events = list(ray.get(scheduler.events.remote()))
             for name, driver in drivers.items():
                 try:
@@ -184,11 +187,22 @@ def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo):
     return dataclasses.replace(where, hosts=group)
 
 
-def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConfig, stop: StopSignals,
-                    echo) -> dict[str, dict[str, Any]]:
-    """Each task's result as it ends; on a stop request, ask every driver to stop after its step."""
+def _poll(drivers: dict, names, view: ProgressView) -> None:
+    """Print the tasks' new lines and update their rows (a driver that does not answer is skipped)."""
     import ray
 
+    for name in names:
+        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            view.show(name, ray.get(drivers[name].poll.remote(), timeout=10))
+
+
+def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConfig, stop: StopSignals,
+                    view: ProgressView) -> dict[str, dict[str, Any]]:
+    """Each task's result as it ends, its lines shown as they come; on a stop request, ask every driver to
+    stop after its step."""
+    import ray
+
+    echo = view.echo
     results: dict[str, dict[str, Any]] = {}
     t0, asked = time.perf_counter(), False
     while pending:
@@ -197,9 +211,11 @@ def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConf
                 drivers[name].request_stop.remote()
             asked = True
         done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+        _poll(drivers, [n for ref, n in pending.items() if ref not in done], view)
         if not done:
             continue
         name = pending.pop(done[0])
+        _poll(drivers, [name], view)  # its last lines before its status
         results[name] = _result(name, done[0], scheduler, cfg)
         # Which process holds each role and which devices it uses (summary.json), and whether it stopped
         # early; a driver that died with its task has no answer, and the result says why.

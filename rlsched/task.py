@@ -58,6 +58,9 @@ class TaskDriver:
         self.step_done = 0
         self.places: dict[str, dict[str, Any]] = {}  # role -> {"pid", "devices"}: which process holds what
         self.saved_step = 0  # the last step with a checkpoint (0: none)
+        self._latest: dict[str, float] = {}  # the last step's reward and time, for `poll`
+        self._step_seconds: list[float] = []
+        self._waiting: str | None = None  # the phase whose lock this task is waiting for
         self._stop = threading.Event()  # request_stop: end after the step in progress
         self.tracker = None
         self._initial_moves = list(initial_moves)  # offloads the policy decided at registration
@@ -187,7 +190,11 @@ class TaskDriver:
     def hold(self, phase: Phase):
         """Hold `phase`'s lock; first perform the moves the grant asks of this task (onload, offload)."""
         asked = self.timeline.now()
-        lease = self.locks.acquire(phase)
+        self._waiting = str(phase)
+        try:
+            lease = self.locks.acquire(phase)
+        finally:
+            self._waiting = None
         self.where = {"phase": str(phase), "resource": lease.resource}
         self.timeline.add_span("lock_wait", asked, self.timeline.now(), **self.where)
         try:
@@ -214,6 +221,8 @@ class TaskDriver:
 
     def record(self, n: int, metrics: dict[str, Any], train: dict[str, float]) -> None:
         """The metrics line (with the memory each role held after its phase) and the progress line."""
+        self._latest = {"reward": metrics["reward/mean"], "step_s": metrics["time/step_s"]}
+        self._step_seconds.append(metrics["time/step_s"])
         if train["skipped"]:
             self.echo(f"[{self.name}] step {n}: non-finite loss or gradient in {train['skipped']:.0f} "
                       "optimizer step(s); those updates were skipped, the params are unchanged")
@@ -245,6 +254,21 @@ class TaskDriver:
                 self.saved_step = n
         self.echo(f"[{self.name}] stopped after step {self.step_done} of {self.spec.config.steps}"
                   + (f"; checkpoint {self.saved_step} saved" if self.saved_step else "; no step to save"))
+
+    def poll(self) -> dict[str, Any]:
+        """For the command that shows the run (rlsched.progress): the lines echoed since the last poll and this
+        task's row: state, step/steps, last reward and step time, mean step time, phase held or waited for."""
+        drain = getattr(self.echo, "drain", None)
+        if self._closed:
+            state = "stopped" if self.progress()["stopped"] else "ended"
+        else:
+            state = ("stopping" if self._stop.is_set() else "running") if self._started.is_set() else "starting"
+        phase = (f"{self.where['phase']} ({self.where['resource']})" if self.where
+                 else f"waiting for {self._waiting}" if self._waiting else None)
+        times = self._step_seconds
+        return {"lines": drain() if drain else [], "state": state, "step": self.step_done,
+                "steps": self.spec.config.steps, "phase": phase, **self._latest,
+                "mean_step_s": sum(times) / len(times) if times else None}
 
     def progress(self) -> dict[str, Any]:
         """{"step": last completed step, "stopped": whether it ended on a stop request}."""

@@ -74,6 +74,8 @@ def test_sigterm_stops_after_the_step_in_progress_and_resume_computes_the_uninte
     assert code == 143, text[-3000:]
     assert seconds < 60 and "Traceback" not in text, text[-3000:]
     assert "SIGTERM: every task finishes the step it is in and saves a checkpoint there" in text
+    # The tasks' lines as the command prints them: no Ray process tags, nothing a worker printed besides
+    assert "[addition] step    1/5  reward" in text and "pid=" not in text, text[-3000:]
     assert "--resume" in text and "Continue with:" in text
     run_dir = out / "demo-multitask"
     for name in ("summary.json", "timeline.json", "timeline.png"):
