@@ -78,7 +78,8 @@ def _modules_after_first_step(drivers, cfg, seen: dict, timeout: float = 120.0):
             time.sleep(0.02)
         try:
             seen[name] = ray.get(driver.__ray_call__.remote(lambda _self: sorted(
-                m for m in __import__("sys").modules if m.split(".")[0] in ("jax", "jaxlib", "flax", "torch"))))
+                # a copy: the driver's other threads may import while we look
+                m for m in list(__import__("sys").modules) if m.split(".")[0] in ("jax", "jaxlib", "flax", "torch"))))
         except Exception as err:  # noqa: BLE001 - reported by the assertion on `seen`
             seen[name] = [f"probe failed: {type(err).__name__}: {err}"]
 
