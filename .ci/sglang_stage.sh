@@ -5,6 +5,8 @@
 # pytest's exit code 5 (no tests collected) fails the stage like any other non-zero code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode="${1:-all}"  # prepare: build the environment only; all (default): build if needed, then run the tests
+case "$mode" in prepare|all) ;; *) echo "usage: $0 [prepare|all]" >&2; exit 2 ;; esac
 export PIP_DISABLE_PIP_VERSION_CHECK=1 JAX_PLATFORMS=cpu
 
 # python3.12 on PATH, else pyenv's 3.12.x (a pyenv shim without 3.12 selected fails the check).
@@ -22,7 +24,18 @@ fi
 t0=$(date +%s)
 [ -x .venv312/bin/python ] || "$py" -m venv .venv312
 # pip's "Location ... is ignored" lines are this machine's index configuration, not our problem.
-.venv312/bin/pip install -q -e '.[sglang]' 'pytest>=8' 'hypothesis>=6.100' 2>&1 | grep -v ' is ignored: ' || true
+quiet() { grep -v ' is ignored: ' || true; }
+# The dependencies first (rlsched's own and the `sglang` extra, read from pyproject.toml, markers kept), so
+# `.ci/run` can build this environment while the core suite runs; the project itself (an editable install
+# writes into the source tree) only after, by the `test` step.
+mapfile -t reqs < <("$py" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["sglang"]))')
+.venv312/bin/pip install -q "${reqs[@]}" 'pytest>=8' 'hypothesis>=6.100' 2>&1 | quiet
+if [ "$mode" = prepare ]; then
+  echo "sglang stage: dependencies ready in $(( $(date +%s) - t0 )) s"
+  exit 0
+fi
+.venv312/bin/pip install -q --no-deps -e . 2>&1 | quiet
 .venv312/bin/python -c 'import sgl_jax, importlib.metadata as m; print("sglang-jax", m.version("sglang-jax"))'
 if .venv312/bin/python -c 'import torch' 2>/dev/null; then
   echo "sglang stage: torch is installed in .venv312; the sglang extra must not pull it" >&2

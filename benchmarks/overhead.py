@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
     p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the medians (compiles)")
     p.add_argument("--repeats", type=int, default=3, help="in-process / Ray pairs, run alternately")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the task (e.g. grpo.prompts_per_step=4), as `rlsched train --set`")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/overhead"))
     args = p.parse_args(argv)
     if args.steps <= args.warmup_steps or args.warmup_steps < 1 or args.repeats < 1:
@@ -52,7 +54,8 @@ def config(root: Path, name: str, args):
 
     cfg = load_config(CONFIG, [f"experiment.name={name}", f"experiment.output_dir={root}",
                                f"tasks.0.model.path={root / 'model'}", f"tasks.0.steps={args.steps}",
-                               "tasks.0.checkpoint_every=0", "cluster.placement=colocated"])
+                               "tasks.0.checkpoint_every=0", "cluster.placement=colocated",
+                               *(f"tasks.0.{o}" for o in args.overrides)])
     prepare_run_dir(cfg, resume=False, overwrite=True)
     return cfg
 

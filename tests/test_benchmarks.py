@@ -17,15 +17,18 @@ pytestmark = pytest.mark.slow
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
+# A step of a few samples and tokens: what runs here is the benchmark's code, not its figures.
+TINY_STEP = [a for kv in ("grpo.prompts_per_step=2", "grpo.num_generations=2", "grpo.max_new_tokens=2",
+                          "grpo.mini_batch_size=4", "rollout.max_batch_size=4") for a in ("--set", kv)]
 # module -> (its smallest setting, a key its results.json must have)
 SMALLEST = {
     "rollout": (["--batch", "1", "--prompt-len", "4", "--new-tokens", "2", "--repeats", "1"], "engines"),
     "train_step": (["--steps", "1", "--warmup-steps", "1", "--prompts", "2", "--generations", "2",
                     "--new-tokens", "2"], "ratio"),
-    "multitask": (["--steps", "3", "--warmup-steps", "1", "--round-trips", "5"], "speedup_steady"),
+    "multitask": (["--steps", "3", "--warmup-steps", "1", "--round-trips", "5", *TINY_STEP], "speedup_steady"),
     "bench": (["--tasks", "1", "--placement", "colocated", "--steps", "4", "--warmup", "1"], "placements"),
     "simulate": (["--tasks", "1,2", "--steps", "2"], None),
-    "overhead": (["--steps", "3", "--warmup-steps", "1", "--repeats", "1"], "overhead_ms"),
+    "overhead": (["--steps", "3", "--warmup-steps", "1", "--repeats", "1", *TINY_STEP], "overhead_ms"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }

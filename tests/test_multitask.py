@@ -139,7 +139,18 @@ def _check_trace(path, tasks, steps):
     assert max(overlaps(events, a, "rollout", b, "train") for a in tasks for b in tasks if a != b) > 0
 
 
-def test_killed_task_is_reported_and_the_others_finish_unchanged(ray_session, tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def solo_addition(ray_session, tmp_path_factory, tiny_model_dir):
+    """The addition task of the fault tests' experiment, alone: what it must compute whatever befalls the
+    other task (run once for both fault tests; the experiment's name does not enter the numbers)."""
+    cfg = select_tasks(_experiment(tmp_path_factory.mktemp("solo"), tiny_model_dir, "fault-solo",
+                                   ["addition", "subtraction"], steps=6), ["addition"])
+    run_experiment(cfg, echo=lambda *_: None)
+    return _metrics(cfg, "addition")
+
+
+def test_killed_task_is_reported_and_the_others_finish_unchanged(ray_session, tmp_path, tiny_model_dir,
+                                                                 solo_addition):
     cfg = _experiment(tmp_path, tiny_model_dir, "fault", ["addition", "subtraction"], steps=6)
     metrics_path = cfg.run_dir / "tasks" / "subtraction" / "metrics.jsonl"
     results = run_experiment(cfg, echo=lambda *_: None,
@@ -148,13 +159,10 @@ def test_killed_task_is_reported_and_the_others_finish_unchanged(ray_session, tm
     assert results["subtraction"]["status"] == "failed", results
     assert "its process died" in results["subtraction"]["error"]
     assert 1 <= len(read_metrics(metrics_path)) < 6
-    solo = select_tasks(_experiment(tmp_path, tiny_model_dir, "fault-solo", ["addition", "subtraction"], steps=6),
-                        ["addition"])
-    run_experiment(solo, echo=lambda *_: None)
-    assert _metrics(cfg, "addition") == _metrics(solo, "addition")
+    assert _metrics(cfg, "addition") == solo_addition
 
 
-def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_path, tiny_model_dir):
+def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_path, tiny_model_dir, solo_addition):
     """A role dies mid-run (here: the engine, as a crash or OOM would end it): its task fails with a
     cause that names the role, releases its lease, and the other task computes what it would alone."""
     import ray
@@ -176,10 +184,7 @@ def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_pa
     assert _wandb_exit(cfg.run_dir / "tasks" / "addition") == 0
     assert _wandb_exit(cfg.run_dir / "tasks" / "subtraction") == 1
     assert _wandb_exit(cfg.run_dir / "scheduler") == 1
-    solo = select_tasks(_experiment(tmp_path, tiny_model_dir, "engine-fault-solo", ["addition", "subtraction"],
-                                    steps=6), ["addition"])
-    run_experiment(solo, echo=lambda *_: None)
-    assert _metrics(cfg, "addition") == _metrics(solo, "addition")
+    assert _metrics(cfg, "addition") == solo_addition
 
 
 def _wandb_exit(run_dir):
