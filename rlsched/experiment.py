@@ -125,7 +125,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     devices = cluster.group_devices(cfg.cluster.placement, cfg.num_devices,
                                     max(sharding.num_devices(t.rollout.mesh.as_dict()) for t in cfg.tasks))
     policy, initial_moves = build_policy(cfg)
-    with StopSignals(echo) as stop:
+    with StopSignals(echo, raise_on_second=False) as stop:  # the wait loop below checks for a second signal
         pg = cluster.make_placement_group(cfg.experiment.name, cfg.cluster.placement, resource, devices)
         actors: list = []  # everything this run started, ended in `finally` whatever happens
         try:
@@ -211,6 +211,7 @@ def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConf
                 drivers[name].request_stop.remote()
             asked = True
         done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+        stop.check()  # a second signal: leave now (the caller's `finally` ends every process)
         _poll(drivers, [n for ref, n in pending.items() if ref not in done], view)
         if not done:
             continue

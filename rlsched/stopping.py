@@ -51,8 +51,11 @@ class StopSignals:
     """SIGINT and SIGTERM handlers for the duration of a `with` block (main thread only; elsewhere a no-op,
     as Python allows handlers in the main thread only). The previous handlers come back on exit."""
 
-    def __init__(self, echo=print):
-        self.echo, self.signum = echo, None
+    def __init__(self, echo=print, *, raise_on_second: bool = True):
+        """raise_on_second=False: a second signal only sets `interrupted`, for a loop that polls it (Ray turns
+        an exception raised by a handler inside its own wait into a SystemError)."""
+        self.echo, self.signum, self.raise_on_second = echo, None, raise_on_second
+        self.interrupted: int | None = None  # the second signal, once it came
         self.on_request = None  # called by the first signal's handler: it must only set a flag (in-process runs)
         self._saved: dict[int, object] = {}
 
@@ -60,9 +63,17 @@ class StopSignals:
     def requested(self) -> bool:
         return self.signum is not None
 
+    def check(self) -> None:
+        """Raise `Interrupted` if a second signal came (for loops with raise_on_second=False)."""
+        if self.interrupted is not None:
+            raise Interrupted(self.interrupted)
+
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
-            raise Interrupted(signum)
+            self.interrupted = signum
+            if self.raise_on_second:
+                raise Interrupted(signum)
+            return
         self.signum = signum
         name = signal.Signals(signum).name
         self.echo(f"{name}: every task finishes the step it is in and saves a checkpoint there, then the run "

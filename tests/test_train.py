@@ -25,7 +25,7 @@ from rlsched.tracking import read_metrics
 from workers import rewards as R
 from workers.actor import ActorSettings, ActorWorker
 from workers.batch import build_train_batch
-from workers.data import DataError
+from workers.data import DataError, load_jsonl
 
 REQUIRED_METRICS = ["step", "reward/mean", "reward/std", "reward/max", "loss", "kl", "clip_frac", "grad_norm", "lr",
                     "response_len/mean", "tokens/generated", "time/rollout_s", "time/reward_s", "time/train_s",
@@ -112,13 +112,15 @@ def test_cli_reports_config_mistakes(tmp_path, capsys):
 def test_missing_and_empty_data_files_are_named(tmp_path, tiny_model_dir):
     over = _quick(tmp_path, tiny_model_dir, "tasks.0.data.kind=jsonl", "tasks.0.data.max_operand=9",
                   f"tasks.0.data.path={tmp_path / 'nope.jsonl'}", "tasks.0.reward.name=gsm8k")
-    with pytest.raises(DataError, match="nope.jsonl"):
+    with pytest.raises(ConfigError, match="tasks.0.data.path: .*nope.jsonl does not exist"):  # before anything runs
         train(DEMO_CONFIG, overrides=over, echo=_silent)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     over = [o.replace(str(tmp_path / "nope.jsonl"), str(empty)) for o in over] + ["experiment.name=empty"]
-    with pytest.raises(DataError, match="empty"):
+    with pytest.raises(ConfigError, match="empty.jsonl has no records"):
         train(DEMO_CONFIG, overrides=over, echo=_silent)
+    with pytest.raises(DataError, match="nope.jsonl"):  # the loader says it too, for callers that skip preflight
+        load_jsonl(tmp_path / "nope.jsonl")
 
 
 def test_prompt_longer_than_max_prompt_len_is_named(tmp_path, tiny_model_dir):
