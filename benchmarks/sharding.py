@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
               "<= 1.5 x); peak extra "
               f"{sync['peak_extra_bytes'] / mib:.1f} MiB/device (largest leaf shard "
               f"{sync['largest_leaf_shard_bytes'] / mib:.1f} MiB); logical checksum equal: {sync['checksum_equal']}",
-              f"; into an engine just onloaded (the colocated step): {sec['sync_resumed']:.3f} s = "
+              f"into an engine just onloaded (the colocated step): {sec['sync_resumed']:.3f} s = "
               f"{sync['ratio_resumed']:.1f} x raw",
               "", "| part of a sync, alone | seconds | x raw |", "|---|---:|---:|"]
     for name, what in (("raw", "resharding transfer (device_put of every leaf into the engine's layout)"),
