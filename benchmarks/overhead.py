@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="in-process / Ray pairs, run alternately")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of the task (e.g. grpo.prompts_per_step=4), as `rlsched train --set`")
+    p.add_argument("--no-settle", action="store_true",
+                   help="skip the untimed first Ray run (for a cluster already warm, e.g. in a smoke test)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/overhead"))
     args = p.parse_args(argv)
     if args.steps <= args.warmup_steps or args.warmup_steps < 1 or args.repeats < 1:
@@ -100,7 +102,8 @@ def main(argv=None) -> dict:
         root = Path(tmp)
         # An untimed Ray run first: a new cluster spends its first seconds starting workers and agents, which
         # would land on the first timed run's cores.
-        run_experiment(config(root, "settle", args), echo=quiet)
+        if not args.no_settle:
+            run_experiment(config(root, "settle", args), echo=quiet)
         for i in range(args.repeats):
             local = config(root, f"local-{i}", args)
             (spec,) = local.task_specs()

@@ -29,7 +29,8 @@ SMALLEST = {
                   "speedup_steady"),
     "bench": (["--tasks", "1", "--placement", "colocated", "--steps", "4", "--warmup", "1"], "placements"),
     "simulate": (["--tasks", "1,2", "--steps", "2"], None),
-    "overhead": (["--steps", "3", "--warmup-steps", "1", "--repeats", "1", *TINY_STEP], "overhead_ms"),
+    "overhead": (["--steps", "3", "--warmup-steps", "1", "--repeats", "1", "--no-settle", *TINY_STEP],
+                 "overhead_ms"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }
