@@ -13,7 +13,6 @@ Only config.json files and one record per data file are read; nothing imports JA
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -61,17 +60,13 @@ def check_data(task: TaskConfig, index: int) -> None:
 
 
 def _first_record(path: Path, key: str) -> dict:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{key}: {path}:{lineno} is not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{key}: {path}:{lineno} is a JSON {type(record).__name__}, not an object")
+    from workers.data import DataError, jsonl_records
+
+    try:
+        for _, record in jsonl_records(path):
             return record
+    except DataError as err:
+        raise ConfigError(f"{key}: {err}") from None
     raise ConfigError(f"{key}: {path} has no records")
 
 

@@ -104,7 +104,15 @@ def load_jsonl(path: str | Path, *, question_field: str = "question", answer_fie
     """One JSON object per line (blank lines skipped); uids are "<name>:<record index>", name = file stem."""
     path = _existing(path)
     name = name or path.stem
-    prompts = []
+    prompts = [_prompt(record, f"{name}:{i}", where, question_field, answer_field)
+               for i, (where, record) in enumerate(jsonl_records(path))]
+    return PromptDataset(prompts, name=name)
+
+
+def jsonl_records(path: str | Path):
+    """(`<path>:<line>`, record) for each JSON object of a JSONL file, blank lines skipped; a line that is not a
+    JSON object is a DataError naming it. Lazy: reading the first record reads one line."""
+    path = Path(path)
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -116,8 +124,7 @@ def load_jsonl(path: str | Path, *, question_field: str = "question", answer_fie
                 raise DataError(f"{where}: not valid JSON ({e.msg}): {line.strip()[:60]!r}") from None
             if not isinstance(record, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            prompts.append(_prompt(record, f"{name}:{len(prompts)}", where, question_field, answer_field))
-    return PromptDataset(prompts, name=name)
+            yield where, record
 
 
 def load_parquet(path: str | Path, *, question_field: str = "question", answer_field: str = "answer",
