@@ -108,6 +108,9 @@ def device_resource() -> str:
     return next((r for r in ("TPU", "GPU") if have.get(r, 0) > 0), "CPU")
 
 
+ONE_DEVICE_EACH = {"engine": 1, "actor": 1}  # a group's devices when none are given: one per role's group
+
+
 @dataclasses.dataclass(frozen=True)
 class RolePlacement:
     """Where a task's roles start: a bundle of the device group's placement group and the cores (on CPU,
@@ -117,7 +120,7 @@ class RolePlacement:
     bundles: dict[str, int]  # role ("actor" / "engine") -> bundle index
     cores: dict[str, list[int]]  # role -> cores its process is pinned to
     resource: str = "CPU"  # the Ray resource a device is ("TPU", "GPU" or "CPU")
-    bundle_devices: dict[str, int] = dataclasses.field(default_factory=lambda: {"engine": 1, "actor": 1})
+    bundle_devices: dict[str, int] = dataclasses.field(default_factory=lambda: dict(ONE_DEVICE_EACH))
     hosts: dict[str, Any] | None = None  # role -> its device group's host (rlsched.hosts), per_device_group only
 
     @property
@@ -148,7 +151,7 @@ def make_placement_group(experiment: str, placement: str, resource: str, devices
     import ray
     from ray.util.placement_group import placement_group
 
-    bundles = bundle_shapes(placement, resource, devices or {"engine": 1, "actor": 1})
+    bundles = bundle_shapes(placement, resource, devices or ONE_DEVICE_EACH)
     pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{experiment}/{GROUP}")
     ray.get(pg.ready(), timeout=60)
     return pg
@@ -161,4 +164,4 @@ def role_placement(pg, placement: str, cores: list[int], resource: str,
     return RolePlacement(pg, {"engine": 0, "actor": 0 if placement == "colocated" else 1},
                          {"engine": phase_cores(placement, Phase.ROLLOUT, cores),
                           "actor": phase_cores(placement, Phase.TRAIN, cores)}, resource,
-                         dict(devices or {"engine": 1, "actor": 1}))
+                         dict(devices or ONE_DEVICE_EACH))

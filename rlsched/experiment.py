@@ -62,15 +62,16 @@ def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -
     cluster.use_host_devices(cfg.num_devices)
     specs = [dataclasses.replace(s, processes="per_device_group") for s in cfg.task_specs()]  # all in this one
     results: dict[str, list[dict[str, Any]]] = {}
+    drivers = {}
     with StopSignals(echo) as stop:
         for spec in specs:
-            driver = TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo)
             if stop.requested:  # the stop came during an earlier task: this one does not start
                 break
+            drivers[spec.name] = driver = TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo)
             stop.on_request = driver.request_stop  # the handler may call it: it only sets an event
             results[spec.name] = driver.run()
     if stop.signum is not None:
-        raise Stopped(stop.signum, {n: {"status": "stopped", "steps": len(h)} for n, h in results.items()},
+        raise Stopped(stop.signum, {n: {"status": "stopped", "steps": d.step_done} for n, d in drivers.items()},
                       "stopped on request; the task in progress saved its last step")
     return results
 
@@ -80,12 +81,10 @@ def estimate_bytes(task: TaskConfig) -> tuple[int, int]:
     decides on before any worker exists (rlsched.plan has the per-kind numbers). engine = params + the
     largest KV cache; actor = params + AdamW moments (+ reference). Every role of a group uses its first
     device, so per-device sums are exact there, the busiest device."""
-    from rlsched.meshes import read_model_config
-    from rlsched.plan import actor_bytes, engine_bytes
+    from rlsched.plan import planned_bytes, resident_bytes
 
-    model = read_model_config(task, 0, required=True)
-    engine, actor = engine_bytes(task, model), actor_bytes(task, model)
-    return engine["params"] + engine["kv_cache"], actor["params"] + actor["optimizer"] + actor.get("reference", 0)
+    held = resident_bytes(planned_bytes(task, 0))
+    return held["engine"], held["actor"]
 
 
 def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[str, str]]]]:
@@ -187,13 +186,16 @@ def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo):
     return dataclasses.replace(where, hosts=group)
 
 
-def _poll(drivers: dict, names, view: ProgressView) -> None:
-    """Print the tasks' new lines and update their rows (a driver that does not answer is skipped)."""
+def _poll(drivers: dict, names, view: ProgressView) -> dict[str, dict[str, Any]]:
+    """Print the tasks' new lines and update their rows; {task: its poll} of the drivers that answered."""
     import ray
 
+    polls = {}
     for name in names:
         with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            view.show(name, ray.get(drivers[name].poll.remote(), timeout=10))
+            polls[name] = ray.get(drivers[name].poll.remote(), timeout=10)
+            view.show(name, polls[name])
+    return polls
 
 
 def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConfig, stop: StopSignals,
@@ -216,15 +218,14 @@ def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConf
         if not done:
             continue
         name = pending.pop(done[0])
-        _poll(drivers, [name], view)  # its last lines before its status
+        last = _poll(drivers, [name], view).get(name)  # its last lines before its status
         results[name] = _result(name, done[0], scheduler, cfg)
-        # Which process holds each role and which devices it uses (summary.json), and whether it stopped
-        # early; a driver that died with its task has no answer, and the result says why.
-        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            results[name]["roles"] = ray.get(drivers[name].role_places.remote(), timeout=30)
-            progress = ray.get(drivers[name].progress.remote(), timeout=30)
-            if results[name]["status"] == "ok" and progress["stopped"]:
-                results[name].update(status="stopped", steps=progress["step"])
+        # Which process holds each role on which devices (summary.json), and whether it stopped early; a driver
+        # that died with its task has no answer, and the result says why.
+        if last is not None:
+            results[name]["roles"] = last["roles"]
+            if results[name]["status"] == "ok" and last["state"] == "stopped":
+                results[name].update(status="stopped", steps=last["step"])
         status = results[name]["status"]
         echo(f"[{name}] {status}" + (f": {results[name]['error']}" if status == "failed" else "")
              + (f" after step {results[name]['steps']}" if status == "stopped" else "")

@@ -58,10 +58,11 @@ def local_role_devices(placement: str, kind: str, num_devices: int, visible: int
     an engine's mesh first and an actor's last (colocated: both first)."""
     if visible >= num_devices:
         return role_devices(placement, num_devices, actor_mesh, rollout_mesh)[kind]
-    n = sharding.num_devices(actor_mesh if kind == "actor" else rollout_mesh)
+    mesh = actor_mesh if kind == "actor" else rollout_mesh
+    n = sharding.num_devices(mesh)
     if n > visible:
-        raise ConfigError(f"the {kind}'s mesh ({sharding.describe(actor_mesh if kind == 'actor' else rollout_mesh)}) "
-                          f"needs {n} devices, but its process sees {visible}")
+        raise ConfigError(f"the {kind}'s mesh ({sharding.describe(mesh)}) needs {n} devices, but its process "
+                          f"sees {visible}")
     last = kind == "actor" and placement == "disaggregated"
     return list(range(visible - n, visible)) if last else list(range(n))
 

@@ -247,6 +247,16 @@ def planned_bytes(task: TaskConfig, index: int) -> dict[str, dict[str, int]]:
     return {"actor": actor_bytes(task, model), "engine": engine_bytes(task, model)}
 
 
+# What a role holds on a device between phases, the bytes admission counts: an engine's params and its
+# largest KV cache, an actor's params, AdamW state and reference (gradients and activations live in a phase).
+RESIDENT_KINDS = {"engine": ("params", "kv_cache"), "actor": ("params", "optimizer", "reference")}
+
+
+def resident_bytes(planned: dict[str, dict[str, int]]) -> dict[str, int]:
+    """{"engine": bytes, "actor": bytes} on one device, summed over RESIDENT_KINDS of `planned_bytes`."""
+    return {role: sum(planned[role].get(k, 0) for k in kinds) for role, kinds in RESIDENT_KINDS.items()}
+
+
 def check_budget(cfg: ExperimentConfig) -> None:
     """Every role fits `cluster.memory_budget_gb` on one device by itself (what the scheduler's admission
     counts: an engine's params and KV cache, an actor's params, AdamW state and reference), or one
@@ -256,7 +266,7 @@ def check_budget(cfg: ExperimentConfig) -> None:
         return
     for i, task in enumerate(cfg.tasks):
         planned = planned_bytes(task, i)
-        for role, kinds in (("engine", ("params", "kv_cache")), ("actor", ("params", "optimizer", "reference"))):
+        for role, kinds in RESIDENT_KINDS.items():
             parts = {k: planned[role][k] for k in kinds if k in planned[role]}
             need = sum(parts.values())
             if need > budget * GiB:

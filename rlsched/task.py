@@ -56,7 +56,7 @@ class TaskDriver:
         self.memory: dict[Role, dict[str, int]] = {Role.ACTOR: {}, Role.ENGINE: {}}  # last probe of each role
         self.where: dict[str, str] = {}  # phase and resource of the lock held now
         self.step_done = 0
-        self.places: dict[str, dict[str, Any]] = {}  # role -> {"pid", "devices"}: which process holds what
+        self.places: dict[str, dict[str, Any]] = {}  # role -> {"pid", "devices"}: which process holds what (poll)
         self.saved_step = 0  # the last step with a checkpoint (0: none)
         self._latest: dict[str, float] = {}  # the last step's reward and time, for `poll`
         self._step_seconds: list[float] = []
@@ -235,8 +235,12 @@ class TaskDriver:
         """Save step `n` when `checkpoint_every` says so, at the last step, or when the run is stopping."""
         every = self.spec.config.checkpoint_every
         if (every and (n % every == 0 or n == self.spec.config.steps)) or self._stop.is_set():
-            self.roles[Role.ACTOR].save(n, {"step": n, "loader": self.host.loader.state(), "task": self.name})
-            self.saved_step = n
+            self._save(n)
+
+    def _save(self, n: int) -> None:
+        """Checkpoint step `n` (the caller holds the TRAIN lock: the actor's state is resident)."""
+        self.roles[Role.ACTOR].save(n, {"step": n, "loader": self.host.loader.state(), "task": self.name})
+        self.saved_step = n
 
     # ---- stopping on request ----------------------------------------------------------------------------
 
@@ -249,18 +253,17 @@ class TaskDriver:
         state must be resident and nobody may evict it mid-save), unless it is saved already."""
         if self.step_done > 0 and self.saved_step != self.step_done:
             with self.hold(Phase.TRAIN):
-                n = self.step_done
-                self.roles[Role.ACTOR].save(n, {"step": n, "loader": self.host.loader.state(), "task": self.name})
-                self.saved_step = n
+                self._save(self.step_done)
         self.echo(f"[{self.name}] stopped after step {self.step_done} of {self.spec.config.steps}"
                   + (f"; checkpoint {self.saved_step} saved" if self.saved_step else "; no step to save"))
 
     def poll(self) -> dict[str, Any]:
         """For the command that shows the run (rlsched.progress): the lines echoed since the last poll and this
-        task's row: state, step/steps, last reward and step time, mean step time, phase held or waited for."""
+        task's row: state, step/steps, last reward and step time, mean step time, phase held or waited for; and
+        which process holds each role on which device ids ("roles", for summary.json)."""
         drain = getattr(self.echo, "drain", None)
         if self._closed:
-            state = "stopped" if self.progress()["stopped"] else "ended"
+            state = "stopped" if self._stop.is_set() and self.step_done < self.spec.config.steps else "ended"
         else:
             state = ("stopping" if self._stop.is_set() else "running") if self._started.is_set() else "starting"
         phase = (f"{self.where['phase']} ({self.where['resource']})" if self.where
@@ -268,11 +271,7 @@ class TaskDriver:
         times = self._step_seconds
         return {"lines": drain() if drain else [], "state": state, "step": self.step_done,
                 "steps": self.spec.config.steps, "phase": phase, **self._latest,
-                "mean_step_s": sum(times) / len(times) if times else None}
-
-    def progress(self) -> dict[str, Any]:
-        """{"step": last completed step, "stopped": whether it ended on a stop request}."""
-        return {"step": self.step_done, "stopped": self._stop.is_set() and self.step_done < self.spec.config.steps}
+                "mean_step_s": sum(times) / len(times) if times else None, "roles": self.places}
 
     # ---- memory moves ---------------------------------------------------------------------------------
 
@@ -313,10 +312,6 @@ class TaskDriver:
     def events(self) -> list[dict]:
         """This task's timeline (driver and roles), for the experiment's trace."""
         return self.timeline.events()
-
-    def role_places(self) -> dict[str, dict[str, Any]]:
-        """{"actor": {"pid", "devices"}, "engine": {...}}: the process and device ids of each role."""
-        return self.places
 
     def role_handles(self) -> dict[str, Any]:
         """{"engine": handle, "actor": handle} of this task's role actors (for tools and fault tests)."""
