@@ -85,7 +85,8 @@ def role_env(num_devices: int, resource: str, *, shares_devices: bool) -> dict[s
       would free nothing for the other process).
     """
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(HOST_DEVICES_FLAG)]
-    env = {"XLA_FLAGS": " ".join([*flags, f"{HOST_DEVICES_FLAG}={num_devices}"])}
+    # RLSCHED_RECORD_EXIT: the role's process records how it ends (rlsched.exits), for the error its task ends with
+    env = {"XLA_FLAGS": " ".join([*flags, f"{HOST_DEVICES_FLAG}={num_devices}"]), "RLSCHED_RECORD_EXIT": "1"}
     if resource == "GPU" and shares_devices:
         env |= {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
     return env
@@ -97,7 +98,9 @@ def use_host_devices(num_devices: int) -> None:
     import sys
 
     if "jax" not in sys.modules:
-        os.environ.update(role_env(num_devices, "CPU", shares_devices=False))
+        env = role_env(num_devices, "CPU", shares_devices=False)
+        env.pop("RLSCHED_RECORD_EXIT")  # this process is the driver: its end is no role's death to explain
+        os.environ.update(env)
 
 
 def device_resource() -> str:

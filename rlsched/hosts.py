@@ -31,12 +31,16 @@ from typing import Any
 
 from rlsched import placement as pin
 from rlsched.errors import RoleDied, TaskError
+from rlsched.exits import death_cause
 
 
 class RoleHost:
     """The process that holds every role of one device group on this host (run as a threaded Ray actor)."""
 
     def __init__(self, cores: list[int] | None = None):
+        from rlsched import exits
+
+        exits.watch()  # a death is told by how it happened (rlsched.exits)
         if cores:
             pin.pin_process(cores)  # before JAX creates its thread pools: the group's cores, as a role would
         self.roles: dict[str, Any] = {}
@@ -108,7 +112,7 @@ class HostedRole:
         try:
             return ray.get(ref)
         except ray.exceptions.RayActorError as err:
-            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            cause = death_cause(err)
             raise RoleDied(f"the device group's host process holding its {self.kind} died during {name}(): "
                            f"{cause}") from err
 

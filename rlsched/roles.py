@@ -32,6 +32,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from rlsched import exits
 from rlsched import placement as pin
 from rlsched.cluster import RolePlacement, init_ray, role_env
 from rlsched.comm import WeightChannel, WeightMessage, make_channel
@@ -132,6 +133,7 @@ class ActorRole(_Role):
     kind = "actor"
 
     def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None):
+        exits.watch()  # in a process of its own: a death is told by how it happened
         if cores:
             pin.pin_process(cores)  # before JAX creates its thread pools
         from rlsched.checkpoints import TaskCheckpointer
@@ -214,6 +216,7 @@ class EngineRole(_Role):
     def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None):
         from workers.rollout import XLA_CPU_THREADS, make_engine
 
+        exits.watch()  # in a process of its own: a death is told by how it happened
         r, g = spec.config.rollout, spec.config.grpo
         if cores:
             pin.pin_process(cores, xla_threads=XLA_CPU_THREADS.get(r.engine, 1))
@@ -297,7 +300,7 @@ class RemoteRole:
             try:
                 return ray.get(method.remote(*args, **kwargs))
             except ray.exceptions.RayActorError as err:
-                cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                cause = exits.death_cause(err)
                 raise RoleDied(f"its {self.kind} process died during {name}(): {cause}") from err
 
         return call

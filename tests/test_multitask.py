@@ -166,8 +166,12 @@ def test_killed_task_is_reported_and_the_others_finish_unchanged(ray_session, tm
 
 
 def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_path, tiny_model_dir, solo_addition):
-    """A role dies mid-run (here: the engine, as a crash or OOM would end it): its task fails with a
-    cause that names the role, releases its lease, and the other task computes what it would alone."""
+    """A role dies mid-run (here: the engine, killed from outside with SIGKILL, as `kill -9` or the OOM
+    killer ends it): its task fails with a cause that names the role and how it died, releases its lease,
+    and the other task computes what it would alone."""
+    import os
+    import signal
+
     import ray
 
     cfg = _experiment(tmp_path, tiny_model_dir, "engine-fault", ["addition", "subtraction"], steps=6,
@@ -176,12 +180,14 @@ def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_pa
 
     def kill_engine(drivers):
         engine = ray.get(drivers["subtraction"].role_handles.remote())["engine"]
-        _kill_after_first_step(engine, metrics_path)
+        pid = ray.get(engine.where.remote())["pid"]
+        _kill_after_first_step(engine, metrics_path, kill=lambda _: os.kill(pid, signal.SIGKILL))
 
     results = run_experiment(cfg, echo=lambda *_: None, on_started=kill_engine)
     assert results["addition"]["status"] == "ok", results
     assert results["subtraction"]["status"] == "failed", results
-    assert "its engine process died" in results["subtraction"]["error"]
+    assert "its engine process died during" in results["subtraction"]["error"]
+    assert "killed by signal 9 (SIGKILL)" in results["subtraction"]["error"], results["subtraction"]["error"]
     assert "task subtraction, step " in results["subtraction"]["error"]  # where it happened, beside the cause
     # One W&B run per task and one for the scheduler, each finished, the failed task's as failed.
     assert _wandb_exit(cfg.run_dir / "tasks" / "addition") == 0
@@ -198,16 +204,18 @@ def _wandb_exit(run_dir):
     return exits[-1] if exits else None
 
 
-def _kill_after_first_step(actor, metrics_path, timeout=120.0):
+def _kill_after_first_step(actor, metrics_path, timeout=120.0, kill=None):
     import threading
 
     import ray
+
+    kill = kill or ray.kill
 
     def watch():
         deadline = time.time() + timeout
         while time.time() < deadline:
             if metrics_path.exists() and metrics_path.read_text().count("\n") >= 1:
-                ray.kill(actor)
+                kill(actor)
                 return
             time.sleep(0.05)
 
