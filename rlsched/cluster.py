@@ -45,6 +45,16 @@ def init_ray(address: str | None = None, *, log_to_driver: bool = True) -> None:
                 logger.removeFilter(_errors_only)
 
 
+def worker_log_dir() -> str | None:
+    """Where Ray writes its processes' stdout and stderr on this node (each node has its own), or None."""
+    import ray
+
+    try:
+        return os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")  # no public API
+    except Exception:  # noqa: BLE001 - a Ray without it (or a client connection): the line is left out
+        return None
+
+
 # The loggers of Ray's start-up messages (a logger's filter sees the records it creates itself).
 _RAY_STARTUP_LOGGERS = ("ray._private.worker", "ray._private.authentication.authentication_token_setup")
 

@@ -27,6 +27,7 @@ from rlsched.policy import GroupSpec, Policy
 from rlsched.preflight import preflight
 from rlsched.progress import LineBuffer, ProgressView
 from rlsched.runfiles import prepare_run_dir, write_atomic
+from rlsched.runlog import RunLog
 from rlsched.stopping import Stopped, StopSignals
 from workers.models import sharding
 
@@ -43,15 +44,19 @@ def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str
     paths = [configs] if isinstance(configs, str | Path) else list(configs)
     cfg = select_tasks(load_configs(paths, overrides), tasks)
     preflight(cfg)  # what could only fail later (meshes, positions, budget, data, reward, output dir)
-    for task in cfg.tasks:
-        echo(task.batch_plan().describe())
+    plans = [task.batch_plan().describe() for task in cfg.tasks]
+    for line in plans:
+        echo(line)
     if address is not None and not in_process:
         cluster.check_reachable(address)  # in seconds, before anything is written
     run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
-    echo(f"run directory: {run_dir}")
-    if in_process:
-        return run_in_process(cfg, resume=resume, echo=echo)
-    return run_experiment(cfg, resume=resume, address=address, echo=echo, live=live)
+    with RunLog(run_dir / "run.log", echo) as log:  # every line from here on is also in run.log, timed
+        for line in plans:
+            log.note(line)
+        log(f"run directory: {run_dir}")
+        if in_process:
+            return run_in_process(cfg, resume=resume, echo=log)
+        return run_experiment(cfg, resume=resume, address=address, echo=log, live=live)
 
 
 def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -> dict[str, list[dict[str, Any]]]:
@@ -118,6 +123,9 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     from rlsched.task import TaskDriver
 
     cluster.init_ray(address, log_to_driver=False)  # task lines are pulled (rlsched.progress); the rest is logged
+    logs = cluster.worker_log_dir()
+    if logs is not None:
+        echo(f"what libraries print in role processes: {logs} (worker-*-<pid>.err; pids in summary.json)")
     resource = cluster.device_resource()
     processes = resolve_processes(cfg.cluster.processes, resource)
     check_platform(resource, cfg, processes)  # what cannot work on this platform: before any role starts

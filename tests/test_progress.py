@@ -36,3 +36,31 @@ def test_a_live_view_draws_every_task_on_a_terminal(capsys):
                         "phase": "ROLLOUT (g0/shared)", "step_s": 2.0, "mean_step_s": 2.0})
     out = capsys.readouterr().out
     assert "[a] started" in out and "ROLLOUT (g0/shared)" in out and "0:06" in out  # 3 steps x 2 s left
+
+
+def test_a_run_log_keeps_every_line_and_this_processs_warnings_off_the_terminal(tmp_path, capsys):
+    import logging
+    import warnings
+
+    from rlsched.runlog import RunLog
+
+    path = tmp_path / "run" / "run.log"
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with RunLog(path, echo=print) as log:
+            log("[addition] step    1/3  reward 0.125")
+            log.note("only in the log")
+            warnings.warn("a library's deprecation", DeprecationWarning, stacklevel=1)
+            logging.getLogger("some.library").warning("a library's warning")
+        with RunLog(path, echo=print) as log:  # a resumed run appends
+            log("[addition] step    2/3  reward 0.250")
+    out = capsys.readouterr()
+    assert out.out == "[addition] step    1/3  reward 0.125\n[addition] step    2/3  reward 0.250\n"
+    assert out.err == ""
+    text = path.read_text()
+    for expected in ("step    1/3", "only in the log", "DeprecationWarning: a library's deprecation",
+                     "WARNING some.library: a library's warning", "step    2/3"):
+        assert expected in text, text
+    assert text.count("=== pid ") == 2
+    # Its handler is gone with it: later warnings are no longer written to a closed run's log
+    assert not [h for h in logging.getLogger().handlers if getattr(getattr(h, "stream", None), "name", "") == str(path)]
