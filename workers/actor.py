@@ -241,7 +241,8 @@ class ActorWorker:
     def _moved(self, history: list[dict], first: int) -> bool:
         """Whether the params should differ after these updates: one was applied (not skipped) at a non-zero
         rate (warmup's first step runs at lr 0) with a gradient, or a weight decay large enough to show in the
-        params' dtype, to apply (a batch whose groups all scored alike has no gradient). The caller checks that they do (rlsched.roles.ActorRole)."""
+        params' dtype, to apply (a batch whose groups all scored alike has no gradient). The caller checks
+        that they do (rlsched.roles.ActorRole)."""
         import jax
 
         schedule, step = make_schedule(self.settings), first
