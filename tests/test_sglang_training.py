@@ -118,3 +118,32 @@ def test_a_crash_inside_sglang_jax_fails_only_its_task(ray_session, tmp_path, de
                 for m in read_metrics(c.run_dir / "tasks" / "addition" / "metrics.jsonl")]
 
     assert clean(cfg) == clean(solo)
+
+
+def test_the_sglang_demo_config_runs_two_steps_through_the_cli(tmp_path):
+    """configs/demo_sglang.yaml as a user runs it (`rlsched train`, its own embedded Ray), two small steps."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sets = [f"experiment.output_dir={tmp_path}"]
+    for i, name in enumerate(("addition", "subtraction")):
+        sets += [f"tasks.{i}.{k}" for k in ("steps=2", "checkpoint_every=2", "grpo.prompts_per_step=4",
+                                            "grpo.num_generations=4", "grpo.mini_batch_size=8",
+                                            "rollout.max_batch_size=16")]
+        sets += [f"tasks.{i}.model.path={tmp_path / 'models' / name}"]
+    args = [sys.executable, "-m", "rlsched.cli", "train", "configs/demo_sglang.yaml"]
+    for s in sets:
+        args += ["--set", s]
+    done = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    run = tmp_path / "demo-sglang"
+    summary = json.loads((run / "summary.json").read_text())["tasks"]
+    for name in ("addition", "subtraction"):
+        assert summary[name]["status"] == "ok", summary
+        metrics = read_metrics(run / "tasks" / name / "metrics.jsonl")
+        assert [m["weight_version"] for m in metrics] == [1, 2]  # both steps generated on synced weights
+        assert (run / "tasks" / name / "checkpoints" / "2").is_dir()
