@@ -8,6 +8,7 @@ Ray is imported inside the functions: importing this module costs nothing where 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from typing import Any
@@ -63,23 +64,64 @@ def _errors_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR
 
 
+PROBE_TIMEOUT_S = 15.0
+_probed: set[str] = set()  # addresses found to be Ray clusters of our versions (train and init_ray both ask)
+
+
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail fast, naming `address`, when nothing listens there: Ray itself retries for minutes. Only a
-    `host:port` address is probed ("auto", "local" and ray:// client addresses go to Ray as they are)."""
+    """Fail fast, naming `address`, where Ray itself would retry for minutes or fail with a traceback: nothing
+    listens there; something listens that is no Ray cluster; a cluster of other Ray or Python versions. Only
+    a `host:port` address is probed ("auto", "local" and ray:// client addresses go to Ray as they are)."""
     import socket
+    import subprocess
+    import sys
 
     from rlsched.errors import ClusterUnreachable
 
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address:
+    if not sep or not port.isdigit() or "://" in address or address in _probed:
         return
+    start = ("start one with `ray start --head` and pass the address it prints, or leave --address out for an "
+             "embedded local Ray")
     try:
         with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s):
             pass
     except OSError as err:
         raise ClusterUnreachable(f"--address {address}: no Ray cluster answers there ({err.strerror or err}); "
-                                 "start one with `ray start --head` and pass the address it prints, or leave "
-                                 "--address out for an embedded local Ray") from None
+                                 f"{start}") from None
+    try:
+        probe = subprocess.run([sys.executable, "-m", "rlsched.gcsprobe", address], capture_output=True, text=True,
+                               timeout=PROBE_TIMEOUT_S, env=os.environ | {"RAY_USAGE_STATS_ENABLED": "0"})
+    except subprocess.TimeoutExpired:
+        raise ClusterUnreachable(f"--address {address}: something listens there, but no Ray cluster answered in "
+                                 f"{PROBE_TIMEOUT_S:.0f} s (a wrong port? Ray's GCS listens on 6379 unless "
+                                 f"`ray start --head --port` said otherwise); {start}") from None
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ClusterUnreachable(f"--address {address}: the Ray cluster there could not be asked for its "
+                                 f"versions: {last}")
+    check_versions(address, json.loads(probe.stdout))
+    _probed.add(address)
+
+
+def check_versions(address: str, metadata: dict) -> None:
+    """The cluster at `address` runs the Ray and Python this process runs, as `ray.init` requires (its own
+    check, made into one line)."""
+    import platform
+
+    import ray
+    from ray._private.utils import check_version_info
+
+    from rlsched.errors import ClusterUnreachable
+
+    try:
+        check_version_info(metadata, f"rlsched at {address}", raise_on_mismatch=True)
+    except RuntimeError:
+        raise ClusterUnreachable(
+            f"--address {address}: the cluster runs Ray {metadata.get('ray_version')} on Python "
+            f"{metadata.get('python_version')}, this rlsched Ray {ray.__version__} on Python "
+            f"{platform.python_version()}; run rlsched with the cluster's versions, or start the cluster from this "
+            "environment") from None
 
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"

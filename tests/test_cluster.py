@@ -1,4 +1,6 @@
-"""The embedded Ray cluster: token authentication stays on, so a client without the token runs nothing."""
+"""The Ray cluster a run uses: the embedded one keeps token authentication on, so a client without the token
+runs nothing; one given by `--address` is checked within seconds (something else listening there, other
+versions) instead of Ray's minutes of retries."""
 
 from __future__ import annotations
 
@@ -44,3 +46,60 @@ def test_a_client_without_the_clusters_token_cannot_run_work(ray_session, tmp_pa
     for code, stdout, stderr in outsiders:
         assert code != 0 and "ran 42" not in stdout, (code, stdout)
         assert code is None or "authentication token" in stderr.lower(), stderr[-2000:]
+
+
+def test_an_address_where_no_ray_cluster_listens_is_named_within_30_s(tmp_path):
+    """Something listens there (a web server), but it is no Ray GCS: one line naming the address, exit 1,
+    where Ray itself would retry for minutes."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        root = Path(__file__).resolve().parents[1]
+        t0 = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "rlsched.cli", "train", "configs/demo_multitask.yaml",
+                               "--address", f"127.0.0.1:{port}", "--set", f"experiment.output_dir={tmp_path}"],
+                              cwd=root, capture_output=True, text=True, timeout=120)
+        seconds = time.monotonic() - t0
+    finally:
+        web.kill()
+    assert done.returncode == 1 and seconds < 30, (seconds, done.stderr[-2000:])
+    assert done.stderr.splitlines() == [
+        f"error: --address 127.0.0.1:{port}: something listens there, but no Ray cluster answered in 15 s (a wrong "
+        "port? Ray's GCS listens on 6379 unless `ray start --head --port` said otherwise); start one with `ray start "
+        "--head` and pass the address it prints, or leave --address out for an embedded local Ray"], done.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_a_cluster_of_other_versions_is_named_with_both(ray_session):
+    """The live cluster's own metadata, read as `--address` reads it, passes; the same with another Ray
+    version (what a cluster started from another environment reports) is one line naming both."""
+    import platform
+
+    from rlsched import cluster
+    from rlsched.errors import ClusterUnreachable
+    from rlsched.gcsprobe import cluster_metadata
+
+    gcs = ray_session.get_runtime_context().gcs_address
+    metadata = cluster_metadata(gcs)
+    assert metadata["ray_version"] == ray_session.__version__
+    cluster.check_reachable(gcs)  # the probe in its child process, as `rlsched train --address` runs it
+    with pytest.raises(ClusterUnreachable) as err:
+        cluster.check_versions(gcs, metadata | {"ray_version": "2.9.3"})
+    assert str(err.value) == (
+        f"--address {gcs}: the cluster runs Ray 2.9.3 on Python {metadata['python_version']}, this rlsched Ray "
+        f"{ray_session.__version__} on Python {platform.python_version()}; run rlsched with the cluster's versions, "
+        "or start the cluster from this environment")
