@@ -1,4 +1,6 @@
-"""The real-hardware recipes run from a fresh clone: configs/gsm8k_qwen3*.yaml for two steps, as shipped but
+"""Every shipped config runs for two steps: demo_4tasks here (the other demos in the tests of what they show:
+demo_addition in test_train, demo_multitask in test_stopping and test_terminal, demo_mesh in test_mesh_run,
+demo_sglang in the sglang stage), and the real-hardware recipes from a fresh clone: configs/gsm8k_qwen3*.yaml for two steps, as shipped but
 on a tiny random Qwen3 with the real Qwen3 tokenizer and small batches: the shipped GSM8K, its chat
 template and system prompt, the gsm8k reward, a reference model (beta 0.08), bfloat16 parameters at the
 recipe's learning rate, and the mesh recipe's fsdp 4 x tp 2 actor and tp 2 engine on 8 CPU devices."""
@@ -34,3 +36,14 @@ def test_a_gsm8k_recipe_runs_two_steps(tmp_path, tiny_qwen3_real_tokenizer, reci
     assert history[0]["kl"] == 0.0 and history[1]["kl"] >= 0  # beta 0.08: a reference model is held
     (run,) = tmp_path.iterdir()
     assert (run / "tasks" / "gsm8k" / "checkpoints" / "2").is_dir()
+
+
+def test_the_four_task_demo_runs_two_steps(tmp_path):
+    sets = [f"experiment.output_dir={tmp_path}"]
+    for i in range(4):
+        sets += [f"tasks.{i}.{k}" for k in ("steps=2", "grpo.prompts_per_step=4", "grpo.num_generations=4",
+                                            "grpo.mini_batch_size=8", "rollout.max_batch_size=16")]
+        sets += [f"tasks.{i}.model.path={tmp_path / 'models' / str(i)}"]
+    results = train(CONFIGS / "demo_4tasks.yaml", overrides=sets, echo=lambda *_: None)
+    assert sorted(results) == ["add-a", "add-b", "sub-a", "sub-b"]
+    assert all(len(history) == 2 for history in results.values())

@@ -103,6 +103,21 @@ def test_sigterm_stops_after_the_step_in_progress_and_resume_computes_the_uninte
                 assert g[k] == pytest.approx(v, rel=1e-6, abs=1e-6), (task, g["step"], k)
 
 
+def test_ctrl_c_once_stops_like_sigterm_with_exit_130(tmp_path):
+    """SIGINT (Ctrl-C) takes the SIGTERM path above (the resume is shared); what differs is the exit code."""
+    out = tmp_path / "out"
+    run = _Run(_args(out, tmp_path / "models", "--overwrite"))
+    run.wait_for("[addition] step    1/")
+    run.proc.send_signal(signal.SIGINT)
+    code, text, seconds = run.finish(timeout=120)
+    assert code == 130 and seconds < 60 and "Traceback" not in text, text[-3000:]
+    assert "SIGINT: every task finishes the step it is in and saves a checkpoint there" in text
+    assert "Continue with:" in text and "--resume" in text
+    summary = json.loads((out / "demo-multitask" / "summary.json").read_text())["tasks"]
+    assert {summary[t]["status"] for t in ("addition", "subtraction")} <= {"ok", "stopped"}, summary
+    assert (out / "demo-multitask" / "timeline.png").is_file()
+
+
 def test_a_second_sigint_stops_at_once(tmp_path):
     run = _Run(_args(tmp_path / "out", tmp_path / "models", "--overwrite"))
     run.wait_for("[addition] actor on devices")  # running, before its first step (no need to wait for it)

@@ -1,5 +1,5 @@
-"""What a person sees at a terminal: `rlsched train configs/demo_4tasks.yaml` in a real pseudo-terminal, two
-steps of each of its four tasks. A live row per task, the tasks' lines above it, and nothing else: no Ray
+"""What a person sees at a terminal: `rlsched train configs/demo_multitask.yaml` in a real pseudo-terminal,
+two small steps of each task. A live row per task, the tasks' lines above it, and nothing else: no Ray
 process tags, no warnings, no traceback."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-TASKS = ("add-a", "add-b", "sub-a", "sub-b")
+TASKS = ("addition", "subtraction")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
 
 
@@ -49,13 +49,13 @@ def _in_a_terminal(args: list[str], timeout: float) -> tuple[int, str]:
     return code, b"".join(chunks).decode(errors="replace")
 
 
-def test_four_tasks_at_a_terminal_show_live_rows_and_nothing_but_their_lines(tmp_path):
+def test_a_run_at_a_terminal_shows_live_rows_and_nothing_but_the_tasks_lines(tmp_path):
     sets = [f"experiment.output_dir={tmp_path}"]
     for i, name in enumerate(TASKS):
         sets += [f"tasks.{i}.{k}" for k in ("steps=2", "grpo.prompts_per_step=4", "grpo.num_generations=4",
                                             "grpo.mini_batch_size=8", "rollout.max_batch_size=16")]
         sets += [f"tasks.{i}.model.path={tmp_path / 'models' / name}"]
-    args = [sys.executable, "-m", "rlsched.cli", "train", "configs/demo_4tasks.yaml"]
+    args = [sys.executable, "-m", "rlsched.cli", "train", "configs/demo_multitask.yaml"]
     for s in sets:
         args += ["--set", s]
     code, shown = _in_a_terminal(args, timeout=420)
@@ -70,7 +70,7 @@ def test_four_tasks_at_a_terminal_show_live_rows_and_nothing_but_their_lines(tmp
     for noise in ("pid=", "(raylet)", "(TaskDriver", "Traceback", "arning", "os.fork", "blocking ray.get",
                   "Started a local Ray instance"):
         assert noise not in text, (noise, text[-4000:])
-    run = tmp_path / "demo-4tasks"
+    run = tmp_path / "demo-multitask"
     summary = json.loads((run / "summary.json").read_text())["tasks"]
     assert {name: summary[name]["status"] for name in TASKS} == dict.fromkeys(TASKS, "ok")
     for name in TASKS:
