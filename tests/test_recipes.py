@@ -1,9 +1,10 @@
 """Every shipped config runs for two steps: demo_4tasks here (the other demos in the tests of what they show:
 demo_addition in test_train, demo_multitask in test_stopping and test_terminal, demo_mesh in test_mesh_run,
-demo_sglang in the sglang stage), and the real-hardware recipes from a fresh clone: configs/gsm8k_qwen3*.yaml for two steps, as shipped but
-on a tiny random Qwen3 with the real Qwen3 tokenizer and small batches: the shipped GSM8K, its chat
-template and system prompt, the gsm8k reward, a reference model (beta 0.08), bfloat16 parameters at the
-recipe's learning rate, and the mesh recipe's fsdp 4 x tp 2 actor and tp 2 engine on 8 CPU devices."""
+demo_sglang in the sglang stage), and the real-hardware recipes configs/gsm8k_qwen3*.yaml from a fresh
+clone, as shipped but on a tiny random Qwen3 with the real Qwen3 tokenizer and small batches: the shipped
+GSM8K, its chat template and system prompt, the gsm8k reward, a reference model (beta 0.08), bfloat16
+parameters at the recipe's learning rate, and the mesh recipe's fsdp 4 x tp 2 actor and tp 2 engine on 8
+CPU devices."""
 
 from __future__ import annotations
 
