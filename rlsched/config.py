@@ -102,7 +102,9 @@ class ClusterConfig(_Section):
     memory_budget_gb: float | None = Field(None, gt=0)
     """Memory budget of each device, in GiB (a role on an n-device mesh holds its share on each); None = unlimited."""
     lease_timeout_s: float = Field(600.0, gt=0)
-    """Longest a task may hold one phase's lock, in seconds; a holder past it loses the lock and fails."""
+    """Longest a task may hold one phase's lock, in seconds; a holder past it is fenced (its roles stopped) and
+    fails, and only then does the lock pass on. A task's first hold of each phase, where its programs compile,
+    is exempt."""
     processes: Literal["auto", "per_role", "per_device_group"] = "auto"
     """Which processes hold the roles. `per_role`: each task's actor and engine in a process of its own (roles
     that time-share devices are then several processes on one device: CPU, and GPU with rlsched turning XLA's
@@ -332,7 +334,15 @@ class TaskConfig(_Section):
     steps: int = Field(ge=1)
     """GRPO steps to run."""
     checkpoint_every: int = Field(0, ge=0)
-    """GRPO steps between checkpoints; 0 = never."""
+    """GRPO steps between checkpoints (and the last step); 0 = never (a stop still saves). Written in the
+    background: the step waits only for the copy to host. Tasks' saves are staggered: task i of n saves at the
+    steps where (step + i * checkpoint_every // n) is a multiple of checkpoint_every, so they do not all write
+    at once."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept per task (older ones are deleted once a newer one is complete)."""
+    checkpoint_async: bool = True
+    """Write checkpoints in the background (the step waits only for the copy to host); false: the step waits
+    for the files (benchmarks/checkpoint.py compares the two)."""
     log_every: int = Field(1, ge=1)
     """GRPO steps between metric logs."""
 
@@ -430,7 +440,8 @@ class ExperimentConfig(_Section):
         return [TaskSpec(experiment=self.experiment.name, index=i, config=t,
                          seed=t.resolved_seed(self.experiment.seed, i), dir=run_dir / "tasks" / t.name,
                          tracking=self.experiment.tracking, placement=self.cluster.placement,
-                         num_devices=self.num_devices)
+                         num_devices=self.num_devices,
+                         checkpoint_offset=i * t.checkpoint_every // len(self.tasks))
                 for i, t in enumerate(self.tasks)]
 
 
@@ -458,6 +469,7 @@ class TaskSpec:
     placement: Literal["colocated", "disaggregated"]
     num_devices: int  # the experiment's device pool (rlsched.meshes.role_devices picks each role's from it)
     processes: Literal["per_role", "per_device_group"] = "per_role"  # cluster.processes once the platform is known
+    checkpoint_offset: int = 0  # staggers the tasks' saves (TaskConfig.checkpoint_every)
 
     @property
     def name(self) -> str:

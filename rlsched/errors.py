@@ -20,3 +20,20 @@ class CheckpointError(RuntimeError):
 
 class ClusterUnreachable(RuntimeError):
     """`--address` names no Ray cluster this process can reach; the message names the address."""
+
+
+def cause_of(err: BaseException) -> str:
+    """"<Type>: <message> (<where>)" of the error a role or a driver raised, through Ray's wrapping (a role's
+    error re-raised by its driver is a RayTaskError whose cause is another): the original type and message,
+    with the notes each level added (task, step, role and call)."""
+    import ray
+
+    notes: list[str] = []
+    while True:
+        notes += [n for n in getattr(err, "__notes__", ()) if n not in notes]
+        inner = getattr(err, "cause", None)
+        if not isinstance(err, ray.exceptions.RayTaskError) or not isinstance(inner, BaseException):
+            break
+        err = inner
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {message}" + (f" ({'; '.join(reversed(notes))})" if notes else "")

@@ -22,6 +22,7 @@ from typing import Any
 
 from rlsched import cluster
 from rlsched.config import ExperimentConfig, TaskConfig, load_configs, select_tasks
+from rlsched.errors import cause_of
 from rlsched.meshes import check_platform, resolve_processes
 from rlsched.policy import GroupSpec, Policy
 from rlsched.preflight import preflight
@@ -246,23 +247,6 @@ def _stopped_message(results: dict[str, dict[str, Any]]) -> str:
     return f"stopped on request ({done or 'every task had finished'}); each task saved its last step"
 
 
-def cause_of(err: BaseException) -> str:
-    """"<Type>: <message> (<where>)" of the error a role or a driver raised, through Ray's wrapping (a role's
-    error re-raised by its driver is a RayTaskError whose cause is another): the original type and message,
-    with the notes each level added (task, step, role and call)."""
-    import ray
-
-    notes: list[str] = []
-    while True:
-        notes += [n for n in getattr(err, "__notes__", ()) if n not in notes]
-        inner = getattr(err, "cause", None)
-        if not isinstance(err, ray.exceptions.RayTaskError) or not isinstance(inner, BaseException):
-            break
-        err = inner
-    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"{type(err).__name__}: {message}" + (f" ({'; '.join(reversed(notes))})" if notes else "")
-
-
 def _result(name: str, ref, scheduler, cfg: ExperimentConfig) -> dict[str, Any]:
     """A driver's outcome: ok with its step count, or failed with the cause (its error, or how it died)."""
     import ray
@@ -270,8 +254,10 @@ def _result(name: str, ref, scheduler, cfg: ExperimentConfig) -> dict[str, Any]:
     try:
         ray.get(ref)
         return {"task": name, "status": "ok", "steps": next(t.steps for t in cfg.tasks if t.name == name)}
-    except ray.exceptions.RayTaskError as err:  # the step loop raised: the original error is the cause
-        return {"task": name, "status": "failed", "error": cause_of(err), "traceback": str(err)}
+    except ray.exceptions.RayTaskError as err:  # the step loop raised: the original error is the cause ...
+        fenced = ray.get(scheduler.fenced.remote()).get(name)  # ... unless the scheduler stopped its roles first
+        error = cause_of(err) if fenced is None else f"{fenced}; its roles were stopped, and then: {cause_of(err)}"
+        return {"task": name, "status": "failed", "error": error, "traceback": str(err)}
     except ray.exceptions.RayActorError as err:  # the driver's process died
         cause = ray.get(scheduler.failed.remote()).get(name, f"its process died ({type(err).__name__})")
         return {"task": name, "status": "failed", "error": cause}

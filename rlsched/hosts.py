@@ -129,6 +129,12 @@ class HostedRole:
     def handle(self):
         return self._host
 
+    def fence_target(self):
+        """What the scheduler stops if it must fence this role's task: the role, dropped by its host."""
+        from rlsched.fencing import Target
+
+        return Target(self.kind, self._host, self.key)
+
     def terminate(self) -> None:
         """Free the role's arrays in the host (the host goes on for the other tasks)."""
         import ray

@@ -275,6 +275,11 @@ class Policy:
         state.holding = None
         self._touch(state, phase.role)
 
+    def lease_of(self, task: str) -> tuple[Phase, float] | None:
+        """The phase `task` holds and when it was granted, or None."""
+        state = self._task(task)
+        return None if state.holding is None else (state.holding, state.granted_at)
+
     def expired(self, now: float, timeout: float) -> list[str]:
         """Tasks whose current lease was granted more than `timeout` seconds before `now`."""
         return [t for t in self._holders.values() if now - self._tasks[t].granted_at > timeout]

@@ -147,7 +147,8 @@ class ActorRole(_Role):
         self.spec = spec
         self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=role_mesh(spec, "actor"))
         self.channel = channel
-        self.checkpointer = TaskCheckpointer(spec.checkpoint_dir)
+        self.checkpointer = TaskCheckpointer(spec.checkpoint_dir, max_to_keep=spec.config.keep_last,
+                                             background=spec.config.checkpoint_async)
         self.timeline = Timeline("actor", task=spec.name)
         self._held = self.worker
         self._published_checksum: str | None = None
@@ -308,6 +309,12 @@ class RemoteRole:
     @property
     def handle(self):
         return self._handle
+
+    def fence_target(self):
+        """What the scheduler stops if it must fence this role's task: its process."""
+        from rlsched.fencing import Target
+
+        return Target(self.kind, self._handle)
 
     def terminate(self) -> None:
         """End the role's process now (its owner would end it when it exits)."""

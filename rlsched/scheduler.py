@@ -3,10 +3,15 @@
 Design decisions:
 - Callers `await acquire(task, phase)`; nobody polls. Each request gets an asyncio future that the
   dispatcher resolves when the policy grants it, so a grant costs one actor round trip.
-- A grant is a **lease**. A holder loses it when it releases, when it overstays `lease_timeout_s`,
+- A grant is a **lease**. A holder loses it when it releases, when it overstays `lease_timeout_s`
+  (from its second hold of a phase on: the first compiles the task's programs, which takes what it takes),
   or when the process holding it dies: every task registers a *lifeline* (an actor method that
   never returns); Ray fails that call the moment the actor dies, and the scheduler marks the task
   failed and hands its lock to the next waiter. No heartbeats, no polling of liveness.
+- **Fenced before anything passes on** (rlsched.fencing). When the scheduler takes a lease away (it
+  expired, its driver died) or an eviction fails, the task's role processes are stopped and known gone
+  before its lock and memory go to another task: never two holders of one phase, never memory counted
+  free that a live process still holds. An eviction that fails fails the evicted task, not the waiter.
 - Drivers reach it through a lock provider (`SchedulerLocks`); `FreeLocks` is the always-free twin
   that an in-process run plugs into the same step loop (rlsched.task).
 """
@@ -18,6 +23,7 @@ import dataclasses
 import time
 from typing import Any
 
+from rlsched.errors import cause_of
 from rlsched.memory import MemoryPool
 from rlsched.policy import Phase, Policy, Role
 
@@ -38,11 +44,18 @@ class LeaseLost(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0):
+    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0, stop=None):
+        """`stop`: async (targets) -> problems, how a task's roles are stopped (default rlsched.fencing.stop)."""
+        if stop is None:
+            from rlsched.fencing import stop
         self.policy = policy
         self.lease_timeout_s = lease_timeout_s
         self._waiters: dict[int, tuple[asyncio.Future, float]] = {}
         self._failed: dict[str, str] = {}  # task -> cause
+        self._fenced: dict[str, str] = {}  # task -> cause, for the tasks the scheduler itself stopped
+        self._targets: dict[str, list] = {}  # task -> its roles to stop when fenced (rlsched.fencing.Target)
+        self._stop = stop
+        self._held_before: set[tuple[str, Phase]] = set()  # (task, phase) released once: compiled, leases expire
         self._watchdog: asyncio.Task | None = None
         self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
         self.grant_log: list[tuple[float, str, str, str]] = []  # (time, task, phase, resource)
@@ -71,6 +84,7 @@ class Scheduler:
         if task in self._failed:
             return  # its lease is already gone
         self.policy.release(task, Phase(phase), time.monotonic())
+        self._held_before.add((task, Phase(phase)))
         self._dispatch()
         self._count_queues()
 
@@ -80,6 +94,10 @@ class Scheduler:
 
     def register_driver(self, task: str, handle: Any) -> None:
         self._drivers[task] = handle
+
+    def register_roles(self, task: str, targets: list) -> None:
+        """What to stop if this task must be fenced (rlsched.fencing.Target per role)."""
+        self._targets[task] = list(targets)
 
     def _dispatch(self) -> None:
         now = time.monotonic()
@@ -97,28 +115,40 @@ class Scheduler:
     async def _evict_then_grant(self, evictions, future: asyncio.Future, lease: Lease) -> None:
         """Offload other tasks' idle roles (their drivers do it; they hold no lease, so nothing of
         theirs is running on those buffers), then hand the lease over."""
-        try:
-            for move in evictions:
+        for move in evictions:
+            if move.task in self._failed:
+                continue  # fenced (or failed) already: its processes, and their bytes, are gone
+            try:
                 if move.task not in self._drivers:
-                    raise LeaseLost(f"cannot evict {move.role} of task {move.task}: no driver registered for it")
+                    raise LeaseLost(f"no driver registered for task {move.task}")
                 await self._drivers[move.task].move.remote(str(move.role), str(move.action))
-        except Exception as err:  # noqa: BLE001 - the waiter must hear of it, never hang
-            if not future.done():
-                future.set_exception(err)
-            return
+            except Exception as err:  # noqa: BLE001 - the evicted task pays for it, never the waiter
+                # Its role may still hold the bytes: stopping it is what frees them for the waiter.
+                await self.fail(move.task, f"its {move.role} could not be offloaded to make room for task "
+                                           f"{lease.task}: {cause_of(err)}", fence=True)
         if not future.done():
             future.set_result(lease)
 
-    async def fail(self, task: str, cause: str) -> None:
-        """Mark a task failed: its lease and queued requests go, its waiters get LeaseLost."""
+    async def fail(self, task: str, cause: str, *, fence: bool = False) -> None:
+        """Mark a task failed: its queued request is refused (LeaseLost), and its lease and memory pass on.
+        `fence`: the scheduler is taking them away from a task that may still run (its lease expired, its
+        driver died, its eviction failed), so its roles are stopped first (rlsched.fencing); until they are,
+        its lock and bytes stay its own. A task that failed by itself has stopped its roles already."""
         if task in self._failed:
             return
         self._failed[task] = cause
-        self.policy.fail(task)
         for request_id, (future, _) in list(self._waiters.items()):
             if not future.done() and self.policy.request_task(request_id) == task:
                 future.set_exception(LeaseLost(f"task {task} failed: {cause}"))
                 del self._waiters[request_id]
+        if fence:
+            self._fenced[task] = cause
+            t0 = self.timeline.now()
+            problems = await self._stop(self._targets.get(task, []))
+            self.timeline.add_span("fence", t0, self.timeline.now(), task=task, cause=cause)
+            if problems:
+                self._failed[task] = self._fenced[task] = f"{cause}; fencing: {'; '.join(problems)}"
+        self.policy.fail(task)
         self._dispatch()
 
     async def retire(self, task: str) -> None:
@@ -133,6 +163,10 @@ class Scheduler:
     def failed(self) -> dict[str, str]:
         return dict(self._failed)
 
+    def fenced(self) -> dict[str, str]:
+        """The tasks the scheduler stopped itself, with why (their own error, if any, came after)."""
+        return dict(self._fenced)
+
     # ---- liveness ---------------------------------------------------------------------------------
 
     async def watch(self, task: str, lifeline: list) -> None:
@@ -140,7 +174,7 @@ class Scheduler:
         try:
             await lifeline[0]
         except Exception as err:  # noqa: BLE001 - any way the holder dies is a death
-            await self.fail(task, f"its process died ({type(err).__name__})")
+            await self.fail(task, f"its process died ({type(err).__name__})", fence=True)
 
     def _ensure_watchdog(self) -> None:
         if self._watchdog is None or self._watchdog.done():
@@ -150,8 +184,13 @@ class Scheduler:
         period = min(1.0, self.lease_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
-            for task in self.policy.expired(time.monotonic(), self.lease_timeout_s):
-                await self.fail(task, f"held its lease longer than lease_timeout_s={self.lease_timeout_s}")
+            now = time.monotonic()
+            for task in self.policy.expired(now, self.lease_timeout_s):
+                if (task, self.policy.lease_of(task)[0]) not in self._held_before:
+                    continue  # its first hold of this phase: the programs compile in it, for as long as they take
+                phase, since = self.policy.lease_of(task)
+                await self.fail(task, f"lease expired after {now - since:.0f} s in phase {phase} "
+                                      f"(cluster.lease_timeout_s={self.lease_timeout_s:g})", fence=True)
 
     # ---- memory ---------------------------------------------------------------------------------------
 
@@ -213,6 +252,12 @@ class SchedulerLocks:
     def report_memory(self, role: str, sizes: dict[str, int]) -> None:
         self.scheduler.report_memory.remote(self.task, role, sizes)  # accounting, not control: no wait
 
+    def register_roles(self, targets: list) -> None:
+        """What the scheduler stops if it must fence this task (rlsched.fencing)."""
+        import ray
+
+        ray.get(self.scheduler.register_roles.remote(self.task, targets))
+
     def close(self) -> None:
         """The task's roles are stopped: tell the scheduler their memory is free."""
         import ray
@@ -239,6 +284,9 @@ class FreeLocks:
         pass
 
     def report_memory(self, role: str, sizes: dict[str, int]) -> None:
+        pass
+
+    def register_roles(self, targets: list) -> None:
         pass
 
     def close(self) -> None:

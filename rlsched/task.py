@@ -84,6 +84,9 @@ class TaskDriver:
             self.roles[Role.ENGINE] = spawn(EngineRole, self.spec, channel=self.channel, placement=self.placement)
             self.tracker = make_trackers(self.spec.tracking, run_dir=self.spec.dir, experiment=self.spec.experiment,
                                          task=self.name, hparams=self.spec.config.model_dump(mode="json"))
+            # What the scheduler stops before passing on this task's lock or memory, if it must fence it
+            self.locks.register_roles([r.fence_target() for r in self.roles.values()
+                                       if isinstance(r, RemoteRole | HostedRole)])
             self._resume_from(meta)
             self.places = {str(role): r.where() for role, r in self.roles.items()}
             self.echo(f"[{self.name}] " + ", ".join(f"{role} on devices {p['devices']} (pid {p['pid']})"
@@ -232,14 +235,18 @@ class TaskDriver:
             self.echo(progress_line(self.name, n, self.spec.config.steps, metrics))
 
     def checkpoint_if_due(self, n: int) -> None:
-        """Save step `n` when `checkpoint_every` says so, at the last step, or when the run is stopping."""
+        """Save step `n` when `checkpoint_every` says so (staggered by the task's offset), at the last step, or
+        when the run is stopping."""
         every = self.spec.config.checkpoint_every
-        if (every and (n % every == 0 or n == self.spec.config.steps)) or self._stop.is_set():
+        due = every and ((n + self.spec.checkpoint_offset) % every == 0 or n == self.spec.config.steps)
+        if due or self._stop.is_set():
             self._save(n)
 
     def _save(self, n: int) -> None:
-        """Checkpoint step `n` (the caller holds the TRAIN lock: the actor's state is resident)."""
-        self.roles[Role.ACTOR].save(n, {"step": n, "loader": self.host.loader.state(), "task": self.name})
+        """Checkpoint step `n` (the caller holds the TRAIN lock: the actor's state is resident while it is copied
+        to host; the files are written in the background, rlsched.checkpoints)."""
+        with self.timeline.span("checkpoint", step=n):
+            self.roles[Role.ACTOR].save(n, {"step": n, "loader": self.host.loader.state(), "task": self.name})
         self.saved_step = n
 
     # ---- stopping on request ----------------------------------------------------------------------------

@@ -7,6 +7,17 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the session's processes (this one, Ray's role processes, CLI
+# subprocesses: they inherit the environment): the many runs of the same tiny models compile each program once.
+# With a size limit, JAX takes a file lock around each read and write, so concurrent processes never see half
+# an entry. A test speed measure only: results are the same programs' (the bit-for-bit tests still hold).
+import tempfile  # noqa: E402
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"rlsched-tests-jax-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
 # 8 XLA host devices in this process, for the sharded-role tests (a mesh needs as many devices as it
 # has); programs not given a mesh still run on the first device only. Not in the sglang stage's
 # environment: it runs only the sglang tests, and sglang-jax fills unspecified mesh axes with every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 from pathlib import Path
@@ -82,6 +83,27 @@ def test_task_specs_resolve_seed_directory_and_comm_group_once(tmp_path):
     assert (first.comm_group, second.comm_group) == ("demo/addition/actor->rollout", "demo/again/actor->rollout")
     assert first.plan is cfg.tasks[0].batch_plan() and first.placement == "colocated"
     assert pickle.loads(pickle.dumps(first)) == first  # handed to other processes as it is
+
+
+def test_tasks_saves_are_staggered_over_the_checkpoint_interval(tmp_path):
+    """Task i of n saves at the steps where step + i * every // n is a multiple of `every` (and the last)."""
+    cfg = load_config(write(tmp_path, ADDITION), ["tasks.0.checkpoint_every=20"])
+    tasks = [cfg.tasks[0].model_copy(update={"name": f"t{i}"}) for i in range(4)]
+    specs = cfg.model_copy(update={"tasks": tasks}).task_specs()
+    from rlsched.scheduler import FreeLocks
+    from rlsched.task import TaskDriver
+
+    assert [s.checkpoint_offset for s in specs] == [0, 5, 10, 15]
+    saved: dict[str, list[int]] = {}
+    for spec in specs:  # the step loop's own decision, its save recorded instead of written
+        driver = TaskDriver(dataclasses.replace(spec, config=spec.config.model_copy(update={"steps": 42})),
+                            FreeLocks(spec.name), echo=lambda *_: None)
+        driver._save = saved.setdefault(spec.name, []).append
+        for n in range(1, 43):
+            driver.checkpoint_if_due(n)
+    assert list(saved.values()) == [[20, 40, 42], [15, 35, 42], [10, 30, 42], [5, 25, 42]]  # and the last
+    never = load_config(write(tmp_path, ADDITION), ["tasks.0.checkpoint_every=0"]).task_specs()
+    assert never[0].checkpoint_offset == 0
 
 
 def test_every_setting_that_changes_results_is_a_config_key(tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 
 import pytest
 
@@ -49,22 +51,62 @@ def test_acquire_is_awaited_fifo_and_phases_overlap():
     asyncio.run(scenario())
 
 
-def test_overstaying_holder_loses_its_lease_and_the_next_waiter_proceeds():
+class _Fence:
+    """The scheduler's `stop` (rlsched.fencing.stop) as a recording fake: stopping takes `seconds`."""
+
+    def __init__(self, seconds=0.05, problems=()):
+        self.seconds, self.problems, self.calls = seconds, list(problems), []
+
+    async def __call__(self, targets):
+        start = time.monotonic()
+        await asyncio.sleep(self.seconds)
+        self.calls.append((list(targets), start, time.monotonic()))
+        return self.problems
+
+
+def test_an_expired_lease_fences_its_holder_before_the_next_waiter_gets_the_lock():
     async def scenario():
-        s = _scheduler(lease_timeout_s=0.2)
+        fence = _Fence(seconds=0.3)
+        s = _scheduler(lease_timeout_s=0.2, stop=fence)
+        s.register_roles("a", ["a's engine", "a's actor"])
         await s.acquire("a", "rollout")
-        lease_b = await asyncio.wait_for(s.acquire("b", "rollout"), 2)  # granted once a's lease expires
+        await asyncio.sleep(0.5)  # a's first hold of rollout: its programs compile, its lease does not expire
+        assert s.failed() == {}
+        await s.release("a", "rollout")
+        await s.acquire("a", "train")
+        await s.release("a", "train")
+        await s.acquire("a", "rollout")  # its second hold: this one expires
+        lease_b = await asyncio.wait_for(s.acquire("b", "rollout"), 3)  # granted once a's lease expires ...
         assert lease_b.task == "b"
-        assert "held its lease longer than lease_timeout_s=0.2" in s.failed()["a"]
+        [(targets, _, fenced_at)] = fence.calls  # ... and a's roles were stopped first
+        assert targets == ["a's engine", "a's actor"]
+        assert s.grant_log[-1][1] == "b" and s.grant_log[-1][0] >= fenced_at  # granted after the fence ended
+        assert re.fullmatch(r"lease expired after 0 s in phase rollout \(cluster\.lease_timeout_s=0\.2\)",
+                            s.failed()["a"]), s.failed()
+        assert s.fenced() == s.failed()
         with pytest.raises(LeaseLost, match="task a was marked failed"):
             await s.acquire("a", "train")
 
     asyncio.run(scenario())
 
 
+def test_a_fence_that_cannot_confirm_the_stop_says_so_in_the_cause():
+    async def scenario():
+        s = _scheduler(lease_timeout_s=0.1, stop=_Fence(problems=["engine: its process still answered 30 s after"]))
+        await s.acquire("a", "train")
+        await s.release("a", "train")
+        await s.acquire("a", "train")
+        await asyncio.wait_for(s.acquire("b", "train"), 3)
+        assert s.failed()["a"].endswith("; fencing: engine: its process still answered 30 s after")
+
+    asyncio.run(scenario())
+
+
 def test_a_dead_holder_releases_and_its_waiters_are_told():
     async def scenario():
-        s = _scheduler()
+        fence = _Fence()
+        s = _scheduler(stop=fence)
+        s.register_roles("a", ["a's engine"])
         await s.acquire("a", "rollout")
         b = asyncio.create_task(s.acquire("b", "rollout"))
         await asyncio.sleep(0.01)
@@ -75,6 +117,9 @@ def test_a_dead_holder_releases_and_its_waiters_are_told():
         await s.watch("a", [asyncio.ensure_future(dies())])
         assert (await asyncio.wait_for(b, 1)).task == "b"
         assert s.failed() == {"a": "its process died (RuntimeError)"}
+        # Its roles (Ray ends them with their owner, in its own time) were stopped before b's grant
+        assert [targets for targets, *_ in fence.calls] == [["a's engine"]]
+        assert s.grant_log[-1][0] >= fence.calls[0][2]
 
         c = asyncio.create_task(s.acquire("c", "rollout"))
         await asyncio.sleep(0.01)
@@ -114,13 +159,40 @@ def test_evictions_are_done_by_the_victims_driver_before_the_grant():
         assert log and all(entry[0] == "a" and entry[2] == "offload" for entry in log)  # a's idle role went first
         assert lease.moves[-1].task == "b" and str(lease.moves[-1].action) == "onload"
 
-        s2 = Scheduler(Policy({"g0": GroupSpec.colocated(400)}))
-        s2.policy.register("a", "g0", 100, 300)
-        s2.policy.register("b", "g0", 100, 300)
-        with pytest.raises(LeaseLost, match="no driver registered"):  # an error, never a hang
-            await asyncio.wait_for(s2.acquire("b", "rollout"), 1)
-
     asyncio.run(scenario())
+
+
+def test_an_eviction_that_fails_fails_the_evicted_task_never_the_waiter():
+    """a's offload raises (or a has no driver to ask): a is fenced (its processes stopped, which frees its
+    bytes) and fails with the cause; b, which waited for the room, gets its lease."""
+
+    class FailingDriver:
+        class move:  # noqa: N801 - the shape of a Ray actor method: driver.move.remote(role, action)
+            @staticmethod
+            async def remote(role, action):
+                raise RuntimeError("injected fault: release_memory call 1 fails")
+
+    async def scenario(drivers):
+        fence = _Fence()
+        policy = Policy({"g0": GroupSpec.colocated(400)})
+        policy.register("a", "g0", 100, 300)
+        policy.register("b", "g0", 100, 300)  # b starts offloaded: its engine needs a's idle roles to go
+        s = Scheduler(policy, stop=fence)
+        for name, driver in drivers.items():
+            s.register_driver(name, driver)
+        s.register_roles("a", ["a's engine", "a's actor"])
+        lease = await asyncio.wait_for(s.acquire("b", "rollout"), 2)
+        assert lease.task == "b"
+        assert list(s.failed()) == ["a"] and [t for t, *_ in fence.calls] == [["a's engine", "a's actor"]]
+        assert "b" not in s.failed()
+        return s.failed()["a"]
+
+    cause = asyncio.run(scenario({"a": FailingDriver()}))
+    assert cause == ("its engine could not be offloaded to make room for task b: RuntimeError: injected fault: "
+                     "release_memory call 1 fails")
+    cause = asyncio.run(scenario({}))  # nobody to ask: the same, never a hang
+    assert cause == ("its engine could not be offloaded to make room for task b: LeaseLost: no driver registered "
+                     "for task a")
 
 
 def test_a_release_is_answered_before_the_next_acquire_is_sent(ray_session):
@@ -160,7 +232,7 @@ def test_a_failed_tasks_cause_is_the_original_error_through_rays_wrapping(ray_se
     happened (the notes the driver added), not as Ray's wrapper and its traceback."""
     import ray
 
-    from rlsched.experiment import cause_of
+    from rlsched.errors import cause_of
 
     @ray.remote(num_cpus=0)
     class Role:

@@ -37,7 +37,7 @@ def make_engine(name: str, model_path: str | None = None, **kwargs) -> RolloutEn
     if name == "fake":
         from workers.rollout.fake import FakeEngine
 
-        return FakeEngine(**kwargs)
+        return FakeEngine.for_model(model_path, **kwargs)
     if name == "sglang_jax":
         from workers.rollout.sglang_jax import SglangJaxEngine
 

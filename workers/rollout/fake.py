@@ -28,8 +28,15 @@ class FakeEngine:
 
     def __init__(self, *, vocab_size: int = 384, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  seconds_per_token: float = 0.0, stop_probability: float = 0.5, seed: int = 0,
-                 param_shapes: Mapping[str, tuple[int, ...]] | None = None):
+                 param_shapes: Mapping[str, tuple[int, ...]] | None = None, stall_on_call: int | None = None,
+                 stall_seconds: float = 0.0, fail_release_on_call: int | None = None):
+        """`stall_on_call`/`stall_seconds`: the n-th generate (1-based) sleeps that long first, as a hung
+        engine would; `fail_release_on_call`: the n-th release_memory raises, as a failed offload would.
+        Faults for the scheduler's tests (rollout.engine_args)."""
         self.vocab_size, self.max_prompt_len, self.max_new_tokens = vocab_size, max_prompt_len, max_new_tokens
+        self.stall_on_call, self.stall_seconds, self.fail_release_on_call = stall_on_call, stall_seconds, \
+            fail_release_on_call
+        self.releases = 0
         self.seconds_per_token, self.stop_probability = seconds_per_token, stop_probability
         self._rng = np.random.default_rng(seed)
         # Optional expected weight layout, so update_weights can be checked like a real engine.
@@ -37,6 +44,20 @@ class FakeEngine:
         self._version, self._checksum, self._released = 0, None, False
         self._params_bytes = 0
         self.calls = 0
+
+    @classmethod
+    def for_model(cls, model_path: str | None = None, *, weight_version: int = 0, dtype: str | None = None,
+                  max_batch_size: int | None = None, **kwargs) -> FakeEngine:
+        """Built where a real engine would be (rlsched.roles.EngineRole): tokens within the model's vocabulary
+        (its config.json, when given); `dtype` and `max_batch_size` mean nothing without a model."""
+        if model_path is not None and "vocab_size" not in kwargs:
+            import json
+            from pathlib import Path
+
+            kwargs["vocab_size"] = int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+        engine = cls(**kwargs)
+        engine._version = int(weight_version)
+        return engine
 
     @property
     def weight_version(self) -> int:
@@ -72,6 +93,9 @@ class FakeEngine:
         return {"params": 0 if self._released else self._params_bytes, "kv": 0}
 
     def release_memory(self) -> None:
+        self.releases += 1
+        if self.releases == self.fail_release_on_call:
+            raise RuntimeError(f"injected fault: release_memory call {self.releases} fails")
         self._released = True
 
     def resume_memory(self) -> None:
@@ -84,6 +108,8 @@ class FakeEngine:
         if self._released:
             raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
         self.calls += 1
+        if self.calls == self.stall_on_call:
+            time.sleep(self.stall_seconds)  # an injected hang
         rng = np.random.default_rng(params.seed) if params.seed is not None else self._rng
         stop_ids = params.stop_token_ids
         filler = next(t for t in range(self.vocab_size) if t not in stop_ids)
