@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any
 
+from rlsched import exits
 from rlsched.placement import phase_cores
 from rlsched.policy import Phase
 
@@ -137,8 +138,8 @@ def role_env(num_devices: int, resource: str, *, shares_devices: bool) -> dict[s
       would free nothing for the other process).
     """
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(HOST_DEVICES_FLAG)]
-    # RLSCHED_RECORD_EXIT: the role's process records how it ends (rlsched.exits), for the error its task ends with
-    env = {"XLA_FLAGS": " ".join([*flags, f"{HOST_DEVICES_FLAG}={num_devices}"]), "RLSCHED_RECORD_EXIT": "1"}
+    # exits.ENV: the role's process records how it ends (rlsched.exits), for the error its task ends with
+    env = {"XLA_FLAGS": " ".join([*flags, f"{HOST_DEVICES_FLAG}={num_devices}"]), exits.ENV: "1"}
     if resource == "GPU" and shares_devices:
         env |= {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
     return env
@@ -151,7 +152,7 @@ def use_host_devices(num_devices: int) -> None:
 
     if "jax" not in sys.modules:
         env = role_env(num_devices, "CPU", shares_devices=False)
-        env.pop("RLSCHED_RECORD_EXIT")  # this process is the driver: its end is no role's death to explain
+        env.pop(exits.ENV)  # this process is the driver: its end is no role's death to explain
         os.environ.update(env)
 
 

@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlsched.runfiles import write_atomic
+
 ENV = "RLSCHED_RECORD_EXIT"  # set in the environment of the role processes rlsched starts (cluster.role_env)
 CAUGHT = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _open_files: list[Any] = []  # faulthandler writes to these until the process ends
@@ -64,9 +66,7 @@ def watch(directory: Path | None = None) -> bool:
     counter = oom_kill_counter()
     start = {"pid": pid, "started": time.time(),
              "oom": None if counter is None else {"path": counter[0], "count": counter[1]}}
-    tmp = directory / f".{pid}.json.tmp"
-    tmp.write_text(json.dumps(start))
-    tmp.replace(directory / f"{pid}.json")
+    write_atomic(directory / f"{pid}.json", json.dumps(start))
     for name in CAUGHT:
         f = open(directory / f"{pid}.{name}", "w")  # noqa: SIM115 - kept open for the signal handler
         faulthandler.register(getattr(signal, name), file=f, all_threads=False, chain=True)
@@ -97,11 +97,19 @@ def oom_kill_counter(pid: int | str = "self") -> tuple[str, int] | None:
             elif "memory" in controllers.split(","):
                 candidates += [Path("/sys/fs/cgroup/memory" + path) / "memory.oom_control"]
     for path in [*candidates, Path("/proc/vmstat")]:
-        with contextlib.suppress(OSError, ValueError):
-            for line in path.read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return str(path), int(value)
+        count = _oom_kills(path)
+        if count is not None:
+            return str(path), count
+    return None
+
+
+def _oom_kills(path: str | Path) -> int | None:
+    """The `oom_kill <n>` line of a memory.events / memory.oom_control / vmstat file, or None."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(path).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
     return None
 
 
@@ -116,13 +124,7 @@ def read_record(pid: int, directory: Path | None = None) -> dict[str, Any] | Non
     signals = [name for name in CAUGHT if _size(directory / f"{pid}.{name}")]
     fatal = (directory / f"{pid}.fatal").read_text(errors="replace") if _size(directory / f"{pid}.fatal") else ""
     exited = (directory / f"{pid}.exited").exists()
-    oom_now = None
-    if start.get("oom"):
-        with contextlib.suppress(OSError, ValueError):
-            for line in Path(start["oom"]["path"]).read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    oom_now = int(value)
+    oom_now = _oom_kills(start["oom"]["path"]) if start.get("oom") else None
     return {"start": start, "signals": signals, "fatal": fatal, "exited": exited, "oom_now": oom_now}
 
 

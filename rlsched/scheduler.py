@@ -186,9 +186,9 @@ class Scheduler:
             await asyncio.sleep(period)
             now = time.monotonic()
             for task in self.policy.expired(now, self.lease_timeout_s):
-                if (task, self.policy.lease_of(task)[0]) not in self._held_before:
-                    continue  # its first hold of this phase: the programs compile in it, for as long as they take
                 phase, since = self.policy.lease_of(task)
+                if (task, phase) not in self._held_before:
+                    continue  # its first hold of this phase: the programs compile in it, for as long as they take
                 await self.fail(task, f"lease expired after {now - since:.0f} s in phase {phase} "
                                       f"(cluster.lease_timeout_s={self.lease_timeout_s:g})", fence=True)
 

@@ -51,10 +51,9 @@ class FakeEngine:
         """Built where a real engine would be (rlsched.roles.EngineRole): tokens within the model's vocabulary
         (its config.json, when given); `dtype` and `max_batch_size` mean nothing without a model."""
         if model_path is not None and "vocab_size" not in kwargs:
-            import json
-            from pathlib import Path
+            from workers.models.config import Qwen3Config  # config.json, read and checked as for a real engine
 
-            kwargs["vocab_size"] = int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+            kwargs["vocab_size"] = Qwen3Config.from_dir(model_path).vocab_size
         engine = cls(**kwargs)
         engine._version = int(weight_version)
         return engine
