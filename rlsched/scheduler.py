@@ -12,6 +12,9 @@ Design decisions:
   expired, its driver died) or an eviction fails, the task's role processes are stopped and known gone
   before its lock and memory go to another task: never two holders of one phase, never memory counted
   free that a live process still holds. An eviction that fails fails the evicted task, not the waiter.
+- **Evictions are ordered against the victim's own moves.** The victim's driver offloads its role on the
+  scheduler's request, a round trip after the policy decided it; the victim's next grant (which may onload
+  that role again) is handed over only once that offload is done.
 - Drivers reach it through a lock provider (`SchedulerLocks`); `FreeLocks` is the always-free twin
   that an in-process run plugs into the same step loop (rlsched.task).
 """
@@ -58,6 +61,7 @@ class Scheduler:
         self._held_before: set[tuple[str, Phase]] = set()  # (task, phase) released once: compiled, leases expire
         self._watchdog: asyncio.Task | None = None
         self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
+        self._evicting: dict[str, set[asyncio.Task]] = {}  # task -> offloads of its roles still in flight
         self.grant_log: list[tuple[float, str, str, str]] = []  # (time, task, phase, resource)
         # Measured bytes per pool, as the tasks' residency moves report them (the policy decides on
         # its own estimates; these are what the workers really hold, shown side by side).
@@ -106,27 +110,44 @@ class Scheduler:
             lease = Lease(grant.request_id, grant.task, grant.phase, grant.resource.id, tuple(grant.moves), now,
                           now - requested_at)
             self.grant_log.append((now, grant.task, str(grant.phase), grant.resource.id))
-            evictions = [m for m in grant.moves if m.task != grant.task]
-            if evictions:
-                asyncio.get_running_loop().create_task(self._evict_then_grant(evictions, future, lease))
+            # The policy counts an eviction done when it decides it, but the victim's driver does it later. A
+            # grant to the victim waits for it: its own onload must come after, or the offload would land on
+            # the state its phase is about to use.
+            before = [t for t in self._evicting.get(grant.task, ()) if not t.done()]
+            evictions = [self._evict(m, lease) for m in grant.moves if m.task != grant.task]
+            if before or evictions:
+                asyncio.get_running_loop().create_task(self._grant_after(before + evictions, future, lease))
             elif not future.done():
                 future.set_result(lease)
 
-    async def _evict_then_grant(self, evictions, future: asyncio.Future, lease: Lease) -> None:
-        """Offload other tasks' idle roles (their drivers do it; they hold no lease, so nothing of
-        theirs is running on those buffers), then hand the lease over."""
-        for move in evictions:
-            if move.task in self._failed:
-                continue  # fenced (or failed) already: its processes, and their bytes, are gone
-            try:
-                if move.task not in self._drivers:
-                    raise LeaseLost(f"no driver registered for task {move.task}")
-                await self._drivers[move.task].move.remote(str(move.role), str(move.action))
-            except Exception as err:  # noqa: BLE001 - the evicted task pays for it, never the waiter
-                # Its role may still hold the bytes: stopping it is what frees them for the waiter.
-                await self.fail(move.task, f"its {move.role} could not be offloaded to make room for task "
-                                           f"{lease.task}: {cause_of(err)}", fence=True)
-        if not future.done():
+    def _evict(self, move, lease: Lease) -> asyncio.Task:
+        """Start offloading another task's idle role for `lease` (its driver does it: it holds no lease, so
+        nothing of its own runs on those buffers); the victim's next grant waits for it."""
+        evicting = asyncio.get_running_loop().create_task(self._offload(move, lease))
+        pending = self._evicting.setdefault(move.task, set())
+        pending.add(evicting)
+        evicting.add_done_callback(pending.discard)
+        return evicting
+
+    async def _offload(self, move, lease: Lease) -> None:
+        if move.task in self._failed:
+            return  # fenced (or failed) already: its processes, and their bytes, are gone
+        try:
+            if move.task not in self._drivers:
+                raise LeaseLost(f"no driver registered for task {move.task}")
+            await self._drivers[move.task].move.remote(str(move.role), str(move.action))
+        except Exception as err:  # noqa: BLE001 - the evicted task pays for it, never the waiter
+            # Its role may still hold the bytes: stopping it is what frees them for the waiter.
+            await self.fail(move.task, f"its {move.role} could not be offloaded to make room for task "
+                                       f"{lease.task}: {cause_of(err)}", fence=True)
+
+    async def _grant_after(self, moves: list[asyncio.Task], future: asyncio.Future, lease: Lease) -> None:
+        await asyncio.gather(*moves, return_exceptions=True)  # each settles its own failure (`_offload`)
+        if future.done():
+            return
+        if lease.task in self._failed:  # its own eviction failed meanwhile: it was fenced
+            future.set_exception(LeaseLost(f"task {lease.task} failed: {self._failed[lease.task]}"))
+        else:
             future.set_result(lease)
 
     async def fail(self, task: str, cause: str, *, fence: bool = False) -> None:
@@ -252,6 +273,12 @@ class SchedulerLocks:
     def report_memory(self, role: str, sizes: dict[str, int]) -> None:
         self.scheduler.report_memory.remote(self.task, role, sizes)  # accounting, not control: no wait
 
+    def revoked(self) -> str | None:
+        """Why the scheduler failed this task (it fenced it, e.g. its lease expired), or None."""
+        import ray
+
+        return ray.get(self.scheduler.failed.remote()).get(self.task)
+
     def register_roles(self, targets: list) -> None:
         """What the scheduler stops if it must fence this task (rlsched.fencing)."""
         import ray
@@ -285,6 +312,9 @@ class FreeLocks:
 
     def report_memory(self, role: str, sizes: dict[str, int]) -> None:
         pass
+
+    def revoked(self) -> str | None:
+        return None
 
     def register_roles(self, targets: list) -> None:
         pass

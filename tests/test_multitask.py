@@ -15,10 +15,10 @@ from rlsched.tracking import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def _experiment(tmp_path, model_dir, name, tasks, steps=3, cluster=None, tracking=None):
+def _experiment(tmp_path, model_dir, name, tasks, steps=3, cluster=None, tracking=None, checkpoint_every=0):
     base = {"grpo": {"prompts_per_step": 4, "num_generations": 4, "max_prompt_len": 16, "max_new_tokens": 4,
                      "mini_batch_size": 8},
-            "optim": {"lr": 3e-3}, "steps": steps, "checkpoint_every": 0}
+            "optim": {"lr": 3e-3}, "steps": steps, "checkpoint_every": checkpoint_every}
     kinds = {"addition": "addition", "subtraction": "subtraction", "add2": "addition", "sub2": "subtraction"}
     raw = {"experiment": {"name": name, "output_dir": str(tmp_path), "seed": 0, "tracking": tracking or {}},
            "cluster": cluster or {},
@@ -91,7 +91,8 @@ def _modules_after_first_step(drivers, cfg, seen: dict, timeout: float = 120.0):
 
 def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_session, tmp_path, tiny_model_dir):
     """Colocated, with room for one task's engine + actor but not two: the scheduler evicts idle roles
-    (LRU) before each onload; every move is a span in the trace; results equal the task run alone."""
+    (LRU) before each onload; every move is a span in the trace; results equal the task run alone. Every
+    step saves a checkpoint, under the TRAIN lock: no eviction can empty the actor mid-save."""
     import json
 
     from rlsched.experiment import estimate_bytes
@@ -100,7 +101,8 @@ def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_se
     engine, actor = estimate_bytes(probe.tasks[0])
     budget_gb = (engine + actor + min(engine, actor) // 2) / 2**30  # one task fits, two never do
     cluster = {"placement": "colocated", "memory_budget_gb": budget_gb}
-    cfg = _experiment(tmp_path, tiny_model_dir, "tight", ["addition", "subtraction"], cluster=cluster)
+    cfg = _experiment(tmp_path, tiny_model_dir, "tight", ["addition", "subtraction"], cluster=cluster,
+                      checkpoint_every=1)
     results = run_experiment(cfg, echo=lambda *_: None)
     assert {r["status"] for r in results.values()} == {"ok"}, results
     summary = json.loads((cfg.run_dir / "summary.json").read_text())
@@ -116,6 +118,8 @@ def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_se
 
     run_in_process(alone, echo=lambda *_: None)
     assert _metrics(cfg, "addition") == _metrics(alone, "addition")  # offload -> onload changed nothing
+    for task in ("addition", "subtraction"):
+        assert sorted(p.name for p in (cfg.run_dir / "tasks" / task / "checkpoints").iterdir()) == ["2", "3"]  # keeps 2
 
 
 def _check_trace(path, tasks, steps):

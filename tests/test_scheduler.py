@@ -162,6 +162,44 @@ def test_evictions_are_done_by_the_victims_driver_before_the_grant():
     asyncio.run(scenario())
 
 
+def test_a_victims_next_grant_waits_for_its_eviction_to_be_done():
+    """b's grant evicts a's idle actor (a's driver takes 0.3 s to offload it); a then asks for TRAIN, which
+    onloads that actor. The policy counts the eviction done when it decides it, so it grants a at once: the
+    lease must reach a only after the offload, or the offload lands on the state a's TRAIN uses (on the old
+    code: 'NoneType' object has no attribute 'params', once in three CI runs with checkpoints every step)."""
+
+    class SlowDriver:
+        def __init__(self, name, log):
+            class _Move:
+                @staticmethod
+                async def remote(role, action):
+                    await asyncio.sleep(0.3)
+                    log.append((time.monotonic(), name, role, action))
+
+            self.move = _Move
+
+    async def scenario():
+        policy = Policy({"g0": GroupSpec.colocated(400)})
+        policy.register("a", "g0", 100, 300)
+        policy.register("b", "g0", 100, 300)  # b starts offloaded: its engine needs a's idle actor to go
+        s = Scheduler(policy)
+        log = []
+        for name in "ab":
+            s.register_driver(name, SlowDriver(name, log))
+        await s.acquire("a", "rollout")
+        await s.release("a", "rollout")
+        b = asyncio.create_task(s.acquire("b", "rollout"))
+        await asyncio.sleep(0.01)  # b's grant is decided, a's offload is in flight
+        lease_a = await asyncio.wait_for(s.acquire("a", "train"), 2)
+        granted_a = time.monotonic()
+        assert ("a", "actor", "onload") in [(m.task, str(m.role), str(m.action)) for m in lease_a.moves]
+        [(offloaded, *what)] = log
+        assert what == ["a", "actor", "offload"] and offloaded <= granted_a
+        assert (await b).task == "b"
+
+    asyncio.run(scenario())
+
+
 def test_an_eviction_that_fails_fails_the_evicted_task_never_the_waiter():
     """a's offload raises (or a has no driver to ask): a is fenced (its processes stopped, which frees its
     bytes) and fails with the cause; b, which waited for the room, gets its lease."""
