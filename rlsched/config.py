@@ -345,6 +345,11 @@ class TaskConfig(_Section):
     for the files (benchmarks/checkpoint.py compares the two)."""
     log_every: int = Field(1, ge=1)
     """GRPO steps between metric logs."""
+    max_restarts: int = Field(0, ge=0)
+    """Times the task restarts a role whose process died (killed, out of memory, lost node) before it fails;
+    0 = fail at once. A dead engine is replaced and the step redone with the actor's live weights; a dead actor
+    is replaced from the last checkpoint (or from the start without one), and the steps after it are redone.
+    Errors raised inside a role (a config error, a reward bug) are never retried."""
 
     _batch_plan: BatchPlan = PrivateAttr()
 

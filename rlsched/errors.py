@@ -11,7 +11,16 @@ class TaskError(RuntimeError):
 
 
 class RoleDied(TaskError):
-    """The process of one of the task's roles died (crash, OOM, ray.kill); the task cannot go on."""
+    """The process of one of the task's roles died (crash, OOM, ray.kill, lost node). `role`: "actor" or
+    "engine"; `shared`: the process held other tasks' roles too (a device-group host), so it is not the task's
+    own to restart (rlsched.task restarts a role under `max_restarts`)."""
+
+    def __init__(self, message: str, role: str | None = None, shared: bool = False):
+        super().__init__(message)
+        self.role, self.shared = role, shared
+
+    def __reduce__(self):  # keeps role and shared (and the notes) through pickling, e.g. in Ray's errors
+        return type(self), (str(self), self.role, self.shared), self.__dict__
 
 
 class CheckpointError(RuntimeError):

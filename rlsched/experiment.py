@@ -233,10 +233,14 @@ def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConf
         # that died with its task has no answer, and the result says why.
         if last is not None:
             results[name]["roles"] = last["roles"]
+            if last.get("restarts"):
+                results[name]["restarts"] = last["restarts"]
             if results[name]["status"] == "ok" and last["state"] == "stopped":
                 results[name].update(status="stopped", steps=last["step"])
         status = results[name]["status"]
+        restarts = len(results[name].get("restarts", ()))
         echo(f"[{name}] {status}" + (f": {results[name]['error']}" if status == "failed" else "")
+             + (f" ({restarts} restart(s))" if restarts else "")
              + (f" after step {results[name]['steps']}" if status == "stopped" else "")
              + f" after {time.perf_counter() - t0:.1f}s")
     return results

@@ -114,7 +114,7 @@ class HostedRole:
         except ray.exceptions.RayActorError as err:
             cause = death_cause(err)
             raise RoleDied(f"the device group's host process holding its {self.kind} died during {name}(): "
-                           f"{cause}") from err
+                           f"{cause}", self.kind, shared=True) from err
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

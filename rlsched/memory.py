@@ -156,6 +156,23 @@ class Residency:
         if self._on_change is not None:
             self._on_change(self.task, self.role, {})
 
+    def replace_worker(self, *, onload: Callable[[], int | Mapping[str, int]], offload: Callable[[], None],
+                       sizes: int | Mapping[str, int], **attrs: Any) -> None:
+        """The role's process died and a new one took its place, created on its devices (`sizes`): moves go to
+        the new one, and it is put where the old one was (moved to host at once if the old one was there)."""
+        self._onload, self._offload = onload, offload
+        was_resident, self.resident = self.resident, True
+        self._record(self._sizes(sizes))
+        if not was_resident:
+            self.offload(**attrs)
+
+    def lost(self) -> None:
+        """The role's process died: what it held on its devices is gone with it (the bytes are free)."""
+        self.pool.clear(self.task, self.role)
+        self.resident = False
+        if self._on_change is not None:
+            self._on_change(self.task, self.role, {})
+
     def __enter__(self) -> Residency:
         self.onload()
         return self

@@ -302,7 +302,7 @@ class RemoteRole:
                 return ray.get(method.remote(*args, **kwargs))
             except ray.exceptions.RayActorError as err:
                 cause = exits.death_cause(err)
-                raise RoleDied(f"its {self.kind} process died during {name}(): {cause}") from err
+                raise RoleDied(f"its {self.kind} process died during {name}(): {cause}", self.kind) from err
 
         return call
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from rlsched.cluster import RolePlacement
 from rlsched.config import TaskSpec
-from rlsched.errors import TaskError
+from rlsched.errors import RoleDied, TaskError
 from rlsched.hosts import HostedRole
 from rlsched.memory import MemoryPool, Residency
 from rlsched.phases import HostWork, check_model_path, progress_line, step_metrics
@@ -67,6 +67,9 @@ class TaskDriver:
         self._started = threading.Event()
         self._moving = threading.Lock()
         self._closed = False
+        self.restarts: list[str] = []  # why each role restart happened ("step 4: its engine process died ...")
+        self._loader_start: dict | None = None  # the data position before the first step (a restart without
+                                                # a checkpoint goes back to it)
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -88,6 +91,7 @@ class TaskDriver:
             self.locks.register_roles([r.fence_target() for r in self.roles.values()
                                        if isinstance(r, RemoteRole | HostedRole)])
             self._resume_from(meta)
+            self._loader_start = self.host.loader.state()
             self.places = {str(role): r.where() for role, r in self.roles.items()}
             self.echo(f"[{self.name}] " + ", ".join(f"{role} on devices {p['devices']} (pid {p['pid']})"
                                                    for role, p in self.places.items()))
@@ -115,20 +119,23 @@ class TaskDriver:
 
     def run(self, until: int | None = None) -> list[dict[str, Any]]:
         """Start, run the remaining steps (or stop after step `until`), close; returns this call's metrics.
-        A failure is reported to the locks (the scheduler frees this task's lease) and raised."""
-        history = []
+        A role that dies is restarted (`max_restarts`) and the lost steps redone; any other failure is reported
+        to the locks (the scheduler frees this task's lease) and raised."""
+        history: dict[int, dict[str, Any]] = {}  # step -> its metrics
         try:
             self.start()
             last = self.spec.config.steps if until is None else min(until, self.spec.config.steps)
-            for n in range(self.step_done + 1, last + 1):
-                if self._stop.is_set():
-                    break
+            while self.step_done < last and not self._stop.is_set():
+                n, position = self.step_done + 1, self.host.loader.state()
                 try:
-                    history.append(self.step(n))
+                    history[n] = self.step(n)
                 except BaseException as err:
                     _annotate(err, f"task {self.name}, step {n}")  # where, beside what (the error's own message)
-                    raise
-                if len(history) == 1:
+                    if not self._restart_after(err, n, position):
+                        raise
+                    history = {k: v for k, v in history.items() if k <= self.step_done}  # redone from there
+                    continue
+                if len(history) == 1 and not self.restarts:  # the first step of this run
                     self.echo(self.memory_vs_plan(n))
             if self._stop.is_set():
                 self.save_on_stop()
@@ -138,7 +145,65 @@ class TaskDriver:
                 self.locks.fail(f"{type(err).__name__}: {err}")
             raise
         self.close()
-        return history
+        return [history[k] for k in sorted(history)]
+
+    # ---- restarts -------------------------------------------------------------------------------------
+
+    def _restart_after(self, err: BaseException, n: int, position: dict) -> bool:
+        """If `err` is a role's death and restarts are left, replace that role and put the task back where the
+        redo starts (a dead engine: step `n`, whose prompts were drawn at data `position`; a dead actor: its
+        last checkpoint). False when the error is not for a restart (it is raised, with a note on why not)."""
+        died = _role_death(err)
+        if died is None:
+            return False
+        limit = self.spec.config.max_restarts
+        if died.shared:
+            if limit:
+                err.add_note("not restarted: the process held other tasks' roles too (cluster.processes: "
+                             "per_device_group); max_restarts restarts roles that run in processes of their own")
+            return False
+        revoked = self.locks.revoked() if limit else None
+        if revoked is not None:  # the scheduler stopped our roles itself: it took the task's lease for good
+            return False
+        if len(self.restarts) >= limit:
+            if limit:
+                err.add_note(f"after {limit} restart(s) (max_restarts={limit}): " + "; ".join(self.restarts))
+            return False
+        role = Role(died.role)
+        self.restarts.append(f"step {n}: {died}")
+        self.echo(f"[{self.name}] step {n}: {died}; restarting its {role} "
+                  f"({len(self.restarts)} of max_restarts={limit})")
+        with self.timeline.span("restart", role=str(role), step=n, cause=str(died)):
+            self._replace(role)
+        if role is Role.ENGINE:
+            self.host.loader.load_state(position)  # the step is redone with the same prompts, the same weights
+        self.echo(f"[{self.name}] {role} restarted (pid {self.places[str(role)]['pid']}); "
+                  f"going on from step {self.step_done + 1}")
+        return True
+
+    def _replace(self, role: Role) -> None:
+        """A new process for `role`, put where the dead one was (on device or on host). A new actor restores the
+        last checkpoint (or starts as the task did, without one) and the steps after it are redone; a new engine
+        gets the actor's weights at its next ROLLOUT (sync and verify, as every engine does)."""
+        cls = ActorRole if role is Role.ACTOR else EngineRole
+        with self._moving:  # an eviction waits for the new process, then moves it
+            with contextlib.suppress(Exception):  # make sure nothing of the old one is left (it may be gone)
+                self.roles[role].terminate()
+            self.roles[role] = fresh = spawn(cls, self.spec, channel=self.channel, placement=self.placement)
+            if role is Role.ACTOR:
+                meta, self.published = fresh.start(True)  # the latest complete checkpoint, if any
+                if meta is None:
+                    self.host.loader.load_state(self._loader_start)
+                    self.step_done = self.saved_step = 0
+                else:
+                    self.host.loader.load_state(meta["loader"])
+                    self.step_done = self.saved_step = int(meta["step"])
+                self.tracker.truncate_after(self.step_done)  # the lines of the steps redone are written again
+            self.residency[role].replace_worker(onload=fresh.onload, offload=fresh.offload, sizes=fresh.memory(),
+                                                cause="restart")
+            self.locks.register_roles([r.fence_target() for r in self.roles.values()
+                                       if isinstance(r, RemoteRole | HostedRole)])
+            self.places[str(role)] = fresh.where()
 
     def close(self, exit_code: int = 0) -> None:
         """Finish the trackers (a non-zero exit code marks them failed), close the roles and end the
@@ -185,6 +250,7 @@ class TaskDriver:
                 "time/train_s": t["train", "end"], "time/step_s": t["start", "end"],
                 "time/lock_wait_s": t["ask_rollout", "rollout"] + t["ask_train", "train"],
                 "time/end_unix": time.time()})
+            metrics["fault/restarts"] = len(self.restarts)
             self.record(n, metrics, train.value)
             self.checkpoint_if_due(n)
         return metrics
@@ -278,7 +344,8 @@ class TaskDriver:
         times = self._step_seconds
         return {"lines": drain() if drain else [], "state": state, "step": self.step_done,
                 "steps": self.spec.config.steps, "phase": phase, **self._latest,
-                "mean_step_s": sum(times) / len(times) if times else None, "roles": self.places}
+                "mean_step_s": sum(times) / len(times) if times else None, "roles": self.places,
+                "restarts": list(self.restarts)}
 
     # ---- memory moves ---------------------------------------------------------------------------------
 
@@ -297,7 +364,14 @@ class TaskDriver:
                     return
                 raise TaskError(f"task {self.name} has ended; its {role} cannot {action}")
             r = self.residency[Role(role)]
-            (r.offload if action == "offload" else r.onload)(**self.where)
+            try:
+                (r.offload if action == "offload" else r.onload)(**self.where)
+            except RoleDied:
+                if action == "offload":
+                    r.lost()  # its bytes went with its process: as good as offloaded; the next call on it restarts it
+                    return
+                r.resident = True  # the policy counts it on device from now on: its replacement is created there
+                raise
 
     def memory_vs_plan(self, n: int) -> str:
         """What each role held per device by kind after its phase of step `n`, beside `rlsched plan`'s numbers."""
@@ -332,6 +406,14 @@ def _annotate(err: BaseException, note: str) -> None:
     while getattr(err, "cause", None) is not None and isinstance(err.cause, BaseException) and err.cause is not err:
         err = err.cause
     err.add_note(note)
+
+
+def _role_death(err: BaseException) -> RoleDied | None:
+    """The RoleDied behind `err` (raised here, or carried as a Ray error's cause), if that is what it is."""
+    while err is not None and not isinstance(err, RoleDied):
+        inner = getattr(err, "cause", None) or err.__cause__
+        err = inner if isinstance(inner, BaseException) and inner is not err else None
+    return err
 
 
 def _print_flushed(line: str) -> None:

@@ -135,3 +135,25 @@ def test_an_error_in_the_body_still_offloads_but_a_failed_offload_keeps_the_byte
                                                                         offload=stuck, timeline=NullTimeline()):
         pass
     assert pool.total(task="a") == 10  # the bytes are presumably still on the device
+
+
+def test_a_replaced_worker_is_put_where_the_dead_one_was_and_a_lost_one_holds_nothing():
+    """A role's process died: its bytes are gone (`lost`), and its replacement, created on device, takes the
+    moves and is moved to host at once if the dead one was there, so the pool says what the policy counts."""
+    from rlsched.memory import Residency
+
+    pool, changes = MemoryPool("g0"), []
+    dead, fresh = FakeWorker(100), FakeWorker(120)
+    dead.on_device = True
+    r = Residency(pool, "a", "engine", onload=dead.onload, offload=dead.offload, resident=True, sizes=100,
+                  on_change=lambda *args: changes.append(args))
+    r.lost()
+    assert (r.resident, pool.total(task="a"), changes[-1]) == (False, 0, ("a", "engine", {}))
+    fresh.on_device = True  # a new process starts with its state on its devices
+    r.replace_worker(onload=fresh.onload, offload=fresh.offload, sizes=120)
+    assert (r.resident, fresh.on_device, pool.total(task="a")) == (False, False, 0)  # back on host, like the dead one
+    r.onload()
+    assert fresh.on_device and pool.total(task="a") == 120 and dead.calls == []  # moves reach the new one only
+    other = FakeWorker(80)
+    r.replace_worker(onload=other.onload, offload=other.offload, sizes=80)  # the one on device died: stays there
+    assert r.resident and pool.total(task="a") == 80 and changes[-1] == ("a", "engine", {"params": 80})
