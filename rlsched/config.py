@@ -111,6 +111,10 @@ class ClusterConfig(_Section):
     preallocation off). `per_device_group`: one process per host for each device group, holding every task's
     roles there and swapping them between device and host (what a TPU needs: a chip opens in one process).
     `auto`: per_device_group on TPU and GPU, per_role on CPU (README "Sharded roles: meshes")."""
+    compile_cache_dir: str | None = ".jax_cache"
+    """JAX's persistent compilation cache, shared by every role process of every experiment that names it:
+    a program compiled once (by any task with the same shapes, in any run) is loaded, not compiled again.
+    Relative to experiment.output_dir; null = off. A JAX_COMPILATION_CACHE_DIR in the environment wins."""
 
 
 class ModelSection(_Section):
@@ -442,11 +446,14 @@ class ExperimentConfig(_Section):
     def task_specs(self) -> list[TaskSpec]:
         """Every task resolved once, in order: what each process of the run is handed."""
         run_dir = self.run_dir.absolute()
+        cache = self.cluster.compile_cache_dir
+        cache = None if cache is None else str((Path(self.experiment.output_dir) / cache).absolute())
         return [TaskSpec(experiment=self.experiment.name, index=i, config=t,
                          seed=t.resolved_seed(self.experiment.seed, i), dir=run_dir / "tasks" / t.name,
                          tracking=self.experiment.tracking, placement=self.cluster.placement,
                          num_devices=self.num_devices,
-                         checkpoint_offset=i * t.checkpoint_every // len(self.tasks))
+                         checkpoint_offset=i * t.checkpoint_every // len(self.tasks),
+                         compile_cache=cache)
                 for i, t in enumerate(self.tasks)]
 
 
@@ -475,6 +482,7 @@ class TaskSpec:
     num_devices: int  # the experiment's device pool (rlsched.meshes.role_devices picks each role's from it)
     processes: Literal["per_role", "per_device_group"] = "per_role"  # cluster.processes once the platform is known
     checkpoint_offset: int = 0  # staggers the tasks' saves (TaskConfig.checkpoint_every)
+    compile_cache: str | None = None  # absolute directory of JAX's persistent compilation cache (None: off)
 
     @property
     def name(self) -> str:

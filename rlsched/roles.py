@@ -136,10 +136,12 @@ class ActorRole(_Role):
         exits.watch()  # in a process of its own: a death is told by how it happened
         if cores:
             pin.pin_process(cores)  # before JAX creates its thread pools
+        from rlsched import compile_cache
         from rlsched.checkpoints import TaskCheckpointer
         from workers.actor import ActorWorker
         from workers.models import init_model, load_pretrained
 
+        compile_cache.enable(spec.compile_cache)
         m = spec.config.model
         if m.init_preset is not None and not (Path(m.path) / "config.json").is_file():
             init_model(m.path, preset=m.init_preset, seed=m.init_seed)
@@ -179,6 +181,11 @@ class ActorRole(_Role):
                             f"(v{message.version} hashes like v{message.version - 1}); the update did not reach the "
                             "weights (bfloat16 parameters with a learning rate too small to move them?)")
         return PhaseResult(metrics, self.timeline.drain(), self.memory_probe(), message=message)
+
+    def prepare(self, size: int, length: int) -> tuple[int, list[dict]]:
+        """Compile TRAIN's programs for a batch of `size` rows of `length` tokens, before the lock is asked for
+        (the state may be on host); (programs compiled now, spans: a "compile" span if any was)."""
+        return _compile_span(self.timeline, lambda: self.worker.prepare(size, length), samples=size, length=length)
 
     def _publish(self) -> WeightMessage:
         """Send the current params (never the optimizer state) into the task's comm channel."""
@@ -221,6 +228,9 @@ class EngineRole(_Role):
         r, g = spec.config.rollout, spec.config.grpo
         if cores:
             pin.pin_process(cores, xla_threads=XLA_CPU_THREADS.get(r.engine, 1))
+        from rlsched import compile_cache
+
+        compile_cache.enable(spec.compile_cache)
         self.name = spec.name
         self.channel = channel
         self.timeline = Timeline("engine", task=spec.name)
@@ -241,6 +251,11 @@ class EngineRole(_Role):
                 span["bytes"] = self.engine.restore_weights()
         output = self.generate(prompt_ids, params, expected=message)
         return PhaseResult(output, self.timeline.drain(), self.memory_probe())
+
+    def prepare(self, prompt_ids, params) -> tuple[int, list[dict]]:
+        """Compile ROLLOUT's programs for these prompts, before the lock is asked for (the weights may be on
+        host); (programs compiled now, spans: a "compile" span if any was)."""
+        return _compile_span(self.timeline, lambda: self.engine.prepare(prompt_ids, params), prompts=len(prompt_ids))
 
     def version(self) -> int:
         return self.engine.weight_version
@@ -281,6 +296,14 @@ class EngineRole(_Role):
             output = self.engine.generate(prompt_ids, params)
             span["tokens"] = output.num_tokens
         return output
+
+
+def _compile_span(timeline: Timeline, compile_, **attrs) -> tuple[int, list[dict]]:
+    start = timeline.now()
+    compiled = compile_()
+    if compiled:
+        timeline.add_span("compile", start, timeline.now(), programs=compiled, **attrs)
+    return compiled, timeline.drain()
 
 
 # ---- where a role runs --------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """One task: its lifecycle (start, resume, close) and its one step loop.
 
-`TaskDriver.step` reads as DESIGN.md's "One step of one task": draw prompts -> hold ROLLOUT (onload
-the engine if asked; sync + verify + generate) -> score rewards and pad the batch on the host -> hold
-TRAIN (onload the actor if asked; advantages, updates, publish v+1; the metrics line; a checkpoint
+`TaskDriver.step` reads as DESIGN.md's "One step of one task": draw prompts -> compile the engine's
+programs for them if new (outside any lock) -> hold ROLLOUT (onload the engine if asked; sync + verify +
+generate) -> score rewards and pad the batch on the host -> compile the actor's programs for it if new ->
+hold TRAIN (onload the actor if asked; advantages, updates, publish v+1; the metrics line; a checkpoint
 when due). The same loop runs everywhere; what differs is plugged in:
 
     TaskDriver(spec, FreeLocks(task))                        # --in-process: always-free locks, roles here
@@ -68,6 +69,7 @@ class TaskDriver:
         self._moving = threading.Lock()
         self._closed = False
         self.restarts: list[str] = []  # why each role restart happened ("step 4: its engine process died ...")
+        self._prepared: set[tuple[int, int]] = set()  # batch shapes the actor has compiled for
         self._loader_start: dict | None = None  # the data position before the first step (a restart without
                                                 # a checkpoint goes back to it)
 
@@ -199,6 +201,7 @@ class TaskDriver:
                     self.host.loader.load_state(meta["loader"])
                     self.step_done = self.saved_step = int(meta["step"])
                 self.tracker.truncate_after(self.step_done)  # the lines of the steps redone are written again
+                self._prepared.clear()  # a new process has compiled nothing
             self.residency[role].replace_worker(onload=fresh.onload, offload=fresh.offload, sizes=fresh.memory(),
                                                 cause="restart")
             self.locks.register_roles([r.fence_target() for r in self.roles.values()
@@ -231,6 +234,7 @@ class TaskDriver:
         """One GRPO step; returns its metrics line."""
         t = _Clock()
         prompts = self.host.next_prompts()  # host work stays outside the locks
+        self.prepare(Role.ENGINE, prompts.ids, self.host.sampling_params(n))  # compile before the lock, not in it
         t.mark("ask_rollout")
         with self.hold(Phase.ROLLOUT):
             t.mark("rollout")
@@ -239,6 +243,9 @@ class TaskDriver:
         with self.timeline.span("reward"):
             rewards, reward_errors = self.host.score(prompts, rollout.value)
         batch = self.host.train_batch(prompts, rollout.value)  # padding; the actor adds the advantages
+        if (batch.size, batch.tokens.shape[1]) not in self._prepared:  # the shapes alone say what it compiles
+            self.prepare(Role.ACTOR, batch.size, batch.tokens.shape[1])
+            self._prepared.add((batch.size, batch.tokens.shape[1]))
         t.mark("ask_train")
         with self.hold(Phase.TRAIN):
             t.mark("train")
@@ -287,6 +294,17 @@ class TaskDriver:
         self.timeline.extend([{**e, **{k: v for k, v in held.items() if e.get(k) is None}} for e in result.events])
         self.memory[role] = result.memory
         return result
+
+    def prepare(self, role: Role, *shapes) -> None:
+        """Have `role` compile its next phase's programs for these shapes now, before the lock is asked for: no
+        task compiles while it holds a lock, and tasks compile at once, each in its own role processes. A
+        round trip that does nothing once the shapes were seen."""
+        try:
+            _, events = self.roles[role].prepare(*shapes)
+        except BaseException as err:
+            _annotate(err, f"in the {role}'s prepare()")
+            raise
+        self.timeline.extend(events)
 
     def record(self, n: int, metrics: dict[str, Any], train: dict[str, float]) -> None:
         """The metrics line (with the memory each role held after its phase) and the progress line."""

@@ -401,3 +401,26 @@ def test_batches_must_split_over_the_meshes(tmp_path):
     msg = load_error(tmp_path, ADDITION, ["tasks.0.rollout.mesh.dp=3"])
     assert msg.endswith("tasks.0.rollout.mesh: 256 samples/step (grpo.prompts_per_step 16 x grpo.num_generations 16) "
                         "do not split over dp 3 (got {'dp': 3, 'tp': 1})")
+
+
+def test_the_compile_cache_is_on_by_default_under_the_output_dir_and_null_turns_it_off(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from rlsched.config import validate
+
+    raw = yaml.safe_load((Path(__file__).parents[1] / "configs" / "demo_multitask.yaml").read_text())
+    raw["experiment"]["output_dir"] = str(tmp_path / "runs")
+    specs = validate(raw).task_specs()
+    assert {s.compile_cache for s in specs} == {str(tmp_path / "runs" / ".jax_cache")}  # one, shared by the tasks
+    raw["cluster"] = {**raw.get("cluster", {}), "compile_cache_dir": None}
+    assert {s.compile_cache for s in validate(raw).task_specs()} == {None}
+    # A role process (fresh, without the tests' JAX_COMPILATION_CACHE_DIR) writes what it compiles there
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+    code = ("import sys, jax, jax.numpy as jnp; from rlsched import compile_cache; compile_cache.enable(sys.argv[1]); "
+            "jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready()")
+    subprocess.run([sys.executable, "-c", code, specs[0].compile_cache], env=env, check=True, timeout=120)
+    assert any(Path(specs[0].compile_cache).iterdir())

@@ -140,6 +140,14 @@ def _check_trace(path, tasks, steps):
                      and e["resource"] == lock["resource"] and lock["start"] <= e["start"] and e["end"] <= lock["end"]]
             want = {"generate", "verify"} if lock["name"] == "ROLLOUT" else {"train", "publish", "update"}
             assert want <= {e["name"] for e in inner}, (lock, inner)
+    # Programs compile before a lock is asked for, never while one is held (issue 18): the first step of each
+    # task compiles both roles' programs, outside its own lock spans.
+    for task in tasks:
+        compiles = [e for e in events if e["kind"] == "span" and e["name"] == "compile" and e["task"] == task]
+        assert {e["process"] for e in compiles} >= {"engine", "actor"}, compiles
+        for c in compiles:
+            assert c.get("resource") is None and not any(
+                lock["start"] < c["end"] and c["start"] < lock["end"] for lock in locks if lock["task"] == task), c
     # One task's rollout overlapped another's training: the point of the scheduler.
     assert max(overlaps(events, a, "rollout", b, "train") for a in tasks for b in tasks if a != b) > 0
 

@@ -137,6 +137,30 @@ def test_compiles_a_handful_of_programs_not_one_per_request(tiny_model):
     assert engine.programs_compiled() - programs_before <= len(engine.compiled_shapes)
 
 
+def test_prepare_compiles_ahead_without_the_weights_and_generate_then_compiles_nothing(tiny_model, prompt_ids):
+    """What a task does before asking for the rollout lock: compile this request's programs while its weights
+    are on host (another task may hold the device). The generate that follows runs those executables (jit
+    compiles nothing) and gives exactly what an engine that compiled on first use gives."""
+    from workers.rollout import jax_sampler
+
+    model, _ = tiny_model
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=3, seed=7)
+    plain = JaxSampler(model, max_prompt_len=64, max_new_tokens=16, max_batch_size=4).generate(prompt_ids, params)
+    engine = JaxSampler(model, max_prompt_len=48, max_new_tokens=16, max_batch_size=4)
+    engine.release_memory()
+    shapes = {key for key, _ in engine._chunks(prompt_ids, params, 0)}  # chunks of the same shape share one
+    assert engine.prepare(prompt_ids, params) == len(shapes) >= 1
+    assert engine.prepare(prompt_ids, params) == 0  # ready: nothing to do
+    engine.resume_memory()
+    jit = jax_sampler._program(engine._graphdef, engine.mesh, engine.config.num_key_value_heads, engine._shardings)
+    before = jit._cache_size()
+    out = engine.generate(prompt_ids, params)
+    assert jit._cache_size() == before  # nothing compiled on the way
+    for x, y in zip(plain.samples, out.samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)  # other prompt padding: rounding only
+
+
 def test_stop_token_ends_the_sample_and_is_included(engine, prompt_ids):
     greedy = engine.generate(prompt_ids[:1], SamplingParams(temperature=0, max_new_tokens=16)).samples[0]
     stop = int(greedy.token_ids[5])

@@ -3,6 +3,7 @@ device computes (transformers is the reference for one device; see test_models_r
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -161,6 +162,37 @@ def test_offload_and_onload_of_a_sharded_actor_keep_values_and_layout(tiny_model
     for name, leaf in P.to_flat(actor.state.params).items():
         assert leaf.sharding == layout[name]
         np.testing.assert_array_equal(np.asarray(leaf), values[name])
+
+
+@pytest.mark.slow
+def test_a_sharded_actor_prepared_while_offloaded_trains_without_compiling_and_as_one_that_did_not(tiny_model_dir):
+    """What a task does before asking for the train lock: compile the step's programs (logprobs, two
+    mini-batches: off-policy, and a reference for beta > 0) while the state is on host. The train that follows
+    compiles nothing and computes what an actor that compiled on first use computes, bit for bit."""
+    from workers.batch import build_train_batch
+
+    settings = dataclasses.replace(SETTINGS, beta=0.04, mini_batch_size=8, micro_batch_size=4)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 200, 5).astype(np.int32) for _ in range(16)]
+    completions = [rng.integers(1, 200, int(rng.integers(1, 7))).astype(np.int32) for _ in range(16)]
+    batch = build_train_batch(prompts, completions, rng.normal(size=16).astype(np.float32), pad_id=0)
+    results = []
+    for prepare in (False, True):
+        model, _ = load_pretrained(tiny_model_dir)
+        actor = ActorWorker(model, settings, mesh=_mesh(dict(fsdp=2, tp=2)))
+        if prepare:
+            actor.release_memory()
+            assert actor.prepare(batch.size, batch.tokens.shape[1]) == 2  # logprobs and the train step
+            assert actor.prepare(batch.size, batch.tokens.shape[1]) == 0
+            actor.resume_memory()
+        metrics = actor.train(batch, step=1)
+        jitted = [actor._program(*k) for k in actor._programs]
+        results.append((metrics, P.to_flat(actor.state.params), sum(p._cache_size() for p in jitted)))
+    (plain, plain_params, plain_compiles), (ahead, ahead_params, ahead_compiles) = results
+    assert plain_compiles >= 2 and ahead_compiles == 0  # the prepared actor's jitted programs never ran
+    assert plain == ahead
+    for name, leaf in plain_params.items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ahead_params[name]))
 
 
 # ---- the engine -------------------------------------------------------------------------------------------

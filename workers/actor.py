@@ -13,6 +13,9 @@ Design decisions:
 - Logprobs are of logits / temperature: the distribution the rollout engine sampled from.
 - Sequences arrive right-padded [prompt, completion, pad] to a length bucket (workers.batch, host
   work in the task's driver) so a run compiles a few programs, not one per step.
+- `prepare(size, length)` compiles a batch's programs ahead of time from the state's shapes and shardings
+  only (the state may be on host): the task does it before asking for the train lock, so no task compiles
+  while it holds one. `train` runs those executables; a shape nobody prepared compiles on first use.
 - The actor lives on a mesh (dp x fsdp x tp, one device by default) and every program is compiled
   with explicit in/out shardings from workers.models.sharding: parameters and optimizer moments as
   the table says, batch rows over dp x fsdp, metrics replicated. The state comes back in the layout it
@@ -139,6 +142,11 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorS
     return new_state, metrics
 
 
+def _shapes_key(arrays: dict) -> tuple:
+    """{name: (shape, dtype)} as a hashable key."""
+    return tuple(sorted((k, tuple(shape), np.dtype(dtype).str) for k, (shape, dtype) in arrays.items()))
+
+
 @contextlib.contextmanager
 def _no_span(name: str, **attrs):
     yield {}
@@ -176,6 +184,9 @@ class ActorWorker:
         self.seed = seed
         self._host = None  # (state, ref_params) while offloaded
         self._programs: dict = {}
+        self._prepared: dict = {}  # (kind, batch keys, shapes) -> executable compiled ahead (`prepare`)
+        self._abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                      self.state, self.shardings)
 
     def _program(self, kind: str, keys: tuple[str, ...] = ()):
         """The jitted train step (per set of batch keys) or logprobs program, with explicit shardings."""
@@ -194,6 +205,42 @@ class ActorWorker:
         self._programs[kind, keys] = fn
         return fn
 
+    def prepare(self, size: int, length: int) -> int:
+        """Compile the programs `train` runs on a batch of `size` rows of `length` tokens, ahead of it and
+        without the state on the devices; returns how many were compiled now (0: all were ready)."""
+        s, compiled = self.settings, 0
+        m, off_policy = s.micro_batch_size, self._off_policy(size)
+        if off_policy or s.beta > 0:
+            shapes = {"tokens": ((m, length), np.int32), "attention_mask": ((m, length), np.bool_)}
+            if ("logprobs", (), _shapes_key(shapes)) not in self._prepared:
+                rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
+                self._prepared["logprobs", (), _shapes_key(shapes)] = (
+                    self._program("logprobs").lower(self._abstract.params, *rows).compile())
+                compiled += 1
+        acc = s.mini_batch_size // m
+        mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
+                "loss_mask": ((acc, m, length - 1), np.float32), "advantages": ((acc, m), np.float32)}
+        for extra, wanted in (("old_logp", off_policy), ("ref_logp", s.beta > 0)):
+            if wanted:
+                mini[extra] = ((acc, m, length - 1), np.float32)
+        keys = tuple(sorted(mini))
+        if ("train", keys, _shapes_key(mini)) not in self._prepared:
+            batch = {k: jax.ShapeDtypeStruct(*v) for k, v in mini.items()}
+            self._prepared["train", keys, _shapes_key(mini)] = (
+                self._program("train", keys).lower(self._abstract, batch).compile())
+            compiled += 1
+        return compiled
+
+    def _run(self, kind: str, keys: tuple[str, ...], arrays: dict, *args):
+        """Program `kind` on `args`: the executable `prepare` made for these shapes, else the jitted one."""
+        shapes = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
+        prepared = self._prepared.get((kind, keys, _shapes_key(shapes)))
+        return (prepared or self._program(kind, keys))(*args)
+
+    def _off_policy(self, size: int) -> bool:
+        """Whether the policy moves between this batch's optimizer steps (then old_logp must be frozen)."""
+        return self.settings.epochs > 1 or size > self.settings.mini_batch_size
+
     # ---- logprobs -------------------------------------------------------------------------------
 
     def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> np.ndarray:
@@ -201,9 +248,10 @@ class ActorWorker:
         params = self.ref_params if reference else self.state.params
         if params is None:
             raise ValueError("no reference params: this actor was built with beta == 0")
-        m, program = self.settings.micro_batch_size, self._program("logprobs")
-        out = [program(params, batch.tokens[i : i + m], batch.attention_mask[i : i + m])
-               for i in range(0, batch.size, m)]
+        m, out = self.settings.micro_batch_size, []
+        for i in range(0, batch.size, m):
+            rows = {"tokens": batch.tokens[i : i + m], "attention_mask": batch.attention_mask[i : i + m]}
+            out.append(self._run("logprobs", (), rows, params, rows["tokens"], rows["attention_mask"]))
         return np.concatenate([np.asarray(x) for x in out])
 
     # ---- update ---------------------------------------------------------------------------------
@@ -220,7 +268,7 @@ class ActorWorker:
             raise ValueError(f"{batch.size} samples do not split into mini-batches of {s.mini_batch_size}")
         arrays = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask,
                   "advantages": batch.advantages}
-        off_policy = s.epochs > 1 or batch.size > s.mini_batch_size
+        off_policy = self._off_policy(batch.size)
         with span("logprobs", samples=batch.size):
             if off_policy:  # the policy moves between optimizer steps: freeze the rollout-time logprobs
                 arrays["old_logp"] = self.logprobs(batch)
@@ -266,8 +314,7 @@ class ActorWorker:
                 idx = order[start : start + s.mini_batch_size]
                 acc = s.mini_batch_size // s.micro_batch_size
                 mini = {k: v[idx].reshape(acc, s.micro_batch_size, *v.shape[1:]) for k, v in arrays.items()}
-                program = self._program("train", tuple(sorted(mini)))
-                self.state, metrics = program(self.state, mini)
+                self.state, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, mini)
                 history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
 

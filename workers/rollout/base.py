@@ -125,6 +125,11 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput: ...
 
+    def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        """Compile what `generate(prompt_ids, params)` will run, ahead of it, with the weights possibly on host
+        (the caller holds no lock yet); how many programs were compiled now."""
+        ...
+
     def update_weights(self, flat_params: Mapping[str, object], version: int, *,
                        checksum: str | None = None) -> dict[str, int]: ...
 

@@ -100,6 +100,9 @@ class FakeEngine:
     def resume_memory(self) -> None:
         self._released = False
 
+    def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        return 0  # nothing to compile
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
         t0 = time.perf_counter()
         prompts = validate_request(prompt_ids, params, max_prompt_len=self.max_prompt_len,

@@ -10,6 +10,10 @@ Design decisions:
   then folded with the step. The n samples of a prompt differ, a seed reproduces them, and the
   result does not depend on how rows are batched.
 - The loop stops as soon as every row has hit a stop token.
+- `prepare` compiles a request's programs ahead of time, from the weights' shapes and shardings only (no
+  weights on the devices needed): the scheduler's caller does it before asking for the rollout lock, so
+  no task compiles while it holds a lock. `generate` runs those executables; a shape nobody prepared
+  compiles on first use, as jit does.
 - The engine lives on a mesh (dp x tp, one device by default): weights laid out by
   workers.models.sharding, request rows over dp, the KV cache's heads over tp (whole on every device
   when tp exceeds the KV heads). The program is compiled with those shardings explicitly.
@@ -83,6 +87,9 @@ class JaxSampler:
         self._checksum: str | None = None
         self._rng = np.random.default_rng(seed)
         self.compiled_shapes: set[tuple[int, int, int, int]] = set()
+        # What the weights look like, for compiling without them (`prepare`)
+        self._abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                      self._state, self._shardings)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | None = None, **kwargs) -> JaxSampler:
@@ -225,7 +232,9 @@ class JaxSampler:
 
     def programs_compiled(self) -> int:
         """Executables compiled so far for this engine's architecture and mesh (shared between engines)."""
-        return _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)._cache_size()
+        arch = (self._graphdef, self.mesh, self.config.num_key_value_heads)
+        prepared = sum(key[:3] == arch for key in _COMPILED)
+        return _program(*arch, self._shardings)._cache_size() + prepared
 
     @property
     def released(self) -> bool:
@@ -233,51 +242,71 @@ class JaxSampler:
 
     # ---- generation ---------------------------------------------------------------------------
 
+    def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        """Compile the programs `generate(prompt_ids, params)` will run, ahead of it and without the weights on
+        the devices; returns how many were compiled now (0: all were ready)."""
+        compiled = 0
+        for key, args in self._chunks(prompt_ids, params, seed=0):
+            if key not in _COMPILED:
+                program = _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
+                _COMPILED[key] = program.lower(self._abstract, *args).compile()
+                compiled += 1
+        return compiled
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
         t0 = time.perf_counter()
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        chunks = list(self._chunks(prompt_ids, params, seed))  # a bad request is refused first
+        state = self._live_state()
+        samples: list[Sample] = []
+        for key, args in chunks:
+            self.compiled_shapes.add(key[-4:])
+            prepared = _COMPILED.get(key)
+            if prepared is not None:
+                out = prepared(state, *args[:-1])  # the static bucket is part of the executable
+            else:
+                program = _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
+                out = program(state, *args)
+            out_tokens, out_logprobs, lengths, stopped = jax.device_get(out)
+            samples.extend(
+                Sample(prompt_index=int(args[4][r]), token_ids=out_tokens[r, : lengths[r]].copy(),
+                       logprobs=out_logprobs[r, : lengths[r]].copy(),
+                       finish_reason=FinishReason.STOP if stopped[r] else FinishReason.LENGTH)
+                for r in range(int(args[2].sum())))
+        return RolloutOutput(samples=samples, weight_version=self._version,
+                             generate_seconds=time.perf_counter() - t0)
+
+    def _chunks(self, prompt_ids, params: SamplingParams, seed: int):
+        """Per chunk of at most max_batch_size rows: (its program's key, the program's arguments after the
+        weights: tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p, max_new, stop, and the
+        static new-token bucket)."""
         prompts = validate_request(prompt_ids, params, max_prompt_len=self.max_prompt_len,
                                    max_new_tokens=self.max_new_tokens, vocab_size=self.config.vocab_size)
-        state = self._live_state()
-        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]  # prompt-major
         stop = np.full(_STOP_SLOTS * max(1, -(-len(params.stop_token_ids) // _STOP_SLOTS)), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         new_bucket = _bucket(params.max_new_tokens, 8, self.max_new_tokens)
-        samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start : start + self.max_batch_size]
-            samples.extend(self._generate_chunk(state, prompts, chunk, params, seed, stop, new_bucket))
-        return RolloutOutput(samples=samples, weight_version=self._version,
-                             generate_seconds=time.perf_counter() - t0)
-
-    def _generate_chunk(self, state, prompts, chunk, params, seed, stop, new_bucket) -> list[Sample]:
-        batch = -(-_bucket(len(chunk), 1, self.max_batch_size) // self._rows) * self._rows  # rows split over dp
-        longest = max(len(prompts[i]) for i, _ in chunk)
-        plen = _bucket(longest, 8, self.max_prompt_len)
-        tokens = np.zeros((batch, plen), np.int32)
-        mask = np.zeros((batch, plen), bool)
-        prompt_idx = np.zeros(batch, np.int32)
-        sample_idx = np.zeros(batch, np.int32)
-        for r, (i, j) in enumerate(chunk):
-            p = prompts[i]
-            tokens[r, plen - len(p):], mask[r, plen - len(p):] = p, True
-            prompt_idx[r], sample_idx[r] = i, j
-        active = np.arange(batch) < len(chunk)
-        self.compiled_shapes.add((batch, plen, new_bucket, len(stop)))
-        program = _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
-        out = program(state, tokens, mask, active, np.uint32(seed), prompt_idx, sample_idx,
-                      np.float32(params.temperature), np.float32(params.top_p),
-                      np.int32(params.max_new_tokens), stop, new_bucket)
-        out_tokens, out_logprobs, lengths, stopped = jax.device_get(out)
-        return [
-            Sample(prompt_index=i, token_ids=out_tokens[r, : lengths[r]].copy(),
-                   logprobs=out_logprobs[r, : lengths[r]].copy(),
-                   finish_reason=FinishReason.STOP if stopped[r] else FinishReason.LENGTH)
-            for r, (i, _) in enumerate(chunk)
-        ]
+            batch = -(-_bucket(len(chunk), 1, self.max_batch_size) // self._rows) * self._rows  # rows split over dp
+            longest = max(len(prompts[i]) for i, _ in chunk)
+            plen = _bucket(longest, 8, self.max_prompt_len)
+            tokens = np.zeros((batch, plen), np.int32)
+            mask = np.zeros((batch, plen), bool)
+            prompt_idx = np.zeros(batch, np.int32)
+            sample_idx = np.zeros(batch, np.int32)
+            for r, (i, j) in enumerate(chunk):
+                p = prompts[i]
+                tokens[r, plen - len(p):], mask[r, plen - len(p):] = p, True
+                prompt_idx[r], sample_idx[r] = i, j
+            active = np.arange(batch) < len(chunk)
+            key = (self._graphdef, self.mesh, self.config.num_key_value_heads, batch, plen, new_bucket, len(stop))
+            yield key, (tokens, mask, active, np.uint32(seed), prompt_idx, sample_idx, np.float32(params.temperature),
+                        np.float32(params.top_p), np.int32(params.max_new_tokens), stop, new_bucket)
 
 
 _PROGRAMS: dict = {}
+_COMPILED: dict = {}  # (architecture, mesh, kv heads, batch, prompt, new-token and stop buckets) -> executable
 
 
 def _program(graphdef, mesh, kv_heads: int, state_shardings):

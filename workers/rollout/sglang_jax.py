@@ -277,6 +277,9 @@ class SglangJaxEngine:
 
     # ---- generation ---------------------------------------------------------------------------
 
+    def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        return 0  # sglang-jax compiles its own programs (its server's warm-up and its own cache)
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
         t0 = time.perf_counter()
         prompts = validate_request(prompt_ids, params, max_prompt_len=self.max_prompt_len,

@@ -1,0 +1,170 @@
+"""Time to first step for 1, 2 and 4 tasks, with a cold and a warm compilation cache; and what a restart costs.
+
+    python -m benchmarks.startup [--tasks 1 2 4] [--steps 2] [--no-restarts] [--out benchmarks/results/startup]
+
+The tasks are configs/demo_4tasks.yaml's (identical shapes, different weights), the first N of them, under the
+Ray scheduler as `rlsched train` runs them. Ray is started once, before the clock (a constant every run pays).
+- **Time to first step**: from the call that runs the experiment to the moment every task has finished its
+  first step (its metrics line's `time/end_unix`): role processes start, JAX starts, models load, programs
+  compile (outside the locks: each task compiles before it asks for a lock), the first step runs. Cold: an
+  empty `cluster.compile_cache_dir`; warm: the same directory again, as a rerun finds it. The ratio of N
+  tasks to 1 is the figure to watch (goal: <= 1.5 x on this 2-core machine, where 2 N role processes start
+  JAX at once; <= 1.2 x where each role has a core).
+- **Restart cost** (`max_restarts`, one task): seconds from a SIGKILL of its engine (then of its actor) to
+  the task's next completed step, with a checkpoint every step and a warm cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from benchmarks.common import environment, save_results  # first: sets JAX to CPU, hubs offline
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_4tasks.yaml"
+GOAL_RATIO_SHARED_CORES = 1.5
+OWN_CACHE = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JAX_COMPILATION_CACHE_MAX_SIZE")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.startup", description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", type=int, nargs="+", default=[1, 2, 4], choices=[1, 2, 3, 4],
+                   help="numbers of tasks to start together")
+    p.add_argument("--steps", type=int, default=2, help="GRPO steps per run (the first is what is timed)")
+    p.add_argument("--no-restarts", dest="restarts", action="store_false", help="skip the restart-cost runs")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of every task, as `rlsched train --set` (e.g. grpo.prompts_per_step=4)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/startup"))
+    return p.parse_args(argv)
+
+
+def _config(root: Path, name: str, tasks: int, cache: Path, args, extra=()):
+    from rlsched.config import load_config, select_tasks
+
+    every = [f"steps={args.steps}", *args.overrides, *extra]
+    overrides = [f"experiment.name={name}", f"experiment.output_dir={root}", f"cluster.compile_cache_dir={cache}",
+                 *(f"tasks.{i}.model.path={root / 'models' / str(i)}" for i in range(4)),
+                 *(f"tasks.{i}.{o}" for i in range(4) for o in every)]
+    cfg = load_config(CONFIG, overrides)
+    return select_tasks(cfg, [t.name for t in cfg.tasks[:tasks]])
+
+
+def _make_models(root: Path, args) -> None:
+    from workers.models import init_model
+
+    for task in _config(root, "models", 4, root / "unused", args).tasks:
+        init_model(task.model.path, preset=task.model.init_preset, seed=task.model.init_seed)
+
+
+def first_step(root: Path, tasks: int, cache: Path, label: str, args) -> dict[str, float]:
+    from rlsched.experiment import run_experiment
+    from rlsched.runfiles import prepare_run_dir
+    from rlsched.tracking import read_metrics
+
+    cfg = _config(root, f"{label}-{tasks}", tasks, cache, args)
+    prepare_run_dir(cfg, resume=False, overwrite=True)
+    t0 = time.time()
+    results = run_experiment(cfg, echo=lambda *_: None)
+    failed = {n: r["error"] for n, r in results.items() if r["status"] != "ok"}
+    if failed:
+        raise RuntimeError(f"the {label} run of {tasks} task(s) failed: {failed}")
+    ends = [read_metrics(cfg.run_dir / "tasks" / t.name / "metrics.jsonl")[0]["time/end_unix"] for t in cfg.tasks]
+    return {"first_step_s": max(ends) - t0, "mean_first_step_s": sum(ends) / len(ends) - t0}
+
+
+def restart_cost(root: Path, cache: Path, role: str, args) -> float:
+    """Seconds from a SIGKILL of one task's `role` (after its second step) to its next completed step."""
+    import ray
+
+    from rlsched.experiment import run_experiment
+    from rlsched.runfiles import prepare_run_dir
+    from rlsched.tracking import read_metrics
+
+    steps = max(args.steps, 4)
+    cfg = _config(root, f"restart-{role}", 1, cache, args,
+                  extra=[f"steps={steps}", "max_restarts=1", "checkpoint_every=1"])
+    prepare_run_dir(cfg, resume=False, overwrite=True)
+    path = cfg.run_dir / "tasks" / cfg.tasks[0].name / "metrics.jsonl"
+    killed: list[float] = []
+
+    def kill(drivers):
+        def run():
+            while len(read_metrics(path)) < 2:
+                time.sleep(0.02)
+            handle = ray.get(drivers[cfg.tasks[0].name].role_handles.remote())[role]
+            pid = ray.get(handle.where.remote())["pid"]
+            killed.append(time.time())
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    results = run_experiment(cfg, echo=lambda *_: None, on_started=kill)
+    (result,) = results.values()
+    if result["status"] != "ok" or len(result.get("restarts", [])) != 1:
+        raise RuntimeError(f"the {role} restart run did not restart once and finish: {result}")
+    after = [m["time/end_unix"] for m in read_metrics(path) if m["time/end_unix"] > killed[0]]
+    return min(after) - killed[0]
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from rlsched import cluster
+
+    import ray
+
+    # Each run names its own cache, which the role processes use unless their environment names one: Ray's
+    # workers inherit this process's environment when Ray starts here. A Ray started before (a test session)
+    # keeps its own, and then cold and warm are the same cache: the results say so.
+    overridden = os.environ.get("JAX_COMPILATION_CACHE_DIR") if ray.is_initialized() else None
+    if not ray.is_initialized():
+        for key in OWN_CACHE:
+            os.environ.pop(key, None)
+    cluster.init_ray(None, log_to_driver=False)
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        _make_models(root, args)  # before the clock: a first run would make them, later ones would not
+        for n in args.tasks:
+            cache = root / f"cache-{n}"  # empty: nothing compiled by an earlier run of another size
+            for label in ("cold", "warm"):
+                runs[f"{label}-{n}"] = r = first_step(root, n, cache, label, args)
+                print(f"{n} task(s), {label} cache: first step after {r['first_step_s']:.1f} s", flush=True)
+        restarts = {}
+        if args.restarts:
+            for role in ("engine", "actor"):
+                restarts[role] = restart_cost(root, root / f"cache-{args.tasks[0]}", role, args)
+                print(f"restart of a killed {role}: next step {restarts[role]:.1f} s after the kill", flush=True)
+    base = {label: runs[f"{label}-{args.tasks[0]}"]["first_step_s"] for label in ("cold", "warm")}
+    for key, r in runs.items():
+        r["vs_first"] = r["first_step_s"] / base[key.split("-")[0]]
+    largest = max(args.tasks)
+    results = dict(args={k: str(v) for k, v in vars(args).items()}, env=environment(), runs=runs,
+                   restart_s=restarts, goal_ratio=GOAL_RATIO_SHARED_CORES,
+                   met=runs[f"warm-{largest}"]["vs_first"] <= GOAL_RATIO_SHARED_CORES,
+                   cache_from_environment=overridden, timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
+    rows = [f"| {n} | {runs[f'cold-{n}']['first_step_s']:.1f} | {runs[f'cold-{n}']['vs_first']:.2f} | "
+            f"{runs[f'warm-{n}']['first_step_s']:.1f} | {runs[f'warm-{n}']['vs_first']:.2f} |" for n in args.tasks]
+    report = "\n".join([
+        f"demo_4tasks' tasks (tiny Qwen3, identical shapes) under the Ray scheduler, {os.cpu_count()} CPU cores; "
+        "time from the run's start to every task's first completed step (Ray already up)",
+        "", f"| tasks | cold cache, s | vs {args.tasks[0]} | warm cache, s | vs {args.tasks[0]} |",
+        "|---:|---:|---:|---:|---:|", *rows, "",
+        *([f"(every run used the environment's JAX_COMPILATION_CACHE_DIR={overridden}: cold is not cold)", ""]
+          if overridden else []),
+        f"{largest} tasks, warm: {runs[f'warm-{largest}']['vs_first']:.2f} x one task (goal <= "
+        f"{GOAL_RATIO_SHARED_CORES} on shared cores: {'met' if results['met'] else 'NOT met'})",
+        *([f"restart cost (seconds from SIGKILL to the next completed step): engine {restarts['engine']:.1f}, "
+           f"actor {restarts['actor']:.1f}"] if restarts else [])])
+    save_results(args.out, "Time to first step and restart cost", results, report)
+    return results
+
+
+if __name__ == "__main__":
+    main()
