@@ -84,9 +84,12 @@ class TaskDriver:
             if m.init_preset is not None and not (path / "config.json").is_file():
                 self.echo(f"[{self.name}] creating a random {m.init_preset} Qwen3 at {path}")
             self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, placement=self.placement)
+            if (path / "config.json").is_file():  # the engine's process starts beside the actor's (a Ray actor
+                self._spawn_engine()               # is created in the background)
             meta, self.published = self.roles[Role.ACTOR].start(self.resume)  # what the engine must hold
             self.host = HostWork(self.spec, self.echo)
-            self.roles[Role.ENGINE] = spawn(EngineRole, self.spec, channel=self.channel, placement=self.placement)
+            if Role.ENGINE not in self.roles:  # the actor made the model: now the engine can load it
+                self._spawn_engine()
             self.tracker = make_trackers(self.spec.tracking, run_dir=self.spec.dir, experiment=self.spec.experiment,
                                          task=self.name, hparams=self.spec.config.model_dump(mode="json"))
             # What the scheduler stops before passing on this task's lock or memory, if it must fence it
@@ -106,6 +109,9 @@ class TaskDriver:
                 self._move(role, action)
         finally:
             self._started.set()
+
+    def _spawn_engine(self) -> None:
+        self.roles[Role.ENGINE] = spawn(EngineRole, self.spec, channel=self.channel, placement=self.placement)
 
     def _resume_from(self, meta: dict[str, Any] | None) -> None:
         if not self.resume:

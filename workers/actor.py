@@ -37,6 +37,7 @@ from flax import nnx
 
 from workers import grpo
 from workers.batch import TrainBatch
+from workers.compiling import compile_once
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.qwen3 import Qwen3ForCausalLM
@@ -215,7 +216,7 @@ class ActorWorker:
             if ("logprobs", (), _shapes_key(shapes)) not in self._prepared:
                 rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
                 self._prepared["logprobs", (), _shapes_key(shapes)] = (
-                    self._program("logprobs").lower(self._abstract.params, *rows).compile())
+                    compile_once(self._program("logprobs").lower(self._abstract.params, *rows)))
                 compiled += 1
         acc = s.mini_batch_size // m
         mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
@@ -227,7 +228,7 @@ class ActorWorker:
         if ("train", keys, _shapes_key(mini)) not in self._prepared:
             batch = {k: jax.ShapeDtypeStruct(*v) for k, v in mini.items()}
             self._prepared["train", keys, _shapes_key(mini)] = (
-                self._program("train", keys).lower(self._abstract, batch).compile())
+                compile_once(self._program("train", keys).lower(self._abstract, batch)))
             compiled += 1
         return compiled
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from workers.compiling import compile_once
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
@@ -249,7 +250,7 @@ class JaxSampler:
         for key, args in self._chunks(prompt_ids, params, seed=0):
             if key not in _COMPILED:
                 program = _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
-                _COMPILED[key] = program.lower(self._abstract, *args).compile()
+                _COMPILED[key] = compile_once(program.lower(self._abstract, *args))
                 compiled += 1
         return compiled
 
