@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="numbers of tasks to start together")
     p.add_argument("--steps", type=int, default=2, help="GRPO steps per run (the first is what is timed)")
     p.add_argument("--no-restarts", dest="restarts", action="store_false", help="skip the restart-cost runs")
+    p.add_argument("--processes", default="auto", choices=["auto", "per_role", "per_device_group"],
+                   help="cluster.processes: a process per role (CPU's default) or one per device group")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of every task, as `rlsched train --set` (e.g. grpo.prompts_per_step=4)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/startup"))
@@ -50,6 +52,7 @@ def _config(root: Path, name: str, tasks: int, cache: Path, args, extra=()):
 
     every = [f"steps={args.steps}", *args.overrides, *extra]
     overrides = [f"experiment.name={name}", f"experiment.output_dir={root}", f"cluster.compile_cache_dir={cache}",
+                 f"cluster.processes={args.processes}",
                  *(f"tasks.{i}.model.path={root / 'models' / str(i)}" for i in range(4)),
                  *(f"tasks.{i}.{o}" for i in range(4) for o in every)]
     cfg = load_config(CONFIG, overrides)
@@ -137,7 +140,9 @@ def main(argv=None) -> dict:
                 runs[f"{label}-{n}"] = r = first_step(root, n, cache, label, args)
                 print(f"{n} task(s), {label} cache: first step after {r['first_step_s']:.1f} s", flush=True)
         restarts = {}
-        if args.restarts:
+        if args.restarts and args.processes == "per_device_group":
+            print("restart cost: not measured (roles in a device-group process are not restarted)", flush=True)
+        elif args.restarts:
             for role in ("engine", "actor"):
                 restarts[role] = restart_cost(root, root / f"cache-{args.tasks[0]}", role, args)
                 print(f"restart of a killed {role}: next step {restarts[role]:.1f} s after the kill", flush=True)
@@ -152,7 +157,8 @@ def main(argv=None) -> dict:
     rows = [f"| {n} | {runs[f'cold-{n}']['first_step_s']:.1f} | {runs[f'cold-{n}']['vs_first']:.2f} | "
             f"{runs[f'warm-{n}']['first_step_s']:.1f} | {runs[f'warm-{n}']['vs_first']:.2f} |" for n in args.tasks]
     report = "\n".join([
-        f"demo_4tasks' tasks (tiny Qwen3, identical shapes) under the Ray scheduler, {os.cpu_count()} CPU cores; "
+        f"demo_4tasks' tasks (tiny Qwen3, identical shapes) under the Ray scheduler (cluster.processes: "
+        f"{args.processes}), {os.cpu_count()} CPU cores; "
         "time from the run's start to every task's first completed step (Ray already up)",
         "", f"| tasks | cold cache, s | vs {args.tasks[0]} | warm cache, s | vs {args.tasks[0]} |",
         "|---:|---:|---:|---:|---:|", *rows, "",
