@@ -64,7 +64,9 @@ def test_an_eviction_that_fails_fails_the_evicted_task_not_the_waiter(ray_sessio
     probe = _experiment(tmp_path, tiny_model_dir, "probe", {}, {})
     engine, actor = estimate_bytes(probe.tasks[0])
     budget_gb = (engine + actor + min(engine, actor) // 2) / 2**30  # one task fits, two never do
-    faults = {"addition": {"fail_release_on_call": 1}}
+    # addition asks for its first lock 3 s after subtraction: subtraction's first ROLLOUT evicts addition's
+    # engine, whose offload is the one that fails (were addition first, its own move would fail, not an eviction)
+    faults = {"addition": {"fail_release_on_call": 1, "delay_start_s": 3}}
     cfg = _experiment(tmp_path, tiny_model_dir, "evict", faults, {"placement": "colocated",
                                                                   "memory_budget_gb": budget_gb})
     results = run_experiment(cfg, echo=lambda *_: None)

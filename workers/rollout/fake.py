@@ -29,13 +29,16 @@ class FakeEngine:
     def __init__(self, *, vocab_size: int = 384, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  seconds_per_token: float = 0.0, stop_probability: float = 0.5, seed: int = 0,
                  param_shapes: Mapping[str, tuple[int, ...]] | None = None, stall_on_call: int | None = None,
-                 stall_seconds: float = 0.0, fail_release_on_call: int | None = None):
+                 stall_seconds: float = 0.0, fail_release_on_call: int | None = None, delay_start_s: float = 0.0):
         """`stall_on_call`/`stall_seconds`: the n-th generate (1-based) sleeps that long first, as a hung
-        engine would; `fail_release_on_call`: the n-th release_memory raises, as a failed offload would.
+        engine would; `fail_release_on_call`: the n-th release_memory raises, as a failed offload would;
+        `delay_start_s`: the first `prepare` sleeps that long, as a slow start would (a task that asks for its
+        first lock after another's).
         Faults for the scheduler's tests (rollout.engine_args)."""
         self.vocab_size, self.max_prompt_len, self.max_new_tokens = vocab_size, max_prompt_len, max_new_tokens
         self.stall_on_call, self.stall_seconds, self.fail_release_on_call = stall_on_call, stall_seconds, \
             fail_release_on_call
+        self.delay_start_s, self._prepared = delay_start_s, False
         self.releases = 0
         self.seconds_per_token, self.stop_probability = seconds_per_token, stop_probability
         self._rng = np.random.default_rng(seed)
@@ -101,6 +104,9 @@ class FakeEngine:
         self._released = False
 
     def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        if not self._prepared:
+            self._prepared = True
+            time.sleep(self.delay_start_s)
         return 0  # nothing to compile
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
