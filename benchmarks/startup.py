@@ -118,9 +118,9 @@ def restart_cost(root: Path, cache: Path, role: str, args) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from rlsched import cluster
-
     import ray
+
+    from rlsched import cluster
 
     # Each run names its own cache, which the role processes use unless their environment names one: Ray's
     # workers inherit this process's environment when Ray starts here. A Ray started before (a test session)
