@@ -66,3 +66,26 @@ def test_a_kill_while_a_save_is_written_leaves_the_previous_checkpoint_the_lates
     ckpt.save(2, _state(1000, 2.0), {"step": 2})  # the resumed run saves step 2 again, over the half one
     assert ckpt.latest_step() == 2 and ckpt.restore(_state(1000, 0.0))[1] == {"step": 2}
     ckpt.close()
+
+
+def test_a_checkpoint_is_checked_against_the_state_it_restores_into(tmp_path):
+    """The files say what they hold (key paths, dtypes, shapes, offsets): another state, or a cut file, is
+    refused with what differs, never loaded into the wrong arrays."""
+    import pytest
+
+    from rlsched.errors import CheckpointError
+
+    ckpt = TaskCheckpointer(tmp_path / "ckpt")
+    ckpt.save(1, _state(1000, 1.0), {"step": 1})
+    ckpt.wait()
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "1").iterdir()) == ["index.json", "state.bin"]
+    with pytest.raises(CheckpointError, match=r"\.params\['w'\] is float32\[1000\], this state's is float32\[999\]"):
+        ckpt.restore(_state(999, 0.0))
+    other = TrainState(step=jnp.asarray(3, jnp.int32), params={"w": jnp.zeros(1000)}, opt_state={})
+    with pytest.raises(CheckpointError, match="holds other arrays than this state"):
+        ckpt.restore(other)
+    blob = tmp_path / "ckpt" / "1" / "state.bin"
+    blob.write_bytes(blob.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="is truncated at"):
+        ckpt.restore(_state(1000, 0.0))
+    ckpt.close()
