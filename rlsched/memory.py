@@ -151,10 +151,7 @@ class Residency:
         with self.timeline.span("offload", task=self.task, role=self.role, pool=self.pool.name, bytes=self.nbytes,
                                 **attrs):
             self._offload()
-        self.pool.clear(self.task, self.role)
-        self.resident = False
-        if self._on_change is not None:
-            self._on_change(self.task, self.role, {})
+        self.lost()  # the bytes are on host now: none left on the devices
 
     def replace_worker(self, *, onload: Callable[[], int | Mapping[str, int]], offload: Callable[[], None],
                        sizes: int | Mapping[str, int], **attrs: Any) -> None:
@@ -167,7 +164,8 @@ class Residency:
             self.offload(**attrs)
 
     def lost(self) -> None:
-        """The role's process died: what it held on its devices is gone with it (the bytes are free)."""
+        """Nothing of the role is on its devices any more: after an offload, or when its process died (what it
+        held there went with it)."""
         self.pool.clear(self.task, self.role)
         self.resident = False
         if self._on_change is not None:

@@ -92,9 +92,7 @@ class TaskDriver:
                 self._spawn_engine()
             self.tracker = make_trackers(self.spec.tracking, run_dir=self.spec.dir, experiment=self.spec.experiment,
                                          task=self.name, hparams=self.spec.config.model_dump(mode="json"))
-            # What the scheduler stops before passing on this task's lock or memory, if it must fence it
-            self.locks.register_roles([r.fence_target() for r in self.roles.values()
-                                       if isinstance(r, RemoteRole | HostedRole)])
+            self._register_fence_targets()
             self._resume_from(meta)
             self._loader_start = self.host.loader.state()
             self.places = {str(role): r.where() for role, r in self.roles.items()}
@@ -109,6 +107,11 @@ class TaskDriver:
                 self._move(role, action)
         finally:
             self._started.set()
+
+    def _register_fence_targets(self) -> None:
+        """Tell the scheduler what it stops before passing on this task's lock or memory, if it must fence it."""
+        self.locks.register_roles([r.fence_target() for r in self.roles.values()
+                                   if isinstance(r, RemoteRole | HostedRole)])
 
     def _spawn_engine(self) -> None:
         self.roles[Role.ENGINE] = spawn(EngineRole, self.spec, channel=self.channel, placement=self.placement)
@@ -210,8 +213,7 @@ class TaskDriver:
                 self._prepared.clear()  # a new process has compiled nothing
             self.residency[role].replace_worker(onload=fresh.onload, offload=fresh.offload, sizes=fresh.memory(),
                                                 cause="restart")
-            self.locks.register_roles([r.fence_target() for r in self.roles.values()
-                                       if isinstance(r, RemoteRole | HostedRole)])
+            self._register_fence_targets()
             self.places[str(role)] = fresh.where()
 
     def close(self, exit_code: int = 0) -> None:

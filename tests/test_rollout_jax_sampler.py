@@ -141,8 +141,6 @@ def test_prepare_compiles_ahead_without_the_weights_and_generate_then_compiles_n
     """What a task does before asking for the rollout lock: compile this request's programs while its weights
     are on host (another task may hold the device). The generate that follows runs those executables (jit
     compiles nothing) and gives exactly what an engine that compiled on first use gives."""
-    from workers.rollout import jax_sampler
-
     model, _ = tiny_model
     params = SamplingParams(temperature=1.0, max_new_tokens=8, n=3, seed=7)
     plain = JaxSampler(model, max_prompt_len=64, max_new_tokens=16, max_batch_size=4).generate(prompt_ids, params)
@@ -152,7 +150,7 @@ def test_prepare_compiles_ahead_without_the_weights_and_generate_then_compiles_n
     assert engine.prepare(prompt_ids, params) == len(shapes) >= 1
     assert engine.prepare(prompt_ids, params) == 0  # ready: nothing to do
     engine.resume_memory()
-    jit = jax_sampler._program(engine._graphdef, engine.mesh, engine.config.num_key_value_heads, engine._shardings)
+    jit = engine._jitted()
     before = jit._cache_size()
     out = engine.generate(prompt_ids, params)
     assert jit._cache_size() == before  # nothing compiled on the way

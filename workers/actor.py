@@ -213,10 +213,10 @@ class ActorWorker:
         m, off_policy = s.micro_batch_size, self._off_policy(size)
         if off_policy or s.beta > 0:
             shapes = {"tokens": ((m, length), np.int32), "attention_mask": ((m, length), np.bool_)}
-            if ("logprobs", (), _shapes_key(shapes)) not in self._prepared:
+            key = ("logprobs", (), _shapes_key(shapes))
+            if key not in self._prepared:
                 rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
-                self._prepared["logprobs", (), _shapes_key(shapes)] = (
-                    compile_once(self._program("logprobs").lower(self._abstract.params, *rows)))
+                self._prepared[key] = compile_once(self._program("logprobs").lower(self._abstract.params, *rows))
                 compiled += 1
         acc = s.mini_batch_size // m
         mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
@@ -225,10 +225,10 @@ class ActorWorker:
             if wanted:
                 mini[extra] = ((acc, m, length - 1), np.float32)
         keys = tuple(sorted(mini))
-        if ("train", keys, _shapes_key(mini)) not in self._prepared:
+        key = ("train", keys, _shapes_key(mini))
+        if key not in self._prepared:
             batch = {k: jax.ShapeDtypeStruct(*v) for k, v in mini.items()}
-            self._prepared["train", keys, _shapes_key(mini)] = (
-                compile_once(self._program("train", keys).lower(self._abstract, batch)))
+            self._prepared[key] = compile_once(self._program("train", keys).lower(self._abstract, batch))
             compiled += 1
         return compiled
 

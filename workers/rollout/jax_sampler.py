@@ -234,8 +234,11 @@ class JaxSampler:
     def programs_compiled(self) -> int:
         """Executables compiled so far for this engine's architecture and mesh (shared between engines)."""
         arch = (self._graphdef, self.mesh, self.config.num_key_value_heads)
-        prepared = sum(key[:3] == arch for key in _COMPILED)
-        return _program(*arch, self._shardings)._cache_size() + prepared
+        return self._jitted()._cache_size() + sum(key[:3] == arch for key in _COMPILED)
+
+    def _jitted(self):
+        """The jitted generate program of this engine's architecture and mesh (shared between engines)."""
+        return _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
 
     @property
     def released(self) -> bool:
@@ -249,8 +252,7 @@ class JaxSampler:
         compiled = 0
         for key, args in self._chunks(prompt_ids, params, seed=0):
             if key not in _COMPILED:
-                program = _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
-                _COMPILED[key] = compile_once(program.lower(self._abstract, *args))
+                _COMPILED[key] = compile_once(self._jitted().lower(self._abstract, *args))
                 compiled += 1
         return compiled
 
@@ -263,11 +265,8 @@ class JaxSampler:
         for key, args in chunks:
             self.compiled_shapes.add(key[-4:])
             prepared = _COMPILED.get(key)
-            if prepared is not None:
-                out = prepared(state, *args[:-1])  # the static bucket is part of the executable
-            else:
-                program = _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
-                out = program(state, *args)
+            # A prepared executable has the static bucket (the last argument) built in
+            out = prepared(state, *args[:-1]) if prepared is not None else self._jitted()(state, *args)
             out_tokens, out_logprobs, lengths, stopped = jax.device_get(out)
             samples.extend(
                 Sample(prompt_index=int(args[4][r]), token_ids=out_tokens[r, : lengths[r]].copy(),
