@@ -12,7 +12,10 @@ Design decisions (and why):
   A span: {kind: "span", task, name, phase, resource, device, start, end, bytes, args}; a counter:
   {kind: "counter", task, name, ts, values}.
 - **One clock: wall time.** Processes on one node share it; each recorder anchors `time.time()` once
-  and advances it with `perf_counter()`, so spans are precise and comparable across processes.
+  and advances it with `perf_counter()`, so spans are precise and comparable across processes. The
+  anchor is the tightest of a few (counter, wall, counter) readings: a process preempted between the
+  two clock reads (4 tasks' processes starting on 2 cores) would otherwise shift all its spans by
+  the preemption, and a role's last span would end after the lock hold the driver records around it.
 - **A span is recorded even when its body raises** (with `args.error`), so a failed phase shows.
 - **The trace is the evidence.** A lock hold is one complete event named `ROLLOUT` or `TRAIN` with
   `args.task` and `args.resource` (the resource's identity across tasks), on the resource's track,
@@ -47,7 +50,7 @@ class Timeline:
 
     def __init__(self, process: str, task: str | None = None):
         self.process, self.task = process, task
-        self._anchor_wall, self._anchor_perf = time.time(), time.perf_counter()
+        self._anchor_wall, self._anchor_perf = clock_anchor()
         self._events: list[dict[str, Any]] = []
 
     def now(self) -> float:
@@ -94,6 +97,16 @@ class Timeline:
 
     def extend(self, events: list[dict[str, Any]]) -> None:
         self._events.extend(events)
+
+
+def clock_anchor(samples: int = 7) -> tuple[float, float]:
+    """(wall, counter) read at the same instant, to within the tightest of `samples` bracketing reads."""
+    best = None
+    for _ in range(samples):
+        before, wall, after = time.perf_counter(), time.time(), time.perf_counter()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall, (before + after) / 2)
+    return best[1], best[2]
 
 
 class NullTimeline(Timeline):

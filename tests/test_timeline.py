@@ -56,6 +56,22 @@ def test_span_records_late_fields_and_errors():
     assert len(tl.drain()) == 2 and tl.events() == []
 
 
+def test_clock_anchor_ignores_a_read_preempted_between_the_two_clocks(monkeypatch):
+    """A process descheduled between reading the counter and the wall clock (CI: 4 tasks' processes starting
+    on 2 cores) once shifted every span of a role by the pause, so its generate ended after the driver's
+    ROLLOUT hold. The anchor keeps the tightest bracket of a few reads instead of the first."""
+    from rlsched import timeline
+
+    # In call order (counter, wall, counter) per read; wall = counter + 1000 exactly. The first bracket
+    # straddles a 50 ms pause before the wall read; the second is 2 us wide.
+    reads = iter([10.0, 1010.050, 10.050,
+                  10.100, 1010.100001, 10.100002])
+    monkeypatch.setattr(timeline.time, "perf_counter", lambda: next(reads))
+    monkeypatch.setattr(timeline.time, "time", lambda: next(reads))
+    wall, at = timeline.clock_anchor(samples=2)
+    assert abs((wall - at) - 1000.0) < 2e-6, (wall, at)  # the 50 ms bracket would give 1000.025
+
+
 def test_null_timeline_records_nothing_with_the_same_api():
     tl = NullTimeline()
     with tl.span("generate", phase="rollout") as s:
