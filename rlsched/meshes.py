@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rlsched.config import ConfigError, ExperimentConfig, TaskConfig
 from workers.models import sharding
-from workers.models.config import Qwen3Config
+from workers.models.config import ModelConfig
 from workers.rollout import OWN_PROCESS_ENGINES
 
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -75,19 +75,19 @@ def task_devices(cfg: ExperimentConfig) -> dict[str, dict[str, list[int]]]:
 
 # ---- the model -------------------------------------------------------------------------------------------------
 
-def read_model_config(task: TaskConfig, index: int, *, required: bool = False) -> Qwen3Config | None:
+def read_model_config(task: TaskConfig, index: int, *, required: bool = False) -> ModelConfig | None:
     """The task's model architecture: its config.json, else its `init_preset` (what `rlsched train` will
     create there, with the byte tokenizer), else None, or a ConfigError when `required`."""
     path = Path(task.model.path)
     if (path / "config.json").is_file():
-        return Qwen3Config.from_dir(path)
+        return ModelConfig.from_dir(path)
     if task.model.init_preset is not None:
         # These import the tokenizer libraries (a second): only when a preset is asked for.
-        from workers.models.presets import PRESETS
+        from workers.models.presets import preset_config
         from workers.models.tokenizer import BYTE_VOCAB_SIZE
 
         vocab = -(-BYTE_VOCAB_SIZE // 128) * 128  # rounded up as `init_model` does (259 tokens -> 384 rows)
-        return Qwen3Config(vocab_size=vocab, **PRESETS[task.model.init_preset])
+        return preset_config(task.model.init_preset, vocab_size=vocab)
     if required:
         raise ConfigError(f"tasks.{index}.model.path: {path} has no config.json and tasks.{index}.model.init_preset "
                           "is not set; the model's shapes come from its config.json (weights are not read)")
@@ -99,7 +99,7 @@ def _model_source(task: TaskConfig) -> str:
     return str(path) if path.is_file() else f"the {task.model.init_preset} preset"
 
 
-ModelConfigs = Callable[[TaskConfig, int], Qwen3Config | None]
+ModelConfigs = Callable[[TaskConfig, int], ModelConfig | None]
 
 
 def check_meshes(cfg: ExperimentConfig, model_config: ModelConfigs | None = read_model_config) -> None:
@@ -124,6 +124,9 @@ def check_meshes(cfg: ExperimentConfig, model_config: ModelConfigs | None = read
         shapes, kv_heads = model.param_shapes(), model.num_key_value_heads
         for key, mesh in ((f"tasks.{i}.actor.mesh", task.actor.mesh.as_dict()),
                           (f"tasks.{i}.rollout.mesh", task.rollout.mesh.as_dict())):
+            if mesh.get("ep", 1) > 1 and not getattr(model, "num_experts", 0):
+                raise ConfigError(f"{key}.ep: ep {mesh['ep']} splits experts, but the model ({_model_source(task)}) is "
+                                  f"a {model.describe()} without experts; use dp {mesh['ep']} for the same rows")
             try:
                 sharding.check(shapes, mesh, kv_heads=kv_heads)
             except sharding.ShardingError as err:

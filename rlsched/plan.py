@@ -11,7 +11,7 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     reference    actor, when grpo.beta > 0: the frozen reference copy of the params
     kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp) x (max_prompt_len +
                  max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule
-    activations  actor, an ESTIMATE: rows per device (micro-batch / (dp x fsdp)) x (max_prompt_len +
+    activations  actor, an ESTIMATE: rows per device (micro-batch / (dp x fsdp x ep)) x (max_prompt_len +
                  max_new_tokens) tokens x (layers x 16 x hidden + 2 x vocab / tp) values x 4 bytes
 The activation estimate counts what a layer's backward keeps per token (inputs of the norms, q/k/v/o and
 the MLP, about 16 x hidden for Qwen3's MLP width of 3 x hidden; not divided by tp) plus float32 logits and
@@ -38,7 +38,7 @@ from typing import Any
 from rlsched.config import ConfigError, ExperimentConfig, TaskConfig
 from rlsched.meshes import ModelConfigs, check_meshes, read_model_config, role_devices
 from workers.models import sharding
-from workers.models.config import Qwen3Config
+from workers.models.config import ModelConfig
 
 KINDS = ("params", "grads", "optimizer", "reference", "kv_cache", "activations")
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
@@ -53,14 +53,14 @@ def param_bytes(shapes: dict[str, tuple[int, ...]], mesh: dict[str, int], *, kv_
     return sum(sharding.shard_bytes(shape, specs[name], mesh, itemsize) for name, shape in shapes.items())
 
 
-def actor_bytes(task: TaskConfig, model: Qwen3Config) -> dict[str, int]:
+def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     """Per device of the actor's mesh, by kind (see the module docstring)."""
     mesh, item = task.actor.mesh.as_dict(), ITEMSIZE[task.model.dtype]
     params = param_bytes(model.param_shapes(), mesh, kv_heads=model.num_key_value_heads, itemsize=item)
     out = {"params": params, "grads": params, "optimizer": 2 * params + ADAM_COUNTS}
     if task.grpo.beta > 0:
         out["reference"] = params
-    rows = task.batch_plan().micro_batch_size // (mesh["dp"] * mesh["fsdp"])
+    rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
     tokens = rows * (task.grpo.max_prompt_len + task.grpo.max_new_tokens)
     per_token = (model.num_hidden_layers * ACTIVATION_VALUES_PER_LAYER * model.hidden_size
                  + 2 * -(-model.vocab_size // mesh["tp"]))
@@ -68,11 +68,12 @@ def actor_bytes(task: TaskConfig, model: Qwen3Config) -> dict[str, int]:
     return out
 
 
-def engine_bytes(task: TaskConfig, model: Qwen3Config) -> dict[str, int]:
+def engine_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     """Per device of the engine's mesh, by kind (see the module docstring)."""
     mesh, item = task.rollout.mesh.as_dict(), ITEMSIZE[task.model.dtype]
     k = model.num_key_value_heads
-    rows = -(-task.rollout.max_batch_size // mesh["dp"]) * mesh["dp"]  # padded to split over dp
+    split = sharding.batch_rows(mesh)
+    rows = -(-task.rollout.max_batch_size // split) * split  # padded to split over dp x ep
     shape = (rows, task.grpo.max_prompt_len + task.grpo.max_new_tokens, k, model.head_dim)  # (B, S, K, D)
     layer = sharding.shard_bytes(shape, sharding.spec(sharding.KV_CACHE, shape, mesh, kv_heads=k, what="KV cache"),
                                  mesh, item)
@@ -186,13 +187,13 @@ def _group(name: str, devices: list[int], roles: list[RolePlan], per_device: lis
     return GroupPlan(name=name, devices=devices, resident=resident, largest_role=largest, fits=fits)
 
 
-def _describe_model(task: TaskConfig, model: Qwen3Config) -> str:
+def _describe_model(task: TaskConfig, model: ModelConfig) -> str:
     path = Path(task.model.path)
     source = (f"{path / 'config.json'}" if (path / "config.json").is_file()
               else f"init_preset {task.model.init_preset}, created at {path} by `rlsched train`")
     n = model.num_params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    return (f"Qwen3 of {size} params in {task.model.dtype}, {model.num_hidden_layers} "
+    return (f"{model.describe()} of {size} params in {task.model.dtype}, {model.num_hidden_layers} "
             f"layers, {model.num_key_value_heads} KV heads ({source})")
 
 

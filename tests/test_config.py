@@ -330,16 +330,16 @@ def test_every_shipped_config_validates(name):
 def test_meshes_default_to_one_device(tmp_path):
     cfg = load_config(write(tmp_path, ADDITION))
     task = cfg.tasks[0]
-    assert task.actor.mesh.as_dict() == {"dp": 1, "fsdp": 1, "tp": 1}
-    assert task.rollout.mesh.as_dict() == {"dp": 1, "fsdp": 1, "tp": 1}  # a rollout mesh has no fsdp axis
+    assert task.actor.mesh.as_dict() == {"dp": 1, "fsdp": 1, "ep": 1, "tp": 1}
+    assert task.rollout.mesh.as_dict() == {"dp": 1, "fsdp": 1, "ep": 1, "tp": 1}  # a rollout mesh has no fsdp axis
     assert cfg.num_devices == 1 and cfg.task_specs()[0].num_devices == 1
 
 
 def test_mesh_overrides(tmp_path):
     cfg = load_config(write(tmp_path, ADDITION), ["tasks.0.actor.mesh.fsdp=2", "tasks.0.actor.mesh.tp=2",
                                                   "tasks.0.rollout.mesh={dp: 2, tp: 4}"])
-    assert cfg.tasks[0].actor.mesh.as_dict() == {"dp": 1, "fsdp": 2, "tp": 2}
-    assert cfg.tasks[0].rollout.mesh.as_dict() == {"dp": 2, "fsdp": 1, "tp": 4}
+    assert cfg.tasks[0].actor.mesh.as_dict() == {"dp": 1, "fsdp": 2, "ep": 1, "tp": 2}
+    assert cfg.tasks[0].rollout.mesh.as_dict() == {"dp": 2, "fsdp": 1, "ep": 1, "tp": 4}
     assert "fsdp: 2" in dump_resolved(cfg)
 
 
@@ -373,10 +373,10 @@ def test_bad_mesh_values(tmp_path, override, expected):
 def test_a_mesh_larger_than_the_pool(tmp_path):
     msg = load_error(tmp_path, ADDITION, ["cluster.num_devices=8", "tasks.0.actor.mesh.fsdp=16"])
     assert msg == (f"{tmp_path / 'demo.yaml'}: tasks.0.actor.mesh: fsdp 16 = 16 devices, but cluster.num_devices is 8 "
-                   "(got {'dp': 1, 'fsdp': 16, 'tp': 1})")
+                   "(got {'dp': 1, 'fsdp': 16, 'ep': 1, 'tp': 1})")
     msg = load_error(tmp_path, ADDITION, ["cluster.num_devices=2", "tasks.0.rollout.mesh={dp: 2, tp: 2}"])
     assert msg.endswith("tasks.0.rollout.mesh: dp 2 x tp 2 = 4 devices, but cluster.num_devices is 2 "
-                        "(got {'dp': 2, 'tp': 2}) [from override 'tasks.0.rollout.mesh={dp: 2, tp: 2}']")
+                        "(got {'dp': 2, 'ep': 1, 'tp': 2}) [from override 'tasks.0.rollout.mesh={dp: 2, tp: 2}']")
 
 
 def test_disaggregated_groups_must_fit_side_by_side(tmp_path):
@@ -395,12 +395,12 @@ def test_batches_must_split_over_the_meshes(tmp_path):
     msg = load_error(tmp_path, ADDITION, ["tasks.0.actor.mesh.fsdp=3"])
     assert msg.endswith("tasks.0.actor.mesh: a micro-batch of 64 samples (grpo.micro_batch_size) does not split over "
                         "dp 1 x fsdp 3 = 3 devices; make the micro-batch a multiple of 3 (got {'dp': 1, 'fsdp': 3, "
-                        "'tp': 1})")
+                        "'ep': 1, 'tp': 1})")
     load_config(write(tmp_path, ADDITION), ["tasks.0.actor.mesh.tp=3"])  # tp splits no batch
     # 16 prompts x 16 generations = 256 samples over rollout dp 3.
     msg = load_error(tmp_path, ADDITION, ["tasks.0.rollout.mesh.dp=3"])
     assert msg.endswith("tasks.0.rollout.mesh: 256 samples/step (grpo.prompts_per_step 16 x grpo.num_generations 16) "
-                        "do not split over dp 3 (got {'dp': 3, 'tp': 1})")
+                        "do not split over dp 3 (got {'dp': 3, 'ep': 1, 'tp': 1})")
 
 
 def test_the_compile_cache_is_on_by_default_under_the_output_dir_and_null_turns_it_off(tmp_path):

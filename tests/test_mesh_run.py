@@ -106,8 +106,8 @@ def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(
     assert actor[0] != engine[0] != os.getpid()
     for _, flags, count, _, _ in (actor, engine):
         assert "--xla_force_host_platform_device_count=8" in flags and count == 8
-    assert actor[3:] == ([4, 5, 6, 7], {"dp": 1, "fsdp": 2, "tp": 2})
-    assert engine[3:] == ([0, 1], {"dp": 1, "fsdp": 1, "tp": 2})
+    assert actor[3:] == ([4, 5, 6, 7], {"dp": 1, "fsdp": 2, "ep": 1, "tp": 2})
+    assert engine[3:] == ([0, 1], {"dp": 1, "fsdp": 1, "ep": 1, "tp": 2})
     for role in roles.values():
         role.terminate()
     ray.util.remove_placement_group(pg)

@@ -209,8 +209,10 @@ def test_qwen3_1p7b_recipe_plan_by_hand(tmp_path, capsys):
     engine_params = ((total - replicated) // 2 + replicated) * 2  # tp 2
     assert actor_params == 430_360_576 and engine_params == 1_720_698_880
     actor, engine = plan["roles"]
-    assert (actor["role"], actor["mesh"], actor["devices"]) == ("actor", {"dp": 1, "fsdp": 4, "tp": 2}, list(range(8)))
-    assert (engine["role"], engine["mesh"], engine["devices"]) == ("engine", {"dp": 1, "fsdp": 1, "tp": 2}, [0, 1])
+    assert (actor["role"], actor["mesh"], actor["devices"]) == (
+        "actor", {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}, list(range(8)))
+    assert (engine["role"], engine["mesh"], engine["devices"]) == (
+        "engine", {"dp": 1, "fsdp": 1, "ep": 1, "tp": 2}, [0, 1])
     activations = (8 // 4) * (256 + 1024) * (28 * 16 * 2048 + 2 * 151_936 // 2) * 4  # 2 rows x 1,280 tokens
     assert actor["bytes"] == {
         "params": actor_params, "grads": actor_params, "optimizer": 2 * actor_params + 8,

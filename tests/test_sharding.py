@@ -17,7 +17,7 @@ from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import abstract_model
 from workers.models.config import Qwen3Config
-from workers.models.presets import PRESETS
+from workers.models.presets import PRESETS, preset_config
 from workers.rollout import SamplingParams
 from workers.rollout.jax_sampler import JaxSampler
 
@@ -41,7 +41,7 @@ def _mesh(shape):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_parameter_has_a_rule_and_the_pure_shapes_are_the_models(preset, bias):
-    cfg = Qwen3Config(vocab_size=384, attention_bias=bias, **PRESETS[preset])
+    cfg = preset_config(preset, vocab_size=384, attention_bias=bias)
     model = nnx.eval_shape(lambda: abstract_model(cfg))
     real = {k: tuple(v.shape) for k, v in P.to_flat(nnx.state(model, nnx.Param)).items()}
     assert cfg.param_shapes() == real  # what the control plane checks meshes against, without JAX

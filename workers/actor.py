@@ -16,9 +16,9 @@ Design decisions:
 - `prepare(size, length)` compiles a batch's programs ahead of time from the state's shapes and shardings
   only (the state may be on host): the task does it before asking for the train lock, so no task compiles
   while it holds one. `train` runs those executables; a shape nobody prepared compiles on first use.
-- The actor lives on a mesh (dp x fsdp x tp, one device by default) and every program is compiled
+- The actor lives on a mesh (dp x fsdp x ep x tp, one device by default) and every program is compiled
   with explicit in/out shardings from workers.models.sharding: parameters and optimizer moments as
-  the table says, batch rows over dp x fsdp, metrics replicated. The state comes back in the layout it
+  the table says, batch rows over dp x fsdp x ep, metrics replicated. The state comes back in the layout it
   went in, so nothing is ever gathered whole onto one device between steps.
 """
 
@@ -157,7 +157,7 @@ class ActorWorker:
     """Holds the policy's TrainState (and frozen reference params when beta > 0) on its mesh."""
 
     def __init__(self, model: Qwen3ForCausalLM, settings: ActorSettings, *, seed: int = 0, mesh=None):
-        """mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, tp) (workers.models.sharding.mesh); default:
+        """mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default:
         this process's first device."""
         if settings.mini_batch_size % settings.micro_batch_size:
             raise ValueError(f"mini_batch_size {settings.mini_batch_size} is not a multiple of micro_batch_size "
@@ -165,10 +165,10 @@ class ActorWorker:
         self.settings = settings
         self.config = model.config
         self.mesh = mesh if mesh is not None else S.mesh({}, jax.devices()[:1])
-        rows = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+        rows = S.batch_rows(dict(self.mesh.shape))
         if settings.micro_batch_size % rows:
-            raise S.ShardingError(f"micro_batch_size {settings.micro_batch_size} does not split over dp "
-                                  f"{self.mesh.shape['dp']} x fsdp {self.mesh.shape['fsdp']} = {rows}")
+            raise S.ShardingError(f"micro_batch_size {settings.micro_batch_size} does not split over "
+                                  f"{S.describe_rows(dict(self.mesh.shape))}")
         self.graphdef, params = nnx.split(model)
         self.tx = make_optimizer(settings)
         param_sh = S.state_shardings(params, self.mesh, kv_heads=self.config.num_key_value_heads)
@@ -194,12 +194,12 @@ class ActorWorker:
         if (kind, keys) in self._programs:
             return self._programs[kind, keys]
         repl, param_sh = S.replicated(self.mesh), self.shardings.params
-        if kind == "train":  # batch arrays (A, M, ...): rows (M) over dp x fsdp
+        if kind == "train":  # batch arrays (A, M, ...): rows (M) over dp x fsdp x ep
             batch_sh = {k: S.batch_sharding(self.mesh, 2 if k == "advantages" else 3, leading=1) for k in keys}
             fn = jax.jit(partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings),
                          in_shardings=(self.shardings, batch_sh), out_shardings=(self.shardings, repl),
                          donate_argnums=0)
-        else:  # (params, tokens, mask) -> logprobs (B, T-1), rows over dp x fsdp
+        else:  # (params, tokens, mask) -> logprobs (B, T-1), rows over dp x fsdp x ep
             rows = S.batch_sharding(self.mesh, 2)
             fn = jax.jit(partial(token_logprobs, self.graphdef, temperature=self.settings.temperature),
                          in_shardings=(param_sh, rows, rows), out_shardings=rows)

@@ -1,4 +1,4 @@
-"""Qwen3 in Flax NNX with Hugging Face checkpoints.
+"""Decoder LMs (Qwen3, Qwen2 / Qwen2.5, Qwen3-MoE) in Flax NNX with Hugging Face checkpoints.
 
     from workers.models import load_pretrained
     model, tokenizer = load_pretrained("runs/demo/model")
@@ -15,9 +15,10 @@ from typing import Any
 
 _WHERE = {
     "load_pretrained": "checkpoint", "read_safetensors": "checkpoint", "save_pretrained": "checkpoint",
-    "ModelConfigError": "config", "Qwen3Config": "config",
-    "PRESETS": "presets", "init_model": "presets",
-    "Qwen3ForCausalLM": "qwen3",
+    "ModelConfig": "config", "ModelConfigError": "config", "Qwen3Config": "config",
+    "Qwen2Config": "qwen2", "Qwen3MoeConfig": "qwen3_moe",
+    "PRESETS": "presets", "init_model": "presets", "preset_config": "presets",
+    "CausalLM": "qwen3", "Qwen3ForCausalLM": "qwen3",
     "TokenizerError": "tokenizer", "load_tokenizer": "tokenizer",
 }
 

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from workers.models import params as P
-from workers.models.config import ModelConfigError, Qwen3Config
-from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.models.config import ModelConfig, ModelConfigError
+from workers.models.qwen3 import CausalLM
 from workers.models.tokenizer import load_tokenizer, save_tokenizer
 
 _INDEX = "model.safetensors.index.json"
@@ -56,20 +56,20 @@ def read_safetensors(path: str | Path) -> dict[str, jnp.ndarray]:
     return out
 
 
-def abstract_model(cfg: Qwen3Config, seed: int = 0) -> Qwen3ForCausalLM:
+def abstract_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
     """A randomly initialised model (std = config.initializer_range, norms at 1), as HF initialises."""
-    return Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed))
+    return CausalLM(cfg, rngs=nnx.Rngs(seed))
 
 
 def load_pretrained(path: str | Path, *, dtype: str | None = None, with_tokenizer: bool = True):
-    """Load a Qwen3 model directory -> (model, tokenizer).
+    """Load a model directory of any supported family (config.json's model_type) -> (model, tokenizer).
 
     dtype: override the stored parameter dtype ("float32" or "bfloat16"); weights are cast once at load.
     with_tokenizer: False returns (model, None) for directories without tokenizer files.
     """
     path = Path(path)
     _check_dir(path)
-    cfg = Qwen3Config.from_dir(path)
+    cfg = ModelConfig.from_dir(path)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
@@ -85,7 +85,7 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, with_tokenize
     return nnx.merge(graphdef, state), tokenizer
 
 
-def save_pretrained(model: Qwen3ForCausalLM, path: str | Path, tokenizer=None) -> Path:
+def save_pretrained(model: CausalLM, path: str | Path, tokenizer=None) -> Path:
     """Write config.json + model.safetensors (+ tokenizer files) atomically into `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

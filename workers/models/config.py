@@ -1,4 +1,14 @@
-"""Qwen3 architecture hyper-parameters, read from and written to Hugging Face `config.json`.
+"""Model architecture hyper-parameters, read from and written to Hugging Face `config.json`: one class per
+family, one base (`ModelConfig`) that every consumer uses.
+
+    cfg = ModelConfig.from_dir("runs/demo/model")   # config.json's model_type picks the family
+    cfg.param_shapes()                               # every parameter's flat name and shape, without JAX
+
+Families (config.json `model_type` -> class): qwen3 -> Qwen3Config (here), qwen2 -> Qwen2Config
+(workers.models.qwen2), qwen3_moe -> Qwen3MoeConfig (workers.models.qwen3_moe). A family is its config class
+(what config.json says, which parameters exist and their shapes, which parts the decoder uses) plus rows in
+the sharding table (workers.models.sharding) when it brings new parameters; the decoder
+(workers.models.qwen3.CausalLM) reads the parts from the config.
 
 Design decisions:
 - A frozen dataclass, not the transformers config class: the data plane must not depend on
@@ -14,9 +24,15 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+# model_type -> (module, class), imported on use: the control plane reads configs without importing JAX.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "qwen3": ("workers.models.config", "Qwen3Config"),
+    "qwen2": ("workers.models.qwen2", "Qwen2Config"),
+    "qwen3_moe": ("workers.models.qwen3_moe", "Qwen3MoeConfig"),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -24,8 +40,26 @@ class ModelConfigError(ValueError):
     """A model directory or config.json that rlsched cannot use; the message says how to fix it."""
 
 
+def family(model_type: str) -> type[ModelConfig]:
+    """The config class of a model_type; ModelConfigError listing the supported ones otherwise."""
+    import importlib
+
+    if model_type not in FAMILIES:
+        raise ModelConfigError(f"model_type {model_type!r} is not supported; rlsched implements "
+                               f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    module, name = FAMILIES[model_type]
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen3Config:
+class ModelConfig:
+    """A decoder-only transformer's hyper-parameters (the fields every family has) and the parts it is built
+    of. Subclasses set `model_type`, `architecture` and the parts; `from_dir` returns the family's class."""
+
+    model_type: ClassVar[str] = ""
+    architecture: ClassVar[str] = ""
+    qk_norm: ClassVar[bool] = True  # RMSNorm over each head's q and k before RoPE (Qwen3), or none (Qwen2)
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,10 +95,25 @@ class Qwen3Config:
         if self.dtype not in _DTYPES:
             raise ModelConfigError(f"config.dtype must be one of {_DTYPES}, got {self.dtype!r}")
 
+    # ---- the parts the decoder is built of (a family overrides these) -----------------------------------
+
+    def proj_bias(self, proj: str) -> bool:
+        """Whether attention projection `proj` ("q", "k", "v", "o") has a bias."""
+        return self.attention_bias
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is a mixture of experts (else dense, intermediate_size wide)."""
+        return False
+
+    def mlp_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """The MLP's parameters of one layer, by name under `model.layers.<layer>.mlp.`."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {"gate_proj.kernel": (h, i), "up_proj.kernel": (h, i), "down_proj.kernel": (i, h)}
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's flat name (workers.models.params) and shape, without building the model: the
         control plane checks a mesh against these without importing JAX (a test holds them to the model's)."""
-        h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        h, v, d = self.hidden_size, self.vocab_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
         if not self.tie_word_embeddings:
@@ -73,43 +122,49 @@ class Qwen3Config:
             at = f"model.layers.{layer}"
             out |= {f"{at}.input_layernorm.weight": (h,), f"{at}.post_attention_layernorm.weight": (h,),
                     f"{at}.self_attn.q_proj.kernel": (h, q), f"{at}.self_attn.k_proj.kernel": (h, kv),
-                    f"{at}.self_attn.v_proj.kernel": (h, kv), f"{at}.self_attn.o_proj.kernel": (q, h),
-                    f"{at}.self_attn.q_norm.weight": (d,), f"{at}.self_attn.k_norm.weight": (d,),
-                    f"{at}.mlp.gate_proj.kernel": (h, i), f"{at}.mlp.up_proj.kernel": (h, i),
-                    f"{at}.mlp.down_proj.kernel": (i, h)}
-            if self.attention_bias:
-                out |= {f"{at}.self_attn.q_proj.bias": (q,), f"{at}.self_attn.k_proj.bias": (kv,),
-                        f"{at}.self_attn.v_proj.bias": (kv,), f"{at}.self_attn.o_proj.bias": (h,)}
+                    f"{at}.self_attn.v_proj.kernel": (h, kv), f"{at}.self_attn.o_proj.kernel": (q, h)}
+            if self.qk_norm:
+                out |= {f"{at}.self_attn.q_norm.weight": (d,), f"{at}.self_attn.k_norm.weight": (d,)}
+            out |= {f"{at}.self_attn.{p}_proj.bias": (n,) for p, n in (("q", q), ("k", kv), ("v", kv), ("o", h))
+                    if self.proj_bias(p)}
+            out |= {f"{at}.mlp.{name}": shape for name, shape in self.mlp_shapes(layer).items()}
         return out
 
     @property
     def num_params(self) -> int:
         return sum(math.prod(shape) for shape in self.param_shapes().values())
 
+    def describe(self) -> str:
+        """'Qwen3' / 'Qwen2' / 'Qwen3-MoE (8 experts, top 2)': how progress lines and errors name the family."""
+        return self.architecture.removesuffix("ForCausalLM")
+
     # ---- Hugging Face config.json -------------------------------------------------------------
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> Qwen3Config:
+    def from_hf_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """The family's config from config.json's contents (`model_type` picks the family, whatever `cls`)."""
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        try:
+            fam = family(model_type)
+        except ModelConfigError as err:
             raise ModelConfigError(
-                f"{source}: model_type {model_type!r} is not supported; rlsched implements "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}. Create a compatible model with "
-                "`rlsched init-model --preset tiny DIR` or point at a Qwen3 checkpoint.")
+                f"{source}: {err}. Create a compatible model with `rlsched init-model --preset tiny DIR` "
+                "(presets: rlsched init-model --help) or point at a checkpoint of a supported family.") from None
         if raw.get("use_sliding_window"):
-            raise ModelConfigError(f"{source}: use_sliding_window=true is not implemented; set it to false")
+            raise ModelConfigError(f"{source}: use_sliding_window=true is not implemented (every layer would "
+                                   "attend to the whole sequence, unlike the checkpoint); set it to false")
         rope = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type != "default":
             raise ModelConfigError(f"{source}: RoPE type {rope_type!r} is not implemented; only 'default' is")
         theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
-        num_heads = raw["num_attention_heads"]
         dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         if dtype not in _DTYPES:
             raise ModelConfigError(f"{source}: dtype {dtype!r} is not supported; use one of {_DTYPES}")
         try:
-            return cls(
+            num_heads = raw["num_attention_heads"]
+            return fam(
                 vocab_size=raw["vocab_size"],
                 hidden_size=raw["hidden_size"],
                 intermediate_size=raw["intermediate_size"],
@@ -127,14 +182,24 @@ class Qwen3Config:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_id=raw.get("eos_token_id"),
                 pad_token_id=raw.get("pad_token_id"),
+                **fam.family_fields(raw, source),
             )
         except KeyError as missing:
             raise ModelConfigError(f"{source}: required key {missing} is missing") from None
 
+    @classmethod
+    def family_fields(cls, raw: dict[str, Any], source: str) -> dict[str, Any]:
+        """The family's own fields from config.json (none for a plain decoder)."""
+        return {}
+
+    def family_hf_dict(self) -> dict[str, Any]:
+        """The family's own config.json keys."""
+        return {}
+
     def to_hf_dict(self) -> dict[str, Any]:
         return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -160,10 +225,12 @@ class Qwen3Config:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
             "use_cache": True,
+            **self.family_hf_dict(),
         }
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Qwen3Config:
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """The config of a Hugging Face model directory, as its family's class."""
         path = Path(path)
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
@@ -176,5 +243,13 @@ class Qwen3Config:
             raise ModelConfigError(f"{cfg_file} is not valid JSON: {err}") from None
         return cls.from_hf_dict(raw, source=str(cfg_file))
 
-    def replace(self, **changes: Any) -> Qwen3Config:
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen3Config(ModelConfig):
+    """Qwen3 (dense): q/k RMSNorm per head, biases only with attention_bias, head_dim independent of the width."""
+
+    model_type: ClassVar[str] = "qwen3"
+    architecture: ClassVar[str] = "Qwen3ForCausalLM"

@@ -3,12 +3,15 @@
 A model's parameters travel between workers (actor -> rollout engine) as a flat mapping from the
 nnx state path of `Qwen3ForCausalLM`, dot-joined, to an array: Hugging Face names, except that
 projection matrices are `<name>.kernel` of shape (in, out) where HF has `<name>.weight` (out, in).
-`to_hf` / `from_hf` convert at the checkpoint boundary; nothing else renames.
+`to_hf` / `from_hf` convert at the checkpoint boundary; nothing else renames. Experts of a MoE layer are
+one stacked array per projection, `<layer>.mlp.experts.<proj>.kernel` (E, in, out), where checkpoints hold
+`<layer>.mlp.experts.<e>.<proj>.weight` (out, in) per expert.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 
 import jax
@@ -61,18 +64,41 @@ def from_flat(template: nnx.State, flat: Mapping[str, object], *, source: str = 
     return nnx.from_flat_state(out)
 
 
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")  # one expert's matrix in a checkpoint
+
+
 def to_hf(flat: Mapping[str, object]) -> dict[str, object]:
-    """rlsched flat params -> Hugging Face safetensors dict (kernels transposed to torch's (out, in))."""
-    return {(k[: -len(".kernel")] + ".weight" if k.endswith(".kernel") else k): (v.T if k.endswith(".kernel") else v)
-            for k, v in flat.items()}
+    """rlsched flat params -> Hugging Face safetensors dict (kernels transposed to torch's (out, in), stacked
+    experts split into one tensor per expert)."""
+    out: dict[str, object] = {}
+    for k, v in flat.items():
+        if not k.endswith(".kernel"):
+            out[k] = v
+        elif ".experts." in k and len(v.shape) == 3:
+            prefix, proj = k[: -len(".kernel")].rsplit(".", 1)
+            out |= {f"{prefix}.{e}.{proj}.weight": v[e].T for e in range(v.shape[0])}
+        else:
+            out[k[: -len(".kernel")] + ".weight"] = v.T
+    return out
 
 
 def from_hf(tensors: Mapping[str, object], expected: set[str]) -> dict[str, object]:
     """Hugging Face tensors -> rlsched flat params for a model whose param names are `expected`."""
-    out = {}
+    out, experts = {}, {}
     for k, v in tensors.items():
+        match = _EXPERT.fullmatch(k)
+        stacked = f"{match[1]}.{match[3]}.kernel" if match else None
+        if stacked in expected:
+            experts.setdefault(stacked, {})[int(match[2])] = v.T
+            continue
         kernel = k[: -len(".weight")] + ".kernel" if k.endswith(".weight") else None
         out[kernel if kernel in expected else k] = v.T if kernel in expected else v
+    for name, parts in experts.items():
+        missing = sorted(set(range(max(parts) + 1)) - parts.keys())
+        if missing:
+            raise WeightMismatchError(f"{name}: the checkpoint lacks experts {missing[:8]}")
+        arrays = [parts[e] for e in range(len(parts))]
+        out[name] = (jax.numpy.stack if isinstance(arrays[0], jax.Array) else np.stack)(arrays)
     return out
 
 

@@ -1,6 +1,10 @@
-"""Model presets for `rlsched init-model`: random Qwen3 models built locally, with a tokenizer.
+"""Model presets for `rlsched init-model`: random models of each family built locally, with a tokenizer.
 
-head_dim is 128 in every preset: sglang-jax's CPU path only handles that head size, and keeping it
+    tiny, small                 Qwen3 (the demo's and the benchmarks' models)
+    tiny-qwen2, small-qwen2     Qwen2 / Qwen2.5 (q/k/v biases, no q/k norm)
+    tiny-qwen3moe, small-qwen3moe   Qwen3-MoE (tiny: 4 experts, top 2, layer 0 dense; small: 8 experts, top 2)
+
+head_dim is 128 in the Qwen3 presets: sglang-jax's CPU path only handles that head size, and keeping it
 lets one checkpoint serve both rollout backends.
 """
 
@@ -9,7 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from workers.models.config import Qwen3Config
+from workers.models.config import ModelConfig, family
 from workers.models.tokenizer import write_tokenizer
 
 PRESETS: dict[str, dict] = {
@@ -21,7 +25,30 @@ PRESETS: dict[str, dict] = {
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=128, rope_theta=1_000_000.0, tie_word_embeddings=False,
                   max_position_embeddings=4096),
+    "tiny-qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, rope_theta=10_000.0,
+                       tie_word_embeddings=True, max_position_embeddings=4096),
+    "small-qwen2": dict(model_type="qwen2", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=1_000_000.0,
+                        tie_word_embeddings=False, max_position_embeddings=4096),
+    "tiny-qwen3moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=128, rope_theta=10_000.0,
+                          tie_word_embeddings=True, max_position_embeddings=4096, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                          mlp_only_layers=(0,)),
+    "small-qwen3moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=128, rope_theta=1_000_000.0,
+                           tie_word_embeddings=False, max_position_embeddings=4096, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=192, norm_topk_prob=True),
 }
+
+
+def preset_config(preset: str, **fields) -> ModelConfig:
+    """The config of `preset` (its family's class), with `fields` (vocab_size, dtype, ...) set."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    spec = dict(PRESETS[preset])
+    return family(spec.pop("model_type", "qwen3"))(**spec, **fields)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -30,7 +57,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 def init_model(out_dir: str | Path, *, preset: str = "tiny", tokenizer: str = "byte", seed: int = 0,
                dtype: str = "float32", initializer_range: float = 0.02) -> Path:
-    """Create a random Qwen3 of `preset` plus a `tokenizer` ("byte" or "qwen3") in out_dir."""
+    """Create a random model of `preset` plus a `tokenizer` ("byte" or "qwen3") in out_dir."""
     from workers.models.checkpoint import abstract_model, save_pretrained  # JAX: only where a model is made
 
     if preset not in PRESETS:
@@ -39,10 +66,10 @@ def init_model(out_dir: str | Path, *, preset: str = "tiny", tokenizer: str = "b
     staging = out_dir.with_name(f".{out_dir.name}.tokenizer")
     staging.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer(tokenizer, staging)
-    cfg = Qwen3Config(
+    cfg = preset_config(
         # Embedding rows in multiples of 128 (as Qwen3 pads 151,669 tokens to 151,936) for aligned matmuls.
-        vocab_size=_round_up(len(tok), 128), dtype=dtype, initializer_range=initializer_range,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **PRESETS[preset])
+        preset, vocab_size=_round_up(len(tok), 128), dtype=dtype, initializer_range=initializer_range,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     try:
         return save_pretrained(abstract_model(cfg, seed), out_dir, tokenizer=tok)
     finally:

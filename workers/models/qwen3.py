@@ -1,4 +1,10 @@
-"""Qwen3 decoder in Flax NNX, numerically faithful to Hugging Face `Qwen3ForCausalLM`.
+"""The decoder of every supported family in Flax NNX (`CausalLM`), numerically faithful to Hugging Face's
+`Qwen3ForCausalLM`, `Qwen2ForCausalLM` and `Qwen3MoeForCausalLM`.
+
+The config (workers.models.config.ModelConfig and its families) says which parts a model has: q/k norms
+(Qwen3, Qwen3-MoE; not Qwen2), biases per projection (Qwen2: q, k, v), and per layer a dense MLP or a
+mixture of experts (workers.models.moe). Everything that uses a model (the actor, both rollout engines,
+weight sync, offload, sharding) goes through this one class and the config's `param_shapes()`.
 
 Design decisions:
 - Parameter paths follow Hugging Face names, but projection matrices are stored (in, out) as
@@ -24,12 +30,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from workers.models.config import Qwen3Config
+from workers.models.config import ModelConfig
+from workers.models.moe import MoeBlock, load_balancing_loss
 
 _NEG_INF = -1e30  # finite: a fully masked row (padding query) must not produce NaN
 
 
-def _dtype(cfg: Qwen3Config) -> jnp.dtype:
+def _dtype(cfg: ModelConfig) -> jnp.dtype:
     return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
 
 
@@ -41,7 +48,7 @@ class LayerCache(NamedTuple):
     v: jax.Array  # (B, S, K, D)
 
 
-def init_cache(cfg: Qwen3Config, batch: int, slots: int) -> list[LayerCache]:
+def init_cache(cfg: ModelConfig, batch: int, slots: int) -> list[LayerCache]:
     shape = (batch, slots, cfg.num_key_value_heads, cfg.head_dim)
     dt = _dtype(cfg)
     return [LayerCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_hidden_layers)]
@@ -50,7 +57,7 @@ def init_cache(cfg: Qwen3Config, batch: int, slots: int) -> list[LayerCache]:
 class Linear(nnx.Module):
     """y = x K (+ b), K stored (in, out): the transpose of torch's weight."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: Qwen3Config, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = _dtype(cfg)
         init = jax.nn.initializers.normal(cfg.initializer_range)
         self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), jnp.float32).astype(dt))
@@ -62,7 +69,7 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, cfg: Qwen3Config):
+    def __init__(self, dim: int, *, cfg: ModelConfig):
         self.weight = nnx.Param(jnp.ones((dim,), _dtype(cfg)))
         self.eps = cfg.rms_norm_eps
 
@@ -85,23 +92,25 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         h, n, k, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
-        self.q_proj = Linear(h, n * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
-        self.k_proj = Linear(h, k * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
-        self.v_proj = Linear(h, k * d, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
-        self.o_proj = Linear(n * d, h, bias=cfg.attention_bias, cfg=cfg, rngs=rngs)
-        self.q_norm = RMSNorm(d, cfg=cfg)
-        self.k_norm = RMSNorm(d, cfg=cfg)
+        self.q_proj = Linear(h, n * d, bias=cfg.proj_bias("q"), cfg=cfg, rngs=rngs)
+        self.k_proj = Linear(h, k * d, bias=cfg.proj_bias("k"), cfg=cfg, rngs=rngs)
+        self.v_proj = Linear(h, k * d, bias=cfg.proj_bias("v"), cfg=cfg, rngs=rngs)
+        self.o_proj = Linear(n * d, h, bias=cfg.proj_bias("o"), cfg=cfg, rngs=rngs)
+        self.q_norm = RMSNorm(d, cfg=cfg) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg=cfg) if cfg.qk_norm else None
 
     def __call__(self, x, positions, mask, cache: LayerCache | None, cache_index):
         """x: (B, T, H); positions: (B, T); mask: (B, T, S) bool -> (B, T, H), updated cache."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = self.q_norm(self.q_proj(x).reshape(b, t, n, d))
-        kk = self.k_norm(self.k_proj(x).reshape(b, t, k, d))
+        q = self.q_proj(x).reshape(b, t, n, d)
+        kk = self.k_proj(x).reshape(b, t, k, d)
+        if self.q_norm is not None:
+            q, kk = self.q_norm(q), self.k_norm(kk)
         v = self.v_proj(x).reshape(b, t, k, d)
         q, kk = rope(q, positions, cfg.rope_theta), rope(kk, positions, cfg.rope_theta)
         if cache is not None:
@@ -119,7 +128,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         h, i = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(h, i, bias=False, cfg=cfg, rngs=rngs)
         self.up_proj = Linear(h, i, bias=False, cfg=cfg, rngs=rngs)
@@ -130,20 +139,22 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
         self.self_attn = Attention(cfg, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
-        self.mlp = MLP(cfg, rngs)
+        self.moe = cfg.moe_layer(layer)
+        self.mlp = MoeBlock(cfg, rngs, _dtype(cfg)) if self.moe else MLP(cfg, rngs)
 
-    def __call__(self, x, positions, mask, cache, cache_index):
+    def __call__(self, x, positions, mask, cache, cache_index, router_logits=None):
         attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, router_logits) if self.moe else self.mlp(h)), cache
 
 
 class Embedding(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(cfg.initializer_range)
         shape = (cfg.vocab_size, cfg.hidden_size)
         self.weight = nnx.Param(init(rngs.params(), shape, jnp.float32).astype(_dtype(cfg)))
@@ -152,15 +163,15 @@ class Embedding(nnx.Module):
         return jnp.take(self.weight[...], ids, axis=0)
 
 
-class Qwen3Model(nnx.Module):
-    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+class DecoderModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.embed_tokens = Embedding(cfg, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg=cfg)
 
 
-class Qwen3ForCausalLM(nnx.Module):
-    """Qwen3 causal LM.
+class CausalLM(nnx.Module):
+    """A causal LM of any supported family (its config says which).
 
     Calling conventions:
     - `model(input_ids)`: input_ids int32 (B, T), an unpadded batch -> float32 logits (B, T, V).
@@ -171,25 +182,42 @@ class Qwen3ForCausalLM(nnx.Module):
       rollout engine. Writes the T new tokens' keys/values at slots [cache_index, cache_index + T)
       of every row and returns final hidden states (B, T, H) plus the new cache; `kv_mask` (B, S)
       marks valid slots. Apply `model.logits(hidden)` to the positions you need.
+    - `model.router_aux_loss(...)`: see there (0 for a model without experts).
     """
 
-    def __init__(self, cfg: Qwen3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
-        self.model = Qwen3Model(cfg, rngs)
+        self.model = DecoderModel(cfg, rngs)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
 
     def __call__(self, input_ids, *, positions=None, attention_mask=None) -> jax.Array:
+        positions, mask = self._defaults(input_ids, positions, attention_mask)
+        hidden, _ = self.forward(input_ids, positions, mask, None, 0)
+        return self.logits(hidden)
+
+    def with_router_loss(self, input_ids, *, positions=None, attention_mask=None) -> tuple[jax.Array, jax.Array]:
+        """As `model(...)`, plus the load-balancing loss of its MoE layers over the real tokens
+        (workers.models.moe.load_balancing_loss): (float32 logits (B, T, V), float32 scalar; 0 without experts)."""
+        positions, mask = self._defaults(input_ids, positions, attention_mask)
+        collected: list = []
+        hidden, _ = self.forward(input_ids, positions, mask, None, 0, router_logits=collected)
+        k = getattr(self.config, "num_experts_per_tok", 1)
+        return self.logits(hidden), load_balancing_loss(collected, k, mask)
+
+    @staticmethod
+    def _defaults(input_ids, positions, attention_mask):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), dtype=bool)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        hidden, _ = self.forward(input_ids, positions, attention_mask.astype(bool), None, 0)
-        return self.logits(hidden)
+        return positions, attention_mask.astype(bool)
 
-    def forward(self, input_ids, positions, kv_mask, cache: list[LayerCache] | None, cache_index):
-        """input_ids, positions: (B, T); kv_mask: (B, S) -> hidden (B, T, H), cache."""
+    def forward(self, input_ids, positions, kv_mask, cache: list[LayerCache] | None, cache_index,
+                router_logits: list | None = None):
+        """input_ids, positions: (B, T); kv_mask: (B, S) -> hidden (B, T, H), cache. MoE layers append their
+        router logits (B, T, E) to `router_logits` when given."""
         t = input_ids.shape[1]
         s = kv_mask.shape[1]
         # Causal in slot space: query i (at slot cache_index + i) sees slots <= its own.
@@ -199,7 +227,8 @@ class Qwen3ForCausalLM(nnx.Module):
         x = self.model.embed_tokens(input_ids)
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.model.layers):
-            x, layer_cache = layer(x, positions, mask, cache[i] if cache is not None else None, cache_index)
+            x, layer_cache = layer(x, positions, mask, cache[i] if cache is not None else None, cache_index,
+                                   router_logits)
             if cache is not None:
                 new_cache.append(layer_cache)
         return self.model.norm(x), new_cache
@@ -210,3 +239,6 @@ class Qwen3ForCausalLM(nnx.Module):
             return jnp.einsum("...h,vh->...v", hidden, self.model.embed_tokens.weight[...],
                               preferred_element_type=jnp.float32)
         return jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+
+
+Qwen3ForCausalLM = CausalLM  # the name every caller used before there were families

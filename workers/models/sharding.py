@@ -1,9 +1,10 @@
 """How a model is laid out on a device mesh: one table, read top to bottom.
 
-Every role runs on a mesh with three named axes, `dp` x `fsdp` x `tp` (a rollout mesh is the same
-with fsdp 1). Each array's dimensions carry a *logical* axis name; the table `LOGICAL` maps a
-logical name to mesh axes, and `PARAMS` gives the logical names of every parameter's dimensions,
-matched on its flat name (workers.models.params). A new model family adds rows to `PARAMS`.
+Every role runs on a mesh with four named axes, `dp` x `fsdp` x `ep` x `tp` (a rollout mesh is the same
+with fsdp 1; ep is 1 unless the model has experts). Each array's dimensions carry a *logical* axis name;
+the table `LOGICAL` maps a logical name to mesh axes, and `PARAMS` gives the logical names of every
+parameter's dimensions, matched on its flat name (workers.models.params). A new model family adds rows to
+`PARAMS`.
 
     parameter / array              logical dims            mesh axes
     embed_tokens.weight  (V, H)    vocab, embed            tp, fsdp
@@ -13,10 +14,13 @@ matched on its flat name (workers.models.params). A new model family adds rows t
     o_proj.kernel        (N*D, H)  heads, embed            tp, fsdp     (row parallel)
     gate/up_proj.kernel  (H, I)    embed, mlp              fsdp, tp     (column parallel)
     down_proj.kernel     (I, H)    mlp, embed              tp, fsdp     (row parallel)
+    experts.gate/up_proj (E, H, I) expert, embed, mlp      ep, fsdp, tp (experts over ep, each column parallel)
+    experts.down_proj    (E, I, H) expert, mlp, embed      ep, tp, fsdp
+    mlp.gate.kernel      (H, E)    embed, router           fsdp, -      (the router: small, experts whole)
     *norm.weight         (H,)/(D,) norm                    replicated
     optimizer moments              as their parameter
-    batch / activations  (B, ...)  batch, ...              (dp, fsdp), replicated
-    KV cache          (B, S, K, D) batch, -, kv_heads, -   (dp, fsdp), -, tp, -
+    batch / activations  (B, ...)  batch, ...              (dp, fsdp, ep), replicated
+    KV cache          (B, S, K, D) batch, -, kv_heads, -   (dp, fsdp, ep), -, tp, -
 
 Design decisions:
 - **Pure Python.** The control plane checks a config against this table (which axis fails to divide
@@ -26,6 +30,8 @@ Design decisions:
   has one); serving systems replicate them across tp when tp exceeds their count, and so do we: the
   k/v projections and the KV cache keep their head axis whole, everything else still splits.
 - **Norm scales are replicated**: a few KB per layer, and splitting them would cost a gather per use.
+- **ep splits the batch too.** Outside the MoE layers an ep group is data parallel (rows over ep), so no
+  device repeats another's attention; inside them each device computes its experts (workers.models.moe).
 - **tp innermost.** Devices fill the mesh in the order given, tp fastest: tp groups are neighbours
   (one NVLink island, one TPU ring), where the per-layer all-reduces go.
 """
@@ -36,16 +42,18 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-AXES = ("dp", "fsdp", "tp")
+AXES = ("dp", "fsdp", "ep", "tp")
 
 # logical axis -> mesh axes (None: replicated)
 LOGICAL: dict[str, tuple[str, ...] | None] = {
-    "batch": ("dp", "fsdp"),
+    "batch": ("dp", "fsdp", "ep"),
     "vocab": ("tp",),
     "embed": ("fsdp",),
     "heads": ("tp",),
     "kv_heads": ("tp",),
     "mlp": ("tp",),
+    "expert": ("ep",),
+    "router": None,
     "norm": None,
 }
 
@@ -59,6 +67,9 @@ PARAMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r".*\.(k|v)_proj\.bias", ("kv_heads",)),
     (r".*\.o_proj\.kernel", ("heads", "embed")),
     (r".*\.o_proj\.bias", ("embed",)),
+    (r".*\.experts\.(gate|up)_proj\.kernel", ("expert", "embed", "mlp")),
+    (r".*\.experts\.down_proj\.kernel", ("expert", "mlp", "embed")),
+    (r".*\.mlp\.gate\.kernel", ("embed", "router")),
     (r".*\.(gate|up)_proj\.kernel", ("embed", "mlp")),
     (r".*\.down_proj\.kernel", ("mlp", "embed")),
     (r".*norm\.weight", ("norm",)),
@@ -72,7 +83,7 @@ class ShardingError(ValueError):
 
 
 def mesh_shape(mesh: Mapping[str, int]) -> dict[str, int]:
-    """{"dp":.., "fsdp":.., "tp":..} with every axis present (missing axes are 1)."""
+    """{"dp":.., "fsdp":.., "ep":.., "tp":..} with every axis present (missing axes are 1)."""
     unknown = sorted(set(mesh) - set(AXES))
     if unknown:
         raise ShardingError(f"unknown mesh axes {unknown}; a mesh has axes {list(AXES)}")
@@ -80,8 +91,18 @@ def mesh_shape(mesh: Mapping[str, int]) -> dict[str, int]:
 
 
 def num_devices(mesh: Mapping[str, int]) -> int:
-    shape = mesh_shape(mesh)
-    return shape["dp"] * shape["fsdp"] * shape["tp"]
+    return _product(AXES, mesh_shape(mesh))
+
+
+def batch_rows(mesh: Mapping[str, int]) -> int:
+    """How many ways a batch's rows split: dp x fsdp x ep."""
+    return _product(LOGICAL["batch"], mesh_shape(mesh))
+
+
+def describe_rows(mesh: Mapping[str, int]) -> str:
+    """'dp 2 x fsdp 2 = 4' (with ' x ep N' when ep > 1): the axes a batch's rows split over, and their product."""
+    m = mesh_shape(mesh)
+    return f"dp {m['dp']} x fsdp {m['fsdp']}" + (f" x ep {m['ep']}" if m["ep"] > 1 else "") + f" = {batch_rows(m)}"
 
 
 def describe(mesh: Mapping[str, int]) -> str:
@@ -142,11 +163,10 @@ def check(shapes: Mapping[str, Sequence[int]], mesh: Mapping[str, int], *, kv_he
           batch_sizes: Mapping[str, int] = {}) -> None:
     """Every parameter and every named batch size splits over `mesh`, or ShardingError says which does not."""
     param_specs(shapes, mesh, kv_heads=kv_heads)
-    m = mesh_shape(mesh)
-    rows = m["dp"] * m["fsdp"]
+    rows = batch_rows(mesh)
     for key, size in batch_sizes.items():
         if size % rows:
-            raise ShardingError(f"{key} = {size} does not split over dp {m['dp']} x fsdp {m['fsdp']} = {rows}")
+            raise ShardingError(f"{key} = {size} does not split over {describe_rows(mesh)}")
 
 
 def shard_bytes(shape: Sequence[int], entries: Sequence[Any], mesh: Mapping[str, int], itemsize: int) -> int:
@@ -170,7 +190,7 @@ def mesh(shape: Mapping[str, int], devices: Sequence[Any]):
     need = num_devices(m)
     if len(devices) != need:
         raise ShardingError(f"mesh {describe(m)} needs {need} devices, got {len(devices)}")
-    return Mesh(np.asarray(devices, dtype=object).reshape(m["dp"], m["fsdp"], m["tp"]), AXES)
+    return Mesh(np.asarray(devices, dtype=object).reshape(*(m[a] for a in AXES)), AXES)
 
 
 def named(mesh_, entries: Sequence[Any]):
@@ -180,7 +200,7 @@ def named(mesh_, entries: Sequence[Any]):
 
 
 def batch_sharding(mesh_, ndim: int, *, leading: int = 0):
-    """Rows over dp x fsdp, everything else replicated; `leading` unsplit dims first (e.g. accumulation)."""
+    """Rows over dp x fsdp x ep, everything else replicated; `leading` unsplit dims first (e.g. accumulation)."""
     entry = _entry(_mesh_axes("batch", dict(mesh_.shape), kv_heads=0))
     return named(mesh_, (None,) * leading + (entry,) + (None,) * (ndim - leading - 1))
 
@@ -205,7 +225,7 @@ def state_shardings(state, mesh_, *, kv_heads: int):
 
 
 def kv_cache_sharding(mesh_, *, kv_heads: int):
-    """(B, S, K, D): rows over dp x fsdp, heads over tp (whole when tp does not divide them)."""
+    """(B, S, K, D): rows over dp x fsdp x ep, heads over tp (whole when tp does not divide them)."""
     shape = dict(mesh_.shape)
     return named(mesh_, tuple(_entry(_mesh_axes(name, shape, kv_heads=kv_heads)) for name in KV_CACHE))
 

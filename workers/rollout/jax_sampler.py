@@ -66,7 +66,7 @@ class JaxSampler:
                  mesh=None):
         """take_ownership: the engine may free the model's buffers (release_memory, update_weights);
         by default it copies them, so the caller's model stays usable.
-        mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, tp) (workers.models.sharding.mesh); default: this
+        mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default: this
         process's first device."""
         cfg = model.config
         if max_prompt_len + max_new_tokens > cfg.max_position_embeddings:
@@ -76,7 +76,7 @@ class JaxSampler:
         self.config = cfg
         self.max_prompt_len, self.max_new_tokens, self.max_batch_size = max_prompt_len, max_new_tokens, max_batch_size
         self.mesh = mesh if mesh is not None else S.mesh({}, jax.devices()[:1])
-        self._rows = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]  # request rows split this many ways
+        self._rows = S.batch_rows(dict(self.mesh.shape))  # request rows split this many ways
         self._graphdef, state = nnx.split(model)
         self._shardings = S.state_shardings(state, self.mesh, kv_heads=cfg.num_key_value_heads)
         # Committed placement from the start, as update_weights/resume_memory produce: otherwise the
