@@ -201,6 +201,9 @@ class RolloutMeshSection(_Section):
 class ActorSection(_Section):
     mesh: MeshSection = Field(default_factory=MeshSection)
     """The actor's mesh (one device by default)."""
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """Models with experts: the weight of the router's load-balancing loss added to GRPO's loss (0 turns it off);
+    unset: the checkpoint's config.json `router_aux_loss_coef`. Ignored for models without experts."""
 
 
 class RolloutSection(_Section):

@@ -50,7 +50,8 @@ def actor_settings(spec: TaskSpec):
         lr=o.lr, total_steps=plan.total_optimizer_steps, warmup_steps=plan.warmup_steps, min_lr_ratio=o.min_lr_ratio,
         weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, epsilon=g.epsilon,
         epsilon_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation, temperature=g.temperature,
-        micro_batch_size=plan.micro_batch_size, mini_batch_size=plan.mini_batch_size, epochs=plan.epochs_per_step)
+        micro_batch_size=plan.micro_batch_size, mini_batch_size=plan.mini_batch_size, epochs=plan.epochs_per_step,
+        router_aux_loss_coef=spec.config.actor.router_aux_loss_coef)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,3 +187,50 @@ def test_presets_build_every_family(tmp_path):
     moe = ModelConfig.from_dir(tmp_path / "tiny-qwen3moe")
     assert [moe.moe_layer(i) for i in range(moe.num_hidden_layers)] == [False, True]
     assert abstract_model(moe).config is moe
+
+
+def _settings(coef):
+    from workers.actor import ActorSettings
+
+    return ActorSettings(lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
+                         b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
+                         temperature=1.0, micro_batch_size=2, mini_batch_size=4, epochs=1, router_aux_loss_coef=coef)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    from workers.models.presets import init_model
+
+    return init_model(tmp_path_factory.mktemp("moe") / "tiny-qwen3moe", preset="tiny-qwen3moe", initializer_range=0.2)
+
+
+def test_the_router_loss_is_trained_with_only_when_weighted(tiny_moe_dir):
+    """Zero advantages make GRPO's own gradient is zero (beta 0): whatever moves the weights
+    is the router loss. Weighted 0 nothing moves; weighted 0.05 the routers do, and the reported loss is the
+    model's own load-balancing loss of the batch (mean over the 2 micro-batches)."""
+    from workers.actor import ActorWorker, router_aux_coef
+    from workers.batch import build_train_batch
+    from workers.models.presets import preset_config
+
+    prompts = [np.array([49, 43, 50, 61], np.int32), np.array([50, 43, 51], np.int32)] * 2
+    completions = [np.array([51, 52, 258], np.int32), np.array([53, 258], np.int32)] * 2
+    batch = build_train_batch(prompts, completions, np.zeros(4), pad_id=256)  # advantages
+    router = "model.layers.1.mlp.gate.kernel"
+    for coef in (0.0, 0.05):
+        model, _ = load_pretrained(tiny_moe_dir)
+        halves = [model.with_router_loss(jnp.asarray(batch.tokens[i:i + 2]),
+                                         attention_mask=jnp.asarray(batch.attention_mask[i:i + 2]))[1] for i in (0, 2)]
+        before = P.host_params(model)
+        actor = ActorWorker(model, _settings(coef))
+        metrics = actor.train(batch, step=1)
+        after = {k: np.asarray(v) for k, v in P.to_flat(actor.state.params).items()}
+        if coef == 0:
+            assert "router_aux_loss" not in metrics
+            assert all(np.array_equal(before[k], after[k]) for k in before)
+        else:
+            np.testing.assert_allclose(metrics["router_aux_loss"], float(np.mean(halves)), rtol=1e-5)
+            assert not np.array_equal(before[router], after[router])
+    # Unset: the checkpoint's coefficient; a model without experts has none.
+    moe = ModelConfig.from_dir(tiny_moe_dir)
+    assert router_aux_coef(_settings(None), moe) == moe.router_aux_loss_coef == 0.001
+    assert router_aux_coef(_settings(0.5), preset_config("tiny", vocab_size=384)) == 0.0

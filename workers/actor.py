@@ -65,6 +65,8 @@ class ActorSettings:
     micro_batch_size: int
     mini_batch_size: int
     epochs: int
+    # Models with experts: weight of the load-balancing loss (workers.models.moe); None: the checkpoint's.
+    router_aux_loss_coef: float | None = None
 
 
 class TrainState(NamedTuple):
@@ -96,9 +98,21 @@ def make_optimizer(s: ActorSettings) -> optax.GradientTransformation:
 def token_logprobs(graphdef, params, tokens, attention_mask, temperature) -> jax.Array:
     """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32."""
     model = nnx.merge(graphdef, params)
-    logits = model(tokens, attention_mask=attention_mask)[:, :-1] / temperature  # (B, T-1, V)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    return _logprobs_of(model(tokens, attention_mask=attention_mask), tokens, temperature)
+
+
+def _logprobs_of(logits, tokens, temperature) -> jax.Array:
+    logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)  # (B, T-1, V)
     return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def router_aux_coef(settings: ActorSettings, config) -> float:
+    """The load-balancing loss weight a model trains with: 0 without experts, else the setting, else the
+    checkpoint's `router_aux_loss_coef`."""
+    if not getattr(config, "num_experts", 0):
+        return 0.0
+    coef = settings.router_aux_loss_coef
+    return float(config.router_aux_loss_coef if coef is None else coef)
 
 
 def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorSettings):
@@ -109,13 +123,22 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorS
     """
     s = settings
     denominator = grpo.loss_denominator(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]), s.aggregation)
+    aux_coef = s.router_aux_loss_coef or 0.0  # resolved against the model by ActorWorker (router_aux_coef)
+    micro_batches = batch["tokens"].shape[0]
 
     def micro_loss(params, mb):
-        logp = token_logprobs(graphdef, params, mb["tokens"], mb["attention_mask"], s.temperature)
+        model = nnx.merge(graphdef, params)
+        if aux_coef:  # the router's load-balancing loss, averaged over the mini-batch's micro-batches
+            logits, aux = model.with_router_loss(mb["tokens"], attention_mask=mb["attention_mask"])
+        else:
+            logits, aux = model(mb["tokens"], attention_mask=mb["attention_mask"]), jnp.zeros((), jnp.float32)
+        logp = _logprobs_of(logits, mb["tokens"], s.temperature)
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
-        return grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
-                                epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
-                                aggregation=s.aggregation, denominator=denominator)
+        loss, m = grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
+                                   epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
+                                   aggregation=s.aggregation, denominator=denominator)
+        aux = aux / micro_batches
+        return loss + aux_coef * aux, {**m, "router_aux_loss": aux}  # the metric: the unweighted loss
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -124,11 +147,13 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorS
         (_, m), g = grad_fn(state.params, mb)
         tok = m["tokens"]
         sums = {"loss": sums["loss"] + m["loss"], "tokens": sums["tokens"] + tok,
+                "router_aux_loss": sums["router_aux_loss"] + m["router_aux_loss"],
                 **{k: sums[k] + m[k] * tok for k in ("clip_frac", "kl", "ratio_mean")}}
         return (jax.tree.map(jnp.add, grads, g), sums), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    init = {k: jnp.zeros((), jnp.float32) for k in ("loss", "tokens", "clip_frac", "kl", "ratio_mean")}
+    init = {k: jnp.zeros((), jnp.float32) for k in ("loss", "tokens", "clip_frac", "kl", "ratio_mean",
+                                                     "router_aux_loss")}
     (grads, sums), _ = jax.lax.scan(accumulate, (zeros, init), batch)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -140,6 +165,8 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorS
     tokens = jnp.maximum(sums["tokens"], 1.0)
     metrics = {"loss": sums["loss"], "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32),
                **{k: sums[k] / tokens for k in ("clip_frac", "kl", "ratio_mean")}}
+    if aux_coef:
+        metrics["router_aux_loss"] = sums["router_aux_loss"]
     return new_state, metrics
 
 
@@ -162,7 +189,7 @@ class ActorWorker:
         if settings.mini_batch_size % settings.micro_batch_size:
             raise ValueError(f"mini_batch_size {settings.mini_batch_size} is not a multiple of micro_batch_size "
                              f"{settings.micro_batch_size}")
-        self.settings = settings
+        self.settings = dataclasses.replace(settings, router_aux_loss_coef=router_aux_coef(settings, model.config))
         self.config = model.config
         self.mesh = mesh if mesh is not None else S.mesh({}, jax.devices()[:1])
         rows = S.batch_rows(dict(self.mesh.shape))
