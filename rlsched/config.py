@@ -115,6 +115,13 @@ class ClusterConfig(_Section):
     preallocation off). `per_device_group`: one process per host for each device group, holding every task's
     roles there and swapping them between device and host (what a TPU needs: a chip opens in one process).
     `auto`: per_device_group on TPU and GPU, per_role on CPU (README "Sharded roles: meshes")."""
+    policy: Literal["fifo", "priority", "fair"] = "fifo"
+    """Which waiting task a free lock goes to: `fifo` the one that asked first; `priority` the highest
+    `tasks[i].priority`; `fair` the one with the least lock time on that phase per unit of `tasks[i].weight`
+    (weighted fair share). Locks pass only at phase boundaries, never mid-phase."""
+    starvation_limit: int = Field(8, ge=1)
+    """A request passed over this many times is served before any other (oldest first): in every policy a task
+    waits at most starvation_limit + N - 1 grants of a lock, N the tasks sharing it (rlsched/policy.py)."""
     compile_cache_dir: str | None = ".jax_cache"
     """JAX's persistent compilation cache, shared by every role process of every experiment that names it:
     a program compiled once (by any task with the same shapes, in any run) is loaded, not compiled again.
@@ -360,6 +367,10 @@ class TaskConfig(_Section):
     for the files (benchmarks/checkpoint.py compares the two)."""
     log_every: int = Field(1, ge=1)
     """GRPO steps between metric logs."""
+    priority: int = 0
+    """cluster.policy=priority: higher goes first when tasks wait for the same lock."""
+    weight: float = Field(1.0, gt=0)
+    """cluster.policy=fair: the task's share of each lock's time, relative to the other tasks' weights."""
     max_restarts: int = Field(0, ge=0)
     """Times the task restarts a role whose process died (killed, out of memory, lost node) before it fails;
     0 = fail at once. A dead engine is replaced and the step redone with the actor's live weights; a dead actor

@@ -100,12 +100,12 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
     nbytes = None if budget is None else int(budget * 2**30)
     spec = (GroupSpec.colocated(nbytes) if cfg.cluster.placement == "colocated"
             else GroupSpec.disaggregated(nbytes, nbytes))
-    policy = Policy({cluster.GROUP: spec})
+    policy = Policy({cluster.GROUP: spec}, order=cfg.cluster.policy, starvation_limit=cfg.cluster.starvation_limit)
     initial: dict[str, list[tuple[str, str]]] = {}
     for task in cfg.tasks:
         engine, actor = estimate_bytes(task)
-        initial[task.name] = [(str(m.role), str(m.action))
-                              for m in policy.register(task.name, cluster.GROUP, engine, actor)]
+        initial[task.name] = [(str(m.role), str(m.action)) for m in policy.register(
+            task.name, cluster.GROUP, engine, actor, priority=task.priority, weight=task.weight)]
     return policy, initial
 
 

@@ -8,10 +8,18 @@ Design decisions (and why):
   resource, its group's rollout slot or train slot. A phase never needs two locks (three phases
   deadlocked in the field), and a task has at most one request or lease in flight at a time: its
   phases are sequential, and a queued request for its next phase would hold a FIFO place it can't use.
-- **FIFO per resource, head-of-line blocking.** A later request for a resource is never granted
-  before an earlier one; if the head can't be admitted for memory, the queue behind it waits. Heads
-  of different resources are tried oldest first, so a request blocked for memory gets the first
-  claim on the devices when they free up (no starvation by a busy neighbouring slot).
+- **An order per resource, head-of-line blocking.** Each free resource serves one candidate of its
+  queue (`ORDERS`): `fifo` the oldest request; `priority` the highest task priority (then the oldest);
+  `fair` the task with the least lock time on that phase per unit of weight (weighted fair share, then
+  the oldest). If the candidate can't be admitted for memory, the queue behind it waits. Candidates of
+  different resources are tried oldest first, so a request blocked for memory gets the first claim on
+  the devices when they free up (no starvation by a busy neighbouring slot).
+- **A starvation bound in every order.** A queued request passed over `starvation_limit` times (its
+  resource granted to another request while it waited) is *starving*, and starving requests are served
+  before any other, oldest first. So a request is granted within `starvation_limit + N - 1` grants of its
+  resource, N the tasks that share it (at most N - 1 older requests can be starving before it); FIFO
+  within N - 1. Grants happen only at phase boundaries (a lock is never taken from a holder), so a higher
+  priority waits for the phase in progress, never longer. The property tests hold every order to this.
 - **Memory-aware residency.** A role stays resident after its lease is released; nothing is
   offloaded while everything fits (offload made small tasks 7x slower in the field). An onload that
   would exceed its pool's budget first evicts idle resident roles, least recently used first. Idle =
@@ -56,6 +64,15 @@ class Phase(StrEnum):
 class Role(StrEnum):
     ENGINE = "engine"  # rollout weights + KV cache
     ACTOR = "actor"  # params + optimizer state + reference params
+
+
+class Order(StrEnum):
+    FIFO = "fifo"  # oldest request first
+    PRIORITY = "priority"  # highest task priority first, then oldest
+    FAIR = "fair"  # least lock seconds on the phase per unit of task weight first, then oldest
+
+
+ORDERS = tuple(str(o) for o in Order)
 
 
 class Placement(StrEnum):
@@ -149,6 +166,7 @@ class _Request:
     task: str
     phase: Phase
     resource: Resource
+    passed: int = 0  # grants of its resource to other requests while this one waited
 
 
 @dataclasses.dataclass
@@ -162,14 +180,22 @@ class _Task:
     holding: Phase | None = None
     granted_at: float = 0.0
     failed: bool = False
+    priority: int = 0
+    weight: float = 1.0
+    usage: dict[Phase, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(Phase, 0.0))  # s / weight
 
 
 class Policy:
-    """Locks, FIFO queues and memory admission for all device groups. Single-threaded by contract."""
+    """Locks, ordered queues and memory admission for all device groups. Single-threaded by contract."""
 
-    def __init__(self, groups: dict[str, GroupSpec]):
+    def __init__(self, groups: dict[str, GroupSpec], *, order: str = "fifo", starvation_limit: int = 8):
         if not groups:
             raise PolicyError("Policy needs at least one device group")
+        if order not in ORDERS:
+            raise PolicyError(f"unknown order {order!r}; choose one of {ORDERS}")
+        if not isinstance(starvation_limit, int) or starvation_limit < 1:
+            raise PolicyError(f"starvation_limit must be a positive int, got {starvation_limit!r}")
+        self.order, self.starvation_limit = Order(order), starvation_limit
         self._groups = dict(groups)
         self._budgets: dict[str, int | None] = {}
         for name, spec in self._groups.items():
@@ -184,13 +210,16 @@ class Policy:
 
     # ---- tasks ------------------------------------------------------------------------------------
 
-    def register(self, task: str, group: str, engine_bytes: int, actor_bytes: int, *, resident: bool = True
-                 ) -> list[Move]:
+    def register(self, task: str, group: str, engine_bytes: int, actor_bytes: int, *, resident: bool = True,
+                 priority: int = 0, weight: float = 1.0) -> list[Move]:
         """Add a task. `resident=True`: its roles were created on device; those that fit in the pools'
         free room stay (engine first: ROLLOUT comes first) and the returned OFFLOAD moves must be done
-        at once. Registering never evicts other tasks. `resident=False`: created on host, returns []."""
+        at once. Registering never evicts other tasks. `resident=False`: created on host, returns [].
+        `priority` (order "priority": higher first) and `weight` (order "fair": its share of lock time)."""
         if task in self._tasks:
             raise PolicyError(f"task {task!r} is already registered")
+        if not isinstance(weight, int | float) or not weight > 0:
+            raise PolicyError(f"task {task!r}: weight must be > 0, got {weight!r}")
         if group not in self._groups:
             raise PolicyError(f"task {task!r}: unknown device group {group!r} (known: {sorted(self._groups)})")
         nbytes = {Role.ENGINE: engine_bytes, Role.ACTOR: actor_bytes}
@@ -202,7 +231,13 @@ class Policy:
             if budget is not None and n > budget:
                 raise PolicyError(f"task {task!r}: {role} needs {n} bytes but pool {pool!r} has a budget of only "
                                   f"{budget} bytes; no amount of offloading can make it fit")
-        state = _Task(task, group, nbytes, dict.fromkeys(Role, False), dict.fromkeys(Role, 0))
+        state = _Task(task, group, nbytes, dict.fromkeys(Role, False), dict.fromkeys(Role, 0),
+                      priority=int(priority), weight=float(weight))
+        # A task arriving late starts level with the least served live task of its group, not at zero: a
+        # newcomer does not get the lock until it has caught up with tasks that ran for hours.
+        peers = [t for t in self._tasks.values() if t.group == group and not t.failed]
+        if peers:
+            state.usage = {ph: min(t.usage[ph] for t in peers) for ph in Phase}
         self._tasks[task] = state
         moves = []
         for role in (Role.ENGINE, Role.ACTOR) if resident else ():
@@ -248,16 +283,20 @@ class Policy:
         return req.id
 
     def grant(self, now: float) -> list[Grant]:
-        """Every grant possible now. One pass over the heads of free resources, oldest first, suffices:
-        a grant takes a lock and protects bytes but never frees any room an earlier head could use."""
-        heads = sorted((q[0] for r, q in self._queues.items() if q and r not in self._holders), key=lambda q: q.id)
+        """Every grant possible now. One pass over the candidates of free resources, oldest first, suffices:
+        a grant takes a lock and protects bytes but never frees any room an earlier candidate could use."""
+        heads = sorted((self._candidate(q) for r, q in self._queues.items() if q and r not in self._holders),
+                       key=lambda q: q.id)
         grants = []
         for req in heads:
             moves = self._admit(req)
             if moves is None:
-                continue  # head-of-line: this resource's queue waits behind its head
+                continue  # head-of-line: this resource's queue waits behind its candidate
             state = self._tasks[req.task]
-            self._queues[req.resource].popleft()
+            queue = self._queues[req.resource]
+            queue.remove(req)
+            for other in queue:
+                other.passed += 1
             del self._request_tasks[req.id]
             self._holders[req.resource] = req.task
             state.request, state.holding, state.granted_at = None, req.phase, now
@@ -273,6 +312,7 @@ class Policy:
             raise PolicyError(f"task {task!r} released {phase} but holds {state.holding or 'nothing'}")
         del self._holders[Resource(state.group, phase)]
         state.holding = None
+        state.usage[phase] += max(0.0, now - state.granted_at) / state.weight
         self._touch(state, phase.role)
 
     def lease_of(self, task: str) -> tuple[Phase, float] | None:
@@ -283,6 +323,20 @@ class Policy:
     def expired(self, now: float, timeout: float) -> list[str]:
         """Tasks whose current lease was granted more than `timeout` seconds before `now`."""
         return [t for t in self._holders.values() if now - self._tasks[t].granted_at > timeout]
+
+    def candidate(self, resource: Resource) -> str | None:
+        """The task the resource's queue would serve next (memory permitting), or None when it is empty."""
+        queue = self._queues[resource]
+        return self._candidate(queue).task if queue else None
+
+    def _candidate(self, queue: deque[_Request]) -> _Request:
+        """Starving requests first, oldest first; otherwise the order's choice."""
+        starving = [r for r in queue if r.passed >= self.starvation_limit]
+        if starving or self.order is Order.FIFO:
+            return starving[0] if starving else queue[0]  # queues are in arrival (id) order
+        if self.order is Order.PRIORITY:
+            return min(queue, key=lambda r: (-self._tasks[r.task].priority, r.id))
+        return min(queue, key=lambda r: (self._tasks[r.task].usage[r.phase], r.id))
 
     # ---- memory admission ---------------------------------------------------------------------------
 
@@ -374,12 +428,15 @@ class Policy:
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe state for logs and timelines."""
         return {
+            "order": str(self.order), "starvation_limit": self.starvation_limit,
             "pools": {p: {"budget": self._budgets[p], "used": self._used[p]} for p in self._budgets},
             "holders": {r.id: t for r, t in self._holders.items()},
             "queues": {r.id: [req.task for req in q] for r, q in self._queues.items() if q},
             "tasks": {t.name: {"group": t.group, "bytes": {str(r): n for r, n in t.nbytes.items()},
                                "resident": [str(r) for r in Role if t.resident[r]],
                                "holding": t.holding and str(t.holding),
-                               "waiting": t.request and str(t.request.phase), "failed": t.failed}
+                               "waiting": t.request and str(t.request.phase), "failed": t.failed,
+                               "priority": t.priority, "weight": t.weight,
+                               "lock_s_per_weight": {str(ph): u for ph, u in t.usage.items()}}
                       for t in self._tasks.values()},
         }

@@ -424,3 +424,18 @@ def test_the_compile_cache_is_on_by_default_under_the_output_dir_and_null_turns_
             "jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready()")
     subprocess.run([sys.executable, "-c", code, specs[0].compile_cache], env=env, check=True, timeout=120)
     assert any(Path(specs[0].compile_cache).iterdir())
+
+
+def test_the_lock_policy_and_each_tasks_priority_and_weight_reach_the_scheduler(tmp_path):
+    from rlsched.experiment import build_policy
+
+    cfg = load_config(write(tmp_path, ADDITION), ["cluster.policy=fair", "cluster.starvation_limit=3",
+                                                  "tasks.0.priority=2", "tasks.0.weight=2.5"])
+    snap = build_policy(cfg)[0].snapshot()
+    assert (snap["order"], snap["starvation_limit"]) == ("fair", 3)
+    assert (snap["tasks"]["addition"]["priority"], snap["tasks"]["addition"]["weight"]) == (2, 2.5)
+    assert "policy: fair" in dump_resolved(cfg)
+    with pytest.raises(ConfigError, match="cluster.policy"):
+        load_config(write(tmp_path, ADDITION), ["cluster.policy=lottery"])
+    with pytest.raises(ConfigError, match="tasks.0.weight"):
+        load_config(write(tmp_path, ADDITION), ["tasks.0.weight=0"])

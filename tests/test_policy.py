@@ -199,6 +199,102 @@ def test_snapshot_is_json_safe():
     assert snap["pools"]["g0/shared"] == {"budget": 25, "used": 20}
 
 
+# ---- orders: priority and weighted fair share ---------------------------------------------------------------
+
+
+def _contend(policy: Policy, tasks: list[str], grants: int, hold: float = 1.0) -> list[str]:
+    """Every task asks for the rollout lock again as soon as it lets go; each hold lasts `hold` seconds.
+    Returns who got the lock, grant by grant."""
+    now, order = 0.0, []
+    for t in tasks:
+        policy.request(t, R, now)
+    while len(order) < grants:
+        (g,) = policy.grant(now)
+        order.append(g.task)
+        now += hold
+        policy.release(g.task, R, now)
+        policy.request(g.task, R, now)
+    return order
+
+
+def test_priority_serves_the_highest_waiting_task_at_the_next_phase_boundary_never_mid_phase():
+    p = Policy({"g0": GroupSpec.colocated()}, order="priority")
+    for name, prio in (("low", 0), ("mid", 1), ("high", 5)):
+        p.register(name, "g0", 1, 1, priority=prio)
+    p.request("low", R, 0.0)
+    assert [g.task for g in p.grant(0.0)] == ["low"]
+    p.request("mid", R, 1.0)
+    p.request("high", R, 2.0)
+    assert p.grant(2.0) == [] and p.holder(Resource("g0", R)) == "low"  # the holder keeps its phase
+    assert p.candidate(Resource("g0", R)) == "high"
+    p.release("low", R, 3.0)
+    assert [g.task for g in p.grant(3.0)] == ["high"]  # asked after mid, served first
+    p.release("high", R, 4.0)
+    assert [g.task for g in p.grant(4.0)] == ["mid"]
+
+
+def test_fair_share_gives_lock_time_in_proportion_to_weights_and_a_late_arrival_starts_level():
+    p = Policy({"g0": GroupSpec.colocated()}, order="fair")
+    p.register("a", "g0", 1, 1, weight=1.0)
+    p.register("b", "g0", 1, 1, weight=3.0)
+    order = _contend(p, ["a", "b"], 40)
+    assert (order.count("a"), order.count("b")) == (10, 30)  # 1 : 3, as the weights
+    # A task arriving later starts level with the least served task, not at zero: after a and b held the lock
+    # 5 s each, a newcomer at zero would take the next 5 grants running; level, it takes its third.
+    p2 = Policy({"g0": GroupSpec.colocated()}, order="fair")
+    for name in "ab":
+        p2.register(name, "g0", 1, 1)
+    _contend(p2, ["a", "b"], 10)
+    p2.register("c", "g0", 1, 1)
+    later = []
+    now = 100.0
+    p2.request("c", R, now)
+    for _ in range(6):
+        (g,) = p2.grant(now)
+        later.append(g.task)
+        now += 1
+        p2.release(g.task, R, now)
+        p2.request(g.task, R, now)
+    assert later.count("c") == 2 and later.count("a") == 2 and later.count("b") == 2
+
+
+def test_no_order_starves_a_waiting_task_beyond_the_stated_bound():
+    """Two high-priority tasks hand the lock to each other; the low one is served after being passed over
+    starvation_limit times (bound: limit + N - 1 grants)."""
+    for order in ("priority", "fair"):
+        p = Policy({"g0": GroupSpec.colocated()}, order=order, starvation_limit=3)
+        p.register("h1", "g0", 1, 1, priority=9, weight=100.0)
+        p.register("h2", "g0", 1, 1, priority=9, weight=100.0)
+        p.register("low", "g0", 1, 1, priority=0, weight=0.01)
+        p.request("h1", R, 0.0)
+        p.grant(0.0)
+        p.request("low", R, 0.0)
+        seen = _contend_from_held(p, "h1", 10)
+        assert seen.index("low") <= 3 + 3 - 1, (order, seen)
+
+
+def _contend_from_held(policy: Policy, holder: str, grants: int) -> list[str]:
+    now, order = 0.0, []
+    policy.request("h2", R, now)
+    while len(order) < grants:
+        now += 1
+        policy.release(holder, R, now)
+        if holder != "low":
+            policy.request(holder, R, now)
+        (g,) = policy.grant(now)
+        order.append(g.task)
+        holder = g.task
+    return order
+
+
+def test_orders_and_weights_are_checked():
+    with pytest.raises(PolicyError, match="unknown order 'lottery'"):
+        Policy({"g0": GroupSpec.colocated()}, order="lottery")
+    p = Policy({"g0": GroupSpec.colocated()}, order="fair")
+    with pytest.raises(PolicyError, match="weight must be > 0"):
+        p.register("a", "g0", 1, 1, weight=0)
+
+
 # ---- random schedules -------------------------------------------------------------------------------------
 
 
@@ -227,7 +323,11 @@ class Schedules(RuleBasedStateMachine):
     """1-8 tasks in 1-3 random groups cycle ROLLOUT -> release -> TRAIN -> release under random budgets.
 
     The model beside the policy keeps: each task's next phase, queued request ids per resource in
-    arrival order, grants per resource, and residency rebuilt only from the moves grants return."""
+    arrival order, grants per resource, residency rebuilt only from the moves grants return, and (for the
+    priority and fair orders) each task's priority, weight and lock seconds per phase, from which it
+    predicts every grant's request on its own (`expected`)."""
+
+    ORDER = "fifo"
 
     @initialize(data=st.data())
     def setup(self, data):
@@ -245,12 +345,17 @@ class Schedules(RuleBasedStateMachine):
                 groups[g] = GroupSpec.colocated(data.draw(budgets(engines + actors)))
             else:
                 groups[g] = GroupSpec.disaggregated(data.draw(budgets(engines)), data.draw(budgets(actors)))
-        self.policy = Policy(groups)
+        self.limit = data.draw(st.integers(1, 4), label="starvation limit") if self.ORDER != "fifo" else 8
+        self.policy = Policy(groups, order=self.ORDER, starvation_limit=self.limit)
         self.resident = set()
         # (task, role) -> tick of its last grant or release: the LRU order evictions must follow
         self.tick, self.last_use = 0, {}
+        self.priority = {t: data.draw(st.integers(0, 2), label=f"{t} priority") for t in self.tasks}
+        self.weight = {t: data.draw(st.sampled_from([0.5, 1.0, 3.0]), label=f"{t} weight") for t in self.tasks}
+        self.usage = {t: dict.fromkeys(Phase, 0.0) for t in self.tasks}
         for name, (g, e, a) in self.tasks.items():
-            moves = self.policy.register(name, g, e, a, resident=data.draw(st.booleans()))
+            moves = self.policy.register(name, g, e, a, resident=data.draw(st.booleans()),
+                                         priority=self.priority[name], weight=self.weight[name])
             for role in (r for r in Role if self.policy.resident(name, r)):
                 self.resident.add((name, role))
                 self.touch(name, role)
@@ -303,6 +408,7 @@ class Schedules(RuleBasedStateMachine):
         task = sorted(self.holding)[i % len(self.holding)]
         phase = self.holding.pop(task)
         self.policy.release(task, phase, self.now)
+        self.usage[task][phase] += max(0.0, self.now - self.granted_at[task]) / self.weight[task]
         self.touch(task, phase.role)
         self.next_phase[task] = T if phase is R else R
 
@@ -313,8 +419,8 @@ class Schedules(RuleBasedStateMachine):
     def grant(self):
         grants = self.policy.grant(self.now)
         for g in grants:
-            assert self.queued[g.resource][0] == g.request_id, "FIFO: granted ahead of an earlier request"
-            self.queued[g.resource].pop(0)
+            assert self.expected(g.resource) == g.request_id, f"{self.ORDER}: granted another request first"
+            self.queued[g.resource].remove(g.request_id)
             self.grants[g.resource] += 1
             assert g.task not in self.holding and self.next_phase[g.task] is g.phase
             self.holding[g.task] = g.phase
@@ -342,18 +448,32 @@ class Schedules(RuleBasedStateMachine):
                 assert needed in self.resident
             self.touch(*needed)
         self.check_maximal()
-        # Across a pool's two slots: a head left waiting for memory was never passed by a younger request.
+        # Across a pool's two slots: a candidate left waiting for memory was never passed by a younger request.
         for r, q in self.queued.items():
             if q and self.policy.holder(r) is None:
-                pool = self.policy.pool(self.requested[q[0]][0], r.phase.role)
-                assert all(g.request_id < q[0] for g in grants if self.policy.pool(g.task, g.phase.role) == pool)
+                head = self.expected(r)
+                pool = self.policy.pool(self.requested[head][0], r.phase.role)
+                assert all(g.request_id < head for g in grants if self.policy.pool(g.task, g.phase.role) == pool)
+
+    def expected(self, resource):
+        """The request the order serves next on `resource`: starving ones (passed over `limit` times) oldest
+        first, else the oldest (fifo), the highest priority (priority), the least lock time per weight (fair)."""
+        q = self.queued[resource]
+        starving = [rid for rid in q if self.grants[resource] - self.requested[rid][2] >= self.limit]
+        if starving or self.ORDER == "fifo":
+            return (starving or q)[0]
+        task = lambda rid: self.requested[rid][0]  # noqa: E731
+        if self.ORDER == "priority":
+            return min(q, key=lambda rid: (-self.priority[task(rid)], rid))
+        return min(q, key=lambda rid: (self.usage[task(rid)][resource.phase], rid))
 
     def check_maximal(self):
         """After grant(), no free resource's head could have been admitted."""
         protected = {(t, ph.role) for t, ph in self.holding.items()}
         for r, q in self.queued.items():
             if q and self.policy.holder(r) is None:
-                task, role = self.requested[q[0]][0], r.phase.role
+                task, role = self.requested[self.expected(r)][0], r.phase.role
+                assert self.policy.candidate(r) == task
                 pool = self.policy.pool(task, role)
                 budget = self.policy.budget(pool)
                 idle = sum(self.policy.nbytes(t, ro) for t, ro in self.resident
@@ -402,17 +522,34 @@ class Schedules(RuleBasedStateMachine):
 
     @invariant()
     def bounded_waiting(self):
+        """The stated bound (rlsched/policy.py): FIFO overtaken fewer than N times; any order, at most
+        starvation_limit + N - 1 times."""
         n = len(self.tasks)
+        bound = n if self.ORDER == "fifo" else self.limit + n
         for q in self.queued.values():
             for rid in q:
                 _, resource, at = self.requested[rid]
-                assert self.grants[resource] - at < n, "a request was overtaken more than N times"
+                assert self.grants[resource] - at < bound, f"a request was overtaken {bound} times or more"
 
     @invariant()
     def no_deadlock(self):
         drain(copy.deepcopy(self.policy))
 
 
+class PrioritySchedules(Schedules):
+    ORDER = "priority"
+
+
+class FairSchedules(Schedules):
+    ORDER = "fair"
+
+
 TestSchedules = Schedules.TestCase
 TestSchedules.settings = settings(max_examples=300, stateful_step_count=50, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
+TestPrioritySchedules = PrioritySchedules.TestCase
+TestPrioritySchedules.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+TestFairSchedules = FairSchedules.TestCase
+TestFairSchedules.settings = settings(max_examples=150, stateful_step_count=50, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow])

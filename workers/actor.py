@@ -66,7 +66,7 @@ class ActorSettings:
     mini_batch_size: int
     epochs: int
     # Models with experts: weight of the load-balancing loss (workers.models.moe); None: the checkpoint's.
-    router_aux_loss_coef: float | None = None
+    router_aux_loss_coef: float | None
 
 
 class TrainState(NamedTuple):
