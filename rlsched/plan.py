@@ -9,13 +9,20 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     grads        actor: as params (gradients have their parameter's shape, dtype and layout)
     optimizer    actor: AdamW's two moments (as params) + two int32 step counts (Adam's and the schedule's)
     reference    actor, when grpo.beta > 0: the frozen reference copy of the params
-    kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp) x (max_prompt_len +
+    kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp x ep) x (max_prompt_len +
                  max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule
     activations  actor, an ESTIMATE: rows per device (micro-batch / (dp x fsdp x ep)) x (max_prompt_len +
-                 max_new_tokens) tokens x (layers x 16 x hidden + 2 x vocab / tp) values x 4 bytes
-The activation estimate counts what a layer's backward keeps per token (inputs of the norms, q/k/v/o and
-the MLP, about 16 x hidden for Qwen3's MLP width of 3 x hidden; not divided by tp) plus float32 logits and
-their log-softmax over the vocab shard. It is an order of magnitude, not a bound; measure with
+                 max_new_tokens) tokens x (per-layer values, summed over the layers, + 2 x vocab / tp) x 4 bytes
+The activation estimate counts what a layer's backward keeps per token: 10 x hidden (the inputs of the norms,
+q/k/v/o and the residual stream; not divided by tp) plus, for a dense MLP, 2 x its intermediate width (gate and
+up outputs), and float32 logits and their log-softmax over the vocab shard. A mixture-of-experts layer
+(workers.models.moe) runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I)
+intermediates: the ep group's rows (gathered over ep) x E / ep experts x I / tp, which per device is the
+device's own rows x E x I / tp; MOE_VALUES_PER_EXPERT of them per token. That count is XLA's, not the block's
+three (gate, up, their product): the compiled train step of a 2- and a 4-layer model of Qwen3-30B-A3B's
+shapes on 8 CPU devices (`memory_analysis()`, float32) holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x
+tp 2, ep 4 x tp 2 and fsdp 2 x ep 4. The same measurement holds about 3 x the dense count at 1,024 tokens
+(attention's T x T scores are not counted). So it is an order of magnitude, not a bound; measure with
 `rlsched train` (summary.json has the measured peaks). The KV cache is jax_sampler's, the most it can hold.
 
 Device groups: colocated, one group of every device; every role of every task may be resident at once,
@@ -24,7 +31,7 @@ devices) and a train group (the actors'). A group fits the budget (`cluster.memo
 when every role it holds fits at once; "with offload" when each role fits alone (the scheduler offloads
 idle roles to host memory); otherwise it cannot run.
 
-Only each model's config.json is read (never its weights), so a 1.7B recipe plans on a machine without
+Only each model's config.json is read (never its weights), so a 30B recipe plans on a machine without
 them; no Ray, no JAX.
 """
 
@@ -43,7 +50,9 @@ from workers.models.config import ModelConfig
 KINDS = ("params", "grads", "optimizer", "reference", "kv_cache", "activations")
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 ADAM_COUNTS = 2 * 4  # int32 step counts of optax's scale_by_adam and of the learning-rate schedule, replicated
-ACTIVATION_VALUES_PER_LAYER = 16  # x hidden, per token: see the module docstring
+ACTIVATION_VALUES_PER_HIDDEN = 10  # per token and layer, x hidden: see the module docstring
+ACTIVATION_VALUES_PER_MLP = 2  # per token and dense-MLP layer, x intermediate_size
+MOE_VALUES_PER_EXPERT = 12  # per token and MoE layer, x experts x expert width / tp (measured; module docstring)
 GiB = 2**30
 
 
@@ -62,10 +71,20 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
         out["reference"] = params
     rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
     tokens = rows * (task.grpo.max_prompt_len + task.grpo.max_new_tokens)
-    per_token = (model.num_hidden_layers * ACTIVATION_VALUES_PER_LAYER * model.hidden_size
-                 + 2 * -(-model.vocab_size // mesh["tp"]))
-    out["activations"] = tokens * per_token * 4
+    out["activations"] = tokens * activation_values(model, mesh) * 4
     return out
+
+
+def activation_values(model: ModelConfig, mesh: dict[str, int]) -> int:
+    """Values the actor's backward keeps per token of a device's rows (see the module docstring)."""
+    tp, per_layer = mesh["tp"], []
+    for layer in range(model.num_hidden_layers):
+        if model.moe_layer(layer):  # experts split over ep, but the ep group's rows gather: E x I / tp per token
+            mlp = MOE_VALUES_PER_EXPERT * model.num_experts * model.moe_intermediate_size // tp
+        else:
+            mlp = ACTIVATION_VALUES_PER_MLP * model.intermediate_size
+        per_layer.append(ACTIVATION_VALUES_PER_HIDDEN * model.hidden_size + mlp)
+    return sum(per_layer) + 2 * -(-model.vocab_size // tp)
 
 
 def engine_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
@@ -85,7 +104,7 @@ def engine_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
 class RolePlan:
     task: str
     role: str  # "actor" | "engine"
-    mesh: dict[str, int]  # {"dp", "fsdp", "tp"}
+    mesh: dict[str, int]  # {"dp", "fsdp", "ep", "tp"}
     devices: list[int]  # indices into the experiment's device pool (rlsched.meshes.role_devices)
     bytes: dict[str, int]  # per device, by kind (KINDS order, only the kinds this role has)
 

@@ -15,8 +15,8 @@ import pytest
 
 from rlsched.cli import main
 from rlsched.config import ConfigError, load_config, select_tasks
-from rlsched.meshes import check_platform, read_model_config, role_devices, task_devices
-from rlsched.plan import actor_bytes, device_plan, engine_bytes
+from rlsched.meshes import check_meshes, check_platform, read_model_config, role_devices, task_devices
+from rlsched.plan import activation_values, actor_bytes, device_plan, engine_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -25,6 +25,18 @@ CONFIGS = ROOT / "configs"
 QWEN3_1P7B = {"model_type": "qwen3", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
               "tie_word_embeddings": True, "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+QWEN2P5_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+              "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+              "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+              "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": 131072,
+              "max_window_layers": 28, "torch_dtype": "bfloat16"}  # Qwen2.5-7B-Instruct
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+                 "tie_word_embeddings": False, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+                 "torch_dtype": "bfloat16"}
 
 
 # --- role_devices --------------------------------------------------------------------------------------------
@@ -152,7 +164,8 @@ def test_tiny_plan_by_hand(tmp_path):
     assert actor_bytes(task, model) == {
         "params": params, "grads": params,
         "optimizer": 2 * params + 8,  # two moments + Adam's and the schedule's int32 counts
-        # micro-batch 64 / (dp 1 x fsdp 2) = 32 rows x (16 + 4) tokens x (2 layers x 16 x 64 + 2 x 384 / tp 2)
+        # micro-batch 64 / (dp 1 x fsdp 2) = 32 rows x (16 + 4) tokens x (2 layers x (10 x 64 + 2 x 192 = 16 x 64)
+        # + 2 x 384 / tp 2)
         "activations": 32 * 20 * (2 * 16 * 64 + 2 * 192) * 4,
     }
     # engine tp 2: embed 192 x 64 = 12,288; per layer q 64 x 128, k, v 64 x 128 (replicated), o 128 x 64 ->
@@ -225,6 +238,102 @@ def test_qwen3_1p7b_recipe_plan_by_hand(tmp_path, capsys):
     device0 = 5 * actor_params + 8 + activations + engine_params + kv
     assert plan["per_device"] == [device0] * 2 + [5 * actor_params + 8 + activations] * 6
     assert plan["memory_budget_bytes"] == 64 * 2**30 and plan["groups"][0]["fits"] == "yes" and plan["runnable"]
+
+
+def _recipe(tmp_path, name: str, config_json: dict):
+    """configs/<name> validated, with its model's config.json (and nothing else) at tasks.0.model.path."""
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    return load_config(CONFIGS / name, [f"tasks.0.model.path={tmp_path}"])
+
+
+@pytest.mark.parametrize(("name", "config_json", "model"), [
+    ("gsm8k_qwen2p5_7b.yaml", QWEN2P5_7B, "/models/Qwen2.5-7B-Instruct"),
+    ("gsm8k_qwen3_30b_a3b.yaml", QWEN3_30B_A3B, "/models/Qwen3-30B-A3B")])
+def test_the_8_device_recipes_validate_and_split_their_models(tmp_path, name, config_json, model):
+    assert load_config(CONFIGS / name).tasks[0].model.path == model
+    cfg = _recipe(tmp_path, name, config_json)
+    assert cfg.num_devices == 8
+    check_meshes(cfg)  # every parameter of the real model splits over both meshes
+
+
+def test_qwen2p5_7b_recipe_plan_by_hand(tmp_path):
+    """configs/gsm8k_qwen2p5_7b.yaml from Qwen2.5-7B-Instruct's config.json alone.
+
+    Parameters: embed and lm_head 2 x 152,064 x 3,584 = 1,089,994,752; per layer q 3,584 x 3,584 + bias 3,584,
+    k and v 3,584 x 512 + bias 512 each, o 3,584 x 3,584, gate/up/down 3 x 3,584 x 18,944, norms 2 x 3,584
+    -> 233,057,792; 28 layers + the final norm (3,584): 7,615,616,512. Replicated: the norms, 28 x 7,168 +
+    3,584 = 204,288. The biases (4,608 per layer, 129,024) split over tp only; the rest over fsdp and tp."""
+    plan = device_plan(_recipe(tmp_path, "gsm8k_qwen2p5_7b.yaml", QWEN2P5_7B))
+    total, replicated, biases = 7_615_616_512, 204_288, 129_024
+    assert plan.models["gsm8k"].startswith("Qwen2 of 7.62B params in bfloat16, 28 layers, 4 KV heads")
+    actor_params = ((total - replicated - biases) // 8 + biases // 2 + replicated) * 2  # fsdp 4 x tp 2
+    engine_params = ((total - replicated) // 4 + replicated) * 2  # tp 4: 4 KV heads, one per device
+    assert actor_params == 1_904_358_400 and engine_params == 3_808_114_688
+    # micro-batch 4 / fsdp 4 = 1 row x 1,280 tokens x (28 x (10 x 3,584 + 2 x 18,944) + 2 x 152,064 / 2) x 4 B
+    activations = 1 * 1280 * (28 * 73_728 + 152_064) * 4
+    kv = 128 * 1280 * 28 * 2 * 1 * 128 * 2  # 128 rows x 1,280 slots x 28 layers x (k, v) x 1 head x 128 x bf16
+    actor, engine = plan.roles
+    assert (actor.devices, engine.devices) == (list(range(8)), [0, 1, 2, 3])
+    assert actor.bytes == {"params": actor_params, "grads": actor_params, "optimizer": 2 * actor_params + 8,
+                           "reference": actor_params, "activations": activations}
+    assert engine.bytes == {"params": engine_params, "kv_cache": kv}
+    assert (actor.total, engine.total) == (20_870_005_768, 6_156_924_928)  # 19.4 GiB, 5.7 GiB
+    assert plan.per_device == [actor.total + engine.total] * 4 + [actor.total] * 4
+    (group,) = plan.groups
+    assert group.fits == "yes" and group.resident == 27_026_930_696 < 64 * 2**30  # 25.2 GiB
+
+
+def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
+    """configs/gsm8k_qwen3_30b_a3b.yaml from Qwen3-30B-A3B's config.json alone: it fits a 141 GB H200 one
+    role at a time, and no 8-device actor mesh fits the 64 GiB an 80 GB device has (the header's numbers).
+
+    Parameters: embed and lm_head 2 x 151,936 x 2,048 = 622,329,856; per layer q 2,048 x 4,096, k and v
+    2,048 x 512, o 4,096 x 2,048 (18,874,368), norms 2 x 2,048 + 2 x 128 = 4,352, router 2,048 x 128 =
+    262,144, experts 3 x 128 x 2,048 x 768 = 603,979,776 -> 623,120,640; 48 layers + the final norm (2,048):
+    30,532,122,624. Whole on every device (no fsdp): norms and routers, 48 x 266,496 + 2,048 = 12,793,856.
+    Experts, 48 x 603,979,776 = 28,991,029,248, split over ep x tp = 8 on both meshes; the rest
+    (1,528,299,520: attention, embed, lm_head) over tp."""
+    plan = device_plan(_recipe(tmp_path, "gsm8k_qwen3_30b_a3b.yaml", QWEN3_30B_A3B))
+    total, whole, experts = 30_532_122_624, 12_793_856, 28_991_029_248
+    rest = total - whole - experts
+    assert plan.models["gsm8k"].startswith("Qwen3-MoE (128 experts, top 8) of 30.53B params in bfloat16, 48 layers")
+    actor_params = (experts // 8 + rest // 4 + whole) * 2  # ep 2 x tp 4
+    engine_params = (experts // 8 + rest // 2 + whole) * 2  # ep 4 x tp 2
+    assert actor_params == 8_037_494_784 and engine_params == 8_801_644_544
+    # micro-batch 2 / ep 2 = 1 row x 1,280 tokens x (48 MoE layers x (10 x 2,048 + 12 x 128 experts x 768 / tp 4)
+    # + 2 x 151,936 / 4) x 4 bytes: the experts' intermediates are 94% of it.
+    activations = 1 * 1280 * (48 * (20_480 + 294_912) + 75_968) * 4
+    kv = 32 * 1280 * 48 * 2 * 2 * 128 * 2  # 128 rows / ep 4 x 1,280 slots x 48 layers x (k, v) x 4 / tp 2 heads
+    actor, engine = plan.roles
+    assert (actor.mesh, engine.mesh) == ({"dp": 1, "fsdp": 1, "ep": 2, "tp": 4}, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 2})
+    assert actor.bytes == {"params": actor_params, "grads": actor_params, "optimizer": 2 * actor_params + 8,
+                           "reference": actor_params, "activations": activations}
+    assert engine.bytes == {"params": engine_params, "kv_cache": kv}
+    assert (actor.total, engine.total) == (118_087_168_008, 10_814_910_464)  # 110.0 GiB, 10.1 GiB
+    (group,) = plan.groups
+    assert (group.resident, group.largest_role, group.fits) == (128_902_078_472, actor.total, "with offload")
+    assert actor.total <= 112 * 2**30 < group.resident and plan.runnable
+
+    # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal).
+    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 317.1), ("{fsdp: 2, ep: 2, tp: 2}", 4, 177.8),
+                             ("{ep: 2, tp: 4}", 2, 110.0), ("{tp: 8}", 1, 75.1)):
+        cfg = load_config(CONFIGS / "gsm8k_qwen3_30b_a3b.yaml", [
+            f"tasks.0.model.path={tmp_path}", f"tasks.0.actor.mesh={mesh}", f"tasks.0.grpo.micro_batch_size={micro}",
+            "cluster.memory_budget_gb=64"])
+        tight = device_plan(cfg)
+        assert round(tight.roles[0].total / 2**30, 1) == gib and tight.groups[0].fits == "no", mesh
+
+
+def test_moe_activations_count_experts_only_in_moe_layers():
+    """tiny-qwen3moe: hidden 64, dense MLP 192 in layer 0, 4 experts of width 48 in layer 1, vocab 384. On
+    ep 2 x tp 2, per token: layer 0 10 x 64 + 2 x 192 = 1,024; layer 1 10 x 64 + 12 x 4 x 48 / tp 2 = 1,792
+    (ep splits the experts but gathers its rows: each device's rows meet every expert); logits 2 x 384 / 2."""
+    from workers.models.presets import preset_config
+
+    model = preset_config("tiny-qwen3moe", vocab_size=384)
+    assert [model.moe_layer(i) for i in range(2)] == [False, True]
+    assert activation_values(model, {"dp": 1, "fsdp": 1, "ep": 2, "tp": 2}) == 1_024 + 1_792 + 384
+    assert activation_values(model, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 1}) == 1_024 + (640 + 2_304) + 768
 
 
 def test_budget_verdicts(tmp_path, capsys):
@@ -350,6 +459,21 @@ def test_demo_mesh_plans_without_jax():
     assert "addition     actor   fsdp 2 x tp 2  0-3" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
     assert "rlsched.plan" in imported and not {m for m in imported if m.split(".")[0] in ("jax", "flax", "torch")}
+
+
+def test_the_moe_recipe_plans_through_the_cli(tmp_path):
+    """`rlsched plan configs/gsm8k_qwen3_30b_a3b.yaml` in a fresh process, from config.json alone."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    out = cli("plan", "configs/gsm8k_qwen3_30b_a3b.yaml", "--set", f"tasks.0.model.path={tmp_path}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[1] == (f"task gsm8k: Qwen3-MoE (128 experts, top 8) of 30.53B params in bfloat16, 48 layers, 4 KV "
+                        f"heads ({tmp_path / 'config.json'})")
+    assert [" ".join(line.split()) for line in lines[4:6]] == [  # columns padded to their widths
+        "gsm8k actor ep 2 x tp 4 0-7 7.5 GiB 7.5 GiB 15.0 GiB 7.5 GiB - 72.5 GiB 110.0 GiB",
+        "gsm8k engine ep 4 x tp 2 0-7 8.2 GiB - - - 1.9 GiB - 10.1 GiB"]
+    assert lines[6] == ("group shared (devices 0-7): 120.0 GiB on device 0 with every role resident; largest role "
+                        "110.0 GiB; fits one role at a time (idle roles offload)")
 
 
 def test_the_memory_line_puts_each_measured_kind_beside_the_plans():

@@ -1,10 +1,11 @@
 """Every shipped config runs for two steps: demo_4tasks here (the other demos in the tests of what they show:
 demo_addition in test_train, demo_multitask in test_stopping and test_terminal, demo_mesh in test_mesh_run,
-demo_sglang in the sglang stage), and the real-hardware recipes configs/gsm8k_qwen3*.yaml from a fresh
-clone, as shipped but on a tiny random Qwen3 with the real Qwen3 tokenizer and small batches: the shipped
-GSM8K, its chat template and system prompt, the gsm8k reward, a reference model (beta 0.08), bfloat16
-parameters at the recipe's learning rate, and the mesh recipe's fsdp 4 x tp 2 actor and tp 2 engine on 8
-CPU devices."""
+demo_sglang in the sglang stage), and the real-hardware recipes configs/gsm8k_*.yaml from a fresh clone, as
+shipped but on a tiny random model of the recipe's family (Qwen3, Qwen2, Qwen3-MoE) with the real Qwen3
+tokenizer and small batches: the shipped GSM8K, its chat template and system prompt, the gsm8k reward, a
+reference model (beta 0.08), bfloat16 parameters at the recipe's learning rate, and the recipe's meshes on 8
+CPU devices (fsdp 4 x tp 2 actors, tp 2 and tp 4 engines; the MoE recipe's ep 2 x tp 4 actor and ep 4 x tp 2
+engine). The real models' plans are in test_plan."""
 
 from __future__ import annotations
 
@@ -20,15 +21,24 @@ SMALL = ["grpo.prompts_per_step=4", "grpo.num_generations=2", "grpo.max_new_toke
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3_real_tokenizer(tmp_path_factory):
+def tiny_real_tokenizer(tmp_path_factory):
+    """preset -> a tiny random model of it with the real Qwen3 tokenizer (Qwen2.5's vocabulary is the same)."""
     from workers.models import init_model
 
-    return init_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-tok", preset="tiny", seed=0, tokenizer="qwen3")
+    root, made = tmp_path_factory.mktemp("models"), {}
+
+    def model(preset: str):
+        if preset not in made:
+            made[preset] = init_model(root / preset, preset=preset, seed=0, tokenizer="qwen3")
+        return made[preset]
+    return model
 
 
-@pytest.mark.parametrize("recipe", ["gsm8k_qwen3.yaml", "gsm8k_qwen3_1p7b_mesh.yaml"])
-def test_a_gsm8k_recipe_runs_two_steps(tmp_path, tiny_qwen3_real_tokenizer, recipe):
-    overrides = [f"experiment.output_dir={tmp_path}", f"tasks.0.model.path={tiny_qwen3_real_tokenizer}",
+@pytest.mark.parametrize(("recipe", "preset"), [("gsm8k_qwen3.yaml", "tiny"), ("gsm8k_qwen3_1p7b_mesh.yaml", "tiny"),
+                                                ("gsm8k_qwen2p5_7b.yaml", "tiny-qwen2"),
+                                                ("gsm8k_qwen3_30b_a3b.yaml", "tiny-qwen3moe")])
+def test_a_gsm8k_recipe_runs_two_steps(tmp_path, tiny_real_tokenizer, recipe, preset):
+    overrides = [f"experiment.output_dir={tmp_path}", f"tasks.0.model.path={tiny_real_tokenizer(preset)}",
                  *(f"tasks.0.{s}" for s in SMALL)]
     history = train(CONFIGS / recipe, overrides=overrides, echo=lambda *_: None)["gsm8k"]
     assert len(history) == 2
