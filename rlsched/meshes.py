@@ -116,6 +116,13 @@ def check_meshes(cfg: ExperimentConfig, model_config: ModelConfigs | None = read
         model = model_config(task, i)
         if model is None:
             continue
+        if task.rollout.engine == "sglang_jax":
+            from workers.rollout import sglang_compat  # pure Python: the families table, no sglang-jax or JAX
+
+            try:
+                sglang_compat.check_model(model)
+            except sglang_compat.UnsupportedModelError as err:
+                raise ConfigError(f"tasks.{i}.rollout.engine: {err} (model: {_model_source(task)})") from None
         g, positions = task.grpo, model.max_position_embeddings
         if g.max_prompt_len + g.max_new_tokens > positions:
             raise ConfigError(f"tasks.{i}.grpo.max_new_tokens: max_prompt_len {g.max_prompt_len} + max_new_tokens "

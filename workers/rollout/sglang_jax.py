@@ -11,7 +11,12 @@ from outside, against the engine's own objects (single-process mode):
   Names map from rlsched's flat params (workers.models.params) to the engine's nnx paths:
   `model.X.weight` (norms) -> `transformer.X.scale`, `model.X.kernel` -> `transformer.X.weight`
   (both (in, out)), `model.embed_tokens.weight` -> `transformer.embed_tokens.embedding`, and
-  `lm_head.kernel` (H, V) -> `lm_head.embedding` (V, H), transposed.
+  `lm_head.kernel` (H, V) -> `lm_head.embedding` (V, H), transposed. qwen3_moe's model also renames
+  `self_attn.o_proj` -> `self_attn.c_proj`, the router `mlp.gate.kernel` -> `moe_gate.kernel`, and the
+  stacked experts `mlp.experts.{gate,up,down}_proj.kernel` -> `mlp.{wi_0,wi_1,wo}` (all (E, in, out)).
+- **Families**: qwen3, qwen2 and qwen3_moe (`sglang_compat.SGLANG_CLASSES`; others are refused when the
+  config is checked, `sglang_compat.check_model`). The engine runs the family's class whatever the
+  checkpoint's config.json lists under `architectures`, so the names above are the ones it holds.
 - **Memory**: `release_memory` offloads the weights to host memory (workers.offload) and frees the
   KV cache; `resume_memory` brings the weights back and allocates a zeroed KV cache. The radix
   (prefix) cache is disabled: a cached prefix would carry KV computed with *old* weights into a
@@ -44,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from workers.models import params as P
+from workers.models.config import ModelConfig
 from workers.offload import device_bytes, offload, onload
 from workers.rollout.base import (
     EngineReleasedError,
@@ -72,6 +78,13 @@ def import_sglang():
     return Engine
 
 
+# qwen3_moe's engine model names some modules differently: its attention output projection `c_proj`, its router
+# `moe_gate` (a sibling of `mlp`), and its stacked experts `mlp.wi_0` / `wi_1` / `wo`, each (E, in, out) as ours.
+_MODULES = {"c_proj": ["o_proj"], "moe_gate": ["mlp", "gate"]}
+_EXPERTS = {"wi_0": "gate_proj", "wi_1": "up_proj", "wo": "down_proj"}
+_LEAVES = {"embedding": "weight", "scale": "weight", "weight": "kernel", "bias": "bias", "kernel": "kernel"}
+
+
 def _rlsched_name(path: tuple[str, ...]) -> tuple[str, bool]:
     """An engine nnx path -> (rlsched flat name, whether the tensor is transposed between them)."""
     *parents, leaf = path
@@ -79,10 +92,12 @@ def _rlsched_name(path: tuple[str, ...]) -> tuple[str, bool]:
         return "lm_head.kernel", True
     if not parents or parents[0] != "transformer":
         raise ValueError(f"no rlsched name for engine weight {'.'.join(path)}")
-    renamed = {"embedding": "weight", "scale": "weight", "weight": "kernel", "bias": "bias"}
-    if leaf not in renamed:
+    if parents[-1] == "mlp" and leaf in _EXPERTS:
+        return ".".join(["model", *parents[1:], "experts", _EXPERTS[leaf], "kernel"]), False
+    if leaf not in _LEAVES:
         raise ValueError(f"no rlsched name for engine weight {'.'.join(path)}")
-    return ".".join(["model", *parents[1:], renamed[leaf]]), False
+    modules = [part for p in parents[1:] for part in _MODULES.get(p, [p])]
+    return ".".join(["model", *modules, _LEAVES[leaf]]), False
 
 
 def _row_seed(seed: int, prompt: int, sample: int) -> int:
@@ -103,6 +118,16 @@ class SglangJaxEngine:
         published version until the first `update_weights`. server_args: extra sglang-jax ServerArgs
         fields, passed through (they override ours)."""
         Engine = import_sglang()
+        from workers.rollout import sglang_compat
+
+        model = ModelConfig.from_dir(model_path)
+        sglang_compat.check_model(model)
+        if model.model_type == "qwen3_moe" and len(jax.devices()) > 1:
+            # The engine's mesh spans every device it sees, and its MoE then takes the multi-device path
+            # (expert parallelism over them), which rlsched's weight names and tests do not cover.
+            raise sglang_compat.UnsupportedModelError(
+                f"sglang_jax runs {model.describe()} on one device only, this process sees {len(jax.devices())}; "
+                "give the engine's process one device, or use rollout.engine: jax_sampler")
         cfg = json.loads((Path(model_path) / "config.json").read_text())
         if max_prompt_len + max_new_tokens > cfg["max_position_embeddings"]:
             raise ValueError(
@@ -120,6 +145,7 @@ class SglangJaxEngine:
             disable_overlap_schedule=True, disable_radix_cache=True, enable_deterministic_sampling=True,
             context_length=context, max_total_tokens=kv_tokens, max_running_requests=max_batch_size,
             random_seed=seed, log_level="error",
+            json_model_override_args=json.dumps({"architectures": [sglang_compat.SGLANG_CLASSES[model.model_type]]}),
         )
         if jax.default_backend() != "tpu":
             # The engine's flash attention is a TPU Pallas kernel; its native backend runs anywhere.
@@ -134,9 +160,6 @@ class SglangJaxEngine:
         scheduler = self._engine.scheduler_info["scheduler"]
         scheduler.model_config.hf_eos_token_id = set()  # stop only at the caller's stop ids
         self._runner = scheduler.tp_worker.worker.model_runner
-
-        from workers.rollout import sglang_compat
-
         self._leaves = sglang_compat.model_state_leaves(self._runner)
         self._names, self._transposed = self._map_leaves()
         self._kv_layout: list[tuple[tuple[int, ...], np.dtype, object]] | None = None  # set while released
