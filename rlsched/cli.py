@@ -6,6 +6,8 @@
     rlsched timeline RUN_DIR           per-task table (phases, lock waits, switch cost, busy) + timeline.png
     rlsched bench [--tasks 1,2,3,4]    throughput of N concurrent tasks vs sequential vs the ideal bound
     rlsched simulate [--profile NAME]  project throughput to 1-64 tasks with the scheduler's own policy
+    rlsched up [--policy fair] / submit CONFIG / status / logs TASK -f / cancel TASK / locks / down
+                                       a long-lived scheduler that tasks join and leave (rlsched.service)
     rlsched init-model --preset tiny DIR
     rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
 """
@@ -153,6 +155,82 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from rlsched import daemon
+
+    settings = {"num_devices": args.num_devices, "placement": args.placement, "rollout_devices": args.rollout_devices,
+                "memory_budget_gb": args.memory_budget_gb, "policy": args.policy,
+                "starvation_limit": args.starvation_limit, "lease_timeout_s": args.lease_timeout_s,
+                "overcommit": args.overcommit}
+    fresh = daemon.read_info() is None
+    info = daemon.up(settings, address=args.address)
+    if fresh:
+        s = info["settings"]
+        print(f"scheduler running: pid {info['pid']}, Ray at {info['address']} (namespace {info['namespace']}); "
+              f"{s['num_devices']} device(s) {s['placement']}, policy {s['policy']}, memory budget "
+              f"{'unlimited' if s['memory_budget_gb'] is None else str(s['memory_budget_gb']) + ' GiB'} per device")
+        print(f"its log: {daemon.state_dir() / 'service.log'}; send tasks with `rlsched submit CONFIG`")
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from rlsched import client
+
+    tasks = [t for spec in args.tasks for t in spec.split(",") if t] if args.tasks else None
+    names = client.submit(args.config, overrides=args.set, tasks=tasks, priority=args.priority, weight=args.weight,
+                          resume=args.resume, request=args.request_id)
+    for name in names:
+        print(name)
+    print(f"submitted {len(names)} task(s); `rlsched status` shows them, `rlsched logs TASK -f` follows one",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from rlsched import client
+
+    report = client.status()
+    print(json.dumps(report, indent=2) if args.json else client.render_status(report))
+    return 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from rlsched import client
+
+    client.follow_logs(args.task, follow=args.follow)
+    return 0
+
+
+def _cmd_cancel(args: argparse.Namespace) -> int:
+    from rlsched import client
+
+    answer = client.cancel(args.task, args.request_id)
+    print(f"{args.task}: {answer['state']}" + (f" ({answer['note']})" if answer.get("note") else ""))
+    return 0
+
+
+def _cmd_locks(args: argparse.Namespace) -> int:
+    import json
+
+    from rlsched import client
+
+    report = client.locks(args.release)
+    if args.release:
+        print(f"released {args.release}'s lock; the task is failed with that reason")
+    print(json.dumps(report, indent=2) if args.json else client.render_locks(report))
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from rlsched import daemon
+
+    pid = daemon.down(force=args.force)
+    print(f"scheduler stopped (pid {pid}); task records stay in {daemon.state_dir() / 'tasks.json'}")
+    return 0
+
+
 def _cmd_passthrough(module: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
@@ -163,6 +241,13 @@ def _cmd_passthrough(module: str):
 
 
 PASSTHROUGH = {"bench": "benchmarks.bench", "simulate": "benchmarks.simulate"}
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +281,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="runs/<experiment>: a run of `rlsched train` or `rlsched demo`")
     p.add_argument("--no-png", action="store_true", help="print the table only")
     p.set_defaults(func=_cmd_timeline)
+
+    from rlsched.policy import ORDERS
+
+    p = sub.add_parser("up", help="start a long-lived scheduler service (and an embedded local Ray on 127.0.0.1)")
+    p.add_argument("--address", default=None, help="run it on an existing Ray cluster (default: an embedded one)")
+    p.add_argument("--policy", default="fifo", choices=ORDERS, help="who gets a free lock (default fifo)")
+    p.add_argument("--num-devices", type=int, default=None,
+                   help="devices of the shared group (default: a node's accelerators, 1 on CPU)")
+    p.add_argument("--placement", default="colocated", choices=["colocated", "disaggregated"])
+    p.add_argument("--rollout-devices", type=int, default=None, help="disaggregated: devices of the rollout group")
+    p.add_argument("--memory-budget-gb", type=float, default=None, help="per device (default unlimited)")
+    p.add_argument("--starvation-limit", type=int, default=8, help="passes before a waiting request goes first")
+    p.add_argument("--lease-timeout-s", type=float, default=600.0, help="longest hold of one lock")
+    p.add_argument("--overcommit", action="store_true",
+                   help="admit any task that fits alone; evictions swap roles between tasks (as train does)")
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("submit", help="send an experiment's tasks to the running scheduler; returns at once")
+    p.add_argument("config", nargs="+", help="experiment YAML(s), as for train")
+    p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
+    p.add_argument("--tasks", action="append", metavar="NAME[,NAME]", help="send only these tasks")
+    p.add_argument("--priority", type=int, default=None, help="every sent task's priority (policy priority)")
+    p.add_argument("--weight", type=_positive_float, default=None, help="every sent task's weight (policy fair)")
+    p.add_argument("--resume", action="store_true", help="continue each task from its last checkpoint")
+    p.add_argument("--request-id", default=None,
+                   help="an id for this request: sent again with the same id, it changes nothing (safe retries)")
+    p.set_defaults(func=_cmd_submit)
+
+    p = sub.add_parser("status", help="one row per task of the running scheduler")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("logs", help="a task's progress lines")
+    p.add_argument("task")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the task ends")
+    p.set_defaults(func=_cmd_logs)
+
+    p = sub.add_parser("cancel", help="stop a task at its next phase boundary, with a checkpoint")
+    p.add_argument("task")
+    p.add_argument("--request-id", default=None, help="an id for this request (safe retries, as for submit)")
+    p.set_defaults(func=_cmd_cancel)
+
+    p = sub.add_parser("locks", help="holders and waiters of each lock")
+    p.add_argument("--release", metavar="TASK", default=None, help="free TASK's lock; the task is failed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_locks)
+
+    p = sub.add_parser("down", help="stop the scheduler: tasks save their step, then every process it started ends")
+    p.add_argument("--force", action="store_true", help="at once, without waiting for tasks to save")
+    p.set_defaults(func=_cmd_down)
 
     texts = {"bench": "1-4 concurrent tasks vs each alone: speedup, bound, efficiency, learning parity",
              "simulate": "project throughput to many tasks with the scheduler's own policy"}
@@ -232,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SERVICE_COMMANDS = ("up", "status", "logs", "cancel", "locks", "down")  # submit validates models: the full set
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -239,6 +377,22 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_passthrough(PASSTHROUGH[argv[0]])(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command line as given (a resume hint repeats it)
+    from rlsched.daemon import NoService, ServiceError
+
+    if args.command in SERVICE_COMMANDS:  # quick commands: no model code imported for their errors
+        from rlsched.errors import TaskError
+
+        try:
+            return args.func(args)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        except (NoService, ServiceError) as err:
+            print(str(err) if isinstance(err, NoService) else f"error: {err}", file=sys.stderr)
+            return 1
+        except (ValueError, TaskError) as err:  # config errors (ConfigError, RunDirError) and refusals
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     from rlsched.errors import CheckpointError, ClusterUnreachable, TaskError
     from workers.models import ModelConfigError, TokenizerError
     from workers.rewards import RewardError
@@ -249,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside a run's own handling (loading, compiling, a plan)
         print("interrupted", file=sys.stderr)
         return 130
+    except NoService as err:
+        print(str(err), file=sys.stderr)
+        return 1
+    except ServiceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except ClusterUnreachable as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

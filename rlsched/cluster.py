@@ -20,19 +20,22 @@ from rlsched.policy import Phase
 GROUP = "g0"  # one device group per experiment for now: every task shares it
 
 
-def init_ray(address: str | None = None, *, log_to_driver: bool = True) -> None:
+def init_ray(address: str | None = None, *, log_to_driver: bool = True, namespace: str | None = None,
+             probe: bool = True) -> None:
     """Connect to the Ray cluster at `address`, or start an embedded local one (no dashboard).
 
     Ray's token authentication stays as Ray sets it: on for a new local cluster (Ray generates the token
     into ~/.ray/auth_token, and only clients holding it can connect: Ray's servers listen on every
     interface), and whatever a cluster the user brings has, its token read by Ray from RAY_AUTH_TOKEN,
     RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token. `log_to_driver=False`: what worker processes print stays in Ray's
-    log files (/tmp/ray/session_latest/logs), not on this process's terminal."""
+    log files (/tmp/ray/session_latest/logs), not on this process's terminal. `namespace`: Ray's namespace for
+    named actors (rlsched.service). `probe=False`: the address is known good (a record rlsched wrote itself),
+    so the reachability probe (`check_reachable`, a subprocess) is skipped."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not ray.is_initialized():
-        if address is not None:
+        if address is not None and probe:
             check_reachable(address)
         # Ray's start-up chatter ("Started a local Ray instance", and a note that suggests turning token
         # authentication off, which rlsched never does) is not for a user: only Ray's errors show while it starts.
@@ -40,8 +43,9 @@ def init_ray(address: str | None = None, *, log_to_driver: bool = True) -> None:
         for logger in loggers:
             logger.addFilter(_errors_only)
         try:
+            local = {"num_cpus": max(4, 2 * os.cpu_count())} if address is None else {}
             ray.init(address=address or "local", include_dashboard=False, log_to_driver=log_to_driver,
-                     **({"num_cpus": max(4, 2 * os.cpu_count())} if address is None else {}))
+                     namespace=namespace, **local)
         finally:
             for logger in loggers:
                 logger.removeFilter(_errors_only)

@@ -532,6 +532,19 @@ class TaskSpec:
         return self.dir / "checkpoints"
 
 
+def with_absolute_paths(cfg: ExperimentConfig, base: str | Path) -> ExperimentConfig:
+    """`cfg` with its relative paths (experiment.output_dir, each task's model.path and data.path) made
+    absolute against `base`: what a process with another working directory (the scheduler service) is handed."""
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else str((Path(base) / path).absolute())
+
+    tasks = [t.model_copy(update={"model": t.model.model_copy(update={"path": absolute(t.model.path)}),
+                                  "data": t.data.model_copy(update={"path": absolute(t.data.path)})})
+             for t in cfg.tasks]
+    experiment = cfg.experiment.model_copy(update={"output_dir": absolute(cfg.experiment.output_dir)})
+    return cfg.model_copy(update={"tasks": tasks, "experiment": experiment})
+
+
 def select_tasks(cfg: ExperimentConfig, names: Sequence[str] | None) -> ExperimentConfig:
     """`--tasks a,b`: only these tasks, each keeping the seed it has in the whole experiment."""
     if not names:

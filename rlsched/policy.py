@@ -263,6 +263,14 @@ class Policy:
             self._set_resident(state, role, False)
         state.failed = True
 
+    def forget(self, task: str) -> None:
+        """Drop a task that ended (failed or retired) from the books, so a task of that name can be registered
+        again (a cancelled task resubmitted to a long-lived scheduler). A live task cannot be forgotten."""
+        state = self._task(task)
+        if not state.failed:
+            raise PolicyError(f"task {task!r} is live; only a task that ended can be forgotten")
+        del self._tasks[task]
+
     # ---- locks ------------------------------------------------------------------------------------
 
     def request(self, task: str, phase: Phase, now: float) -> int:

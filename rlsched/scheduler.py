@@ -96,6 +96,33 @@ class Scheduler:
         for resource in self.policy.resources():
             self.timeline.counter(f"queue/{resource.id}", {"waiting": len(self.policy.queue(resource))})
 
+    def admit(self, task: str, group: str, engine_bytes: int, actor_bytes: int, *, priority: int = 0,
+              weight: float = 1.0) -> list[tuple[str, str]]:
+        """A task arriving at a running scheduler (rlsched.service): registered with the policy as created on
+        device, returning the offloads it must do at once ((role, action) pairs). A task of the same name that
+        ended before is forgotten first, with what the scheduler knew of it."""
+        if task in self.policy.tasks():
+            self.policy.forget(task)  # refuses a live one (PolicyError)
+            for known in (self._failed, self._fenced, self._targets, self._drivers, self._evicting):
+                known.pop(task, None)
+            self._held_before = {(t, p) for t, p in self._held_before if t != task}
+            for pool in self.measured.values():
+                pool.clear(task)
+        moves = self.policy.register(task, group, engine_bytes, actor_bytes, priority=priority, weight=weight)
+        return [(str(m.role), str(m.action)) for m in moves]
+
+    def locks(self) -> dict[str, dict[str, Any]]:
+        """Per lock: its holder and for how long, and its waiters with how long each has waited (seconds)."""
+        now = time.monotonic()
+        waited = {self.policy.request_task(rid): now - at for rid, (_, at) in self._waiters.items()}
+        out = {}
+        for resource in self.policy.resources():
+            holder = self.policy.holder(resource)
+            lease = None if holder is None else self.policy.lease_of(holder)
+            queue = [{"task": t, "waited_s": waited.get(t)} for t in self.policy.queue(resource)]
+            out[resource.id] = {"holder": holder, "held_s": None if lease is None else now - lease[1], "waiting": queue}
+        return out
+
     def register_driver(self, task: str, handle: Any) -> None:
         self._drivers[task] = handle
 

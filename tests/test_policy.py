@@ -95,6 +95,24 @@ def test_fail_drops_lease_and_queue_and_memory_and_lets_the_next_waiter_in():
     p.fail("a")  # idempotent
 
 
+def test_an_ended_task_is_forgotten_and_its_name_registers_again_but_a_live_one_is_not():
+    """A long-lived scheduler (rlsched.service): a cancelled task resubmitted under its name starts afresh."""
+    p = colocated(budget=20, tasks=[("a", 10, 10), ("b", 5, 5)])
+    p.request("a", R, 0.0)
+    assert granted(p) == [("a", R)]
+    with pytest.raises(PolicyError, match="is live"):
+        p.forget("a")
+    with pytest.raises(PolicyError, match="already registered"):
+        p.register("a", "g0", 10, 10)
+    p.fail("a")
+    p.forget("a")
+    assert p.tasks() == ["b"] and p.used_bytes("g0/shared") == 0  # b was registered on host: a filled the pool
+    p.request("b", R, 1.0)
+    assert granted(p) == [("b", R)] and p.used_bytes("g0/shared") == 5
+    assert p.register("a", "g0", 10, 10) == [offload("a", ACTOR)]  # 10 + 10 beside b's 5: the actor waits on host
+    assert p.snapshot()["tasks"]["a"]["failed"] is False
+
+
 # ---- memory ---------------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,137 @@
+"""The user's side of the scheduler service: what `rlsched submit / status / logs / cancel / locks` do before and
+after they talk to it (rlsched.service), and how their answers are shown.
+
+    names = submit(["configs/demo_multitask.yaml"], overrides=[], tasks=None, priority=None, weight=None)
+    print(render_status(status()))
+
+Design decisions (and why):
+- **Validated where the user is.** `submit` loads, overrides and checks the config here, with the service's
+  cluster settings put in (its devices, placement, budget and policy decide for every task it runs), runs
+  the same preflight as `train`, and refuses a run directory that holds a run unless `--resume`: every
+  config error is printed before anything is sent. A cluster key the config set otherwise is named.
+- **Paths resolve where `submit` ran.** The config's relative paths (output_dir, model and data paths) are
+  made absolute against this directory, so the outputs land in its runs/<experiment>/ as `train` writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlsched import daemon
+from rlsched.config import ExperimentConfig, load_configs, select_tasks, with_absolute_paths
+from rlsched.errors import TaskError
+from rlsched.service import SETTINGS_KEYS, TERMINAL
+
+
+def service_config(paths: Sequence[str | Path], overrides: Sequence[str], tasks: Sequence[str] | None,
+                   settings: dict[str, Any], *, priority: int | None = None, weight: float | None = None,
+                   echo=print) -> ExperimentConfig:
+    """The config as the service will run it, validated (ConfigError otherwise), with absolute paths."""
+    from rlsched.preflight import preflight
+
+    given = load_configs(paths, overrides)
+    for key in SETTINGS_KEYS:
+        mine, theirs = getattr(given.cluster, key), settings.get(key)
+        if key in given.cluster.model_fields_set and mine != theirs:
+            echo(f"note: cluster.{key} is {theirs!r} in the running scheduler (`rlsched up` set it); the config's "
+                 f"{mine!r} does not apply")
+    forced = [f"cluster.{k}={json.dumps(settings.get(k))}" for k in SETTINGS_KEYS] + ["cluster.processes=per_role"]
+    cfg = select_tasks(load_configs(paths, [*overrides, *forced]), tasks)
+    update = {k: v for k, v in (("priority", priority), ("weight", weight)) if v is not None}
+    if update:
+        cfg = cfg.model_copy(update={"tasks": [t.model_copy(update=update) for t in cfg.tasks]})
+    preflight(cfg)
+    return with_absolute_paths(cfg, Path.cwd())
+
+
+def submit(paths: Sequence[str | Path], *, overrides: Sequence[str] = (), tasks: Sequence[str] | None = None,
+           priority: int | None = None, weight: float | None = None, resume: bool = False, request: str | None = None,
+           echo=print) -> list[str]:
+    """Validate, send, return the task names (their ids in the service). TaskError if the service refused.
+    `request`: the request's id (default: a new one); a request repeated with its id changes nothing."""
+    service, info = daemon.connect()
+    cfg = service_config(paths, overrides, tasks, info["settings"], priority=priority, weight=weight, echo=echo)
+    # A task directory that holds a run is refused by the service, after it has looked the request id up: a
+    # retry of a submission it accepted finds the directories that submission made.
+    answer = daemon.call(service.submit, request or daemon.request_id(), cfg, resume)
+    if "error" in answer:
+        raise TaskError(f"the scheduler refused the submission: {answer['error']}")
+    return answer["tasks"]
+
+
+def status() -> dict[str, Any]:
+    service, _ = daemon.connect()
+    return daemon.call(service.status)
+
+
+def cancel(task: str, request: str | None = None) -> dict[str, Any]:
+    service, _ = daemon.connect()
+    answer = daemon.call(service.cancel, request or daemon.request_id(), task)
+    if "error" in answer:
+        raise TaskError(answer["error"])
+    return answer
+
+
+def follow_logs(task: str, *, follow: bool, echo=print, period_s: float = 0.5) -> str:
+    """Print the task's lines (all of them, then, with `follow`, new ones until it ends); returns its state."""
+    service, _ = daemon.connect()
+    offset = 0
+    while True:
+        answer = daemon.call(service.logs, task, offset)
+        if "error" in answer:
+            raise TaskError(answer["error"])
+        for line in answer["lines"]:
+            echo(line)
+        offset = answer["next"]
+        if not follow or answer["state"] in TERMINAL:
+            return answer["state"]
+        time.sleep(period_s)
+
+
+def locks(release: str | None = None) -> dict[str, Any]:
+    service, _ = daemon.connect()
+    if release is not None:
+        answer = daemon.call(service.release, release, timeout_s=180)
+        if "error" in answer:
+            raise TaskError(answer["error"])
+    return daemon.call(service.locks)
+
+
+# ---- what the commands print ---------------------------------------------------------------------------------
+
+_COLUMNS = ("TASK", "STATE", "STEP", "REWARD", "PHASE", "LOCK", "DEVICES", "WHY")
+
+
+def render_status(report: dict[str, Any]) -> str:
+    rows = [_row(t) for t in report["tasks"]]
+    if not rows:
+        return "no tasks yet; `rlsched submit CONFIG` sends some"
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    used, budget = report["used_bytes"], report["budget_bytes"]
+    lines.append(f"memory per device: {used / 2**30:.2f} GiB admitted"
+                 + ("" if budget is None else f" of {budget / 2**30:.2f} GiB")
+                 + f"; policy {report['settings']['policy']}")
+    return "\n".join(lines)
+
+
+def _row(t: dict[str, Any]) -> list[str]:
+    devices = ",".join(f"{role}:{'/'.join(map(str, p.get('devices', [])))}" for role, p in (t["devices"] or {}).items())
+    reward = "-" if t["reward"] is None else f"{t['reward']:.3f}"
+    return [t["name"], t["state"], f"{t['step']}/{t['steps']}", reward, t["phase"] or "-", t.get("lock") or "-",
+            devices or "-", t["reason"] or ""]
+
+
+def render_locks(report: dict[str, Any]) -> str:
+    lines = []
+    for resource, lock in report.items():
+        held = "free" if lock["holder"] is None else f"held by {lock['holder']} for {lock['held_s']:.1f}s"
+        waiting = ", ".join(f"{w['task']} ({w['waited_s']:.1f}s)" if w["waited_s"] is not None else w["task"]
+                            for w in lock["waiting"]) or "nobody"
+        lines.append(f"{resource}: {held}; waiting: {waiting}")
+    return "\n".join(lines)

@@ -1,0 +1,470 @@
+"""The long-lived scheduler: tasks are submitted, admitted, run, cancelled and reported while it lives.
+
+    rlsched up                       rlsched.daemon starts Ray and this actor ("service", namespace "rlsched")
+    service.submit.remote(request_id, cfg, resume=False)    -> {"tasks": ["addition", ...]}
+    service.status.remote() / logs.remote(task, offset) / cancel.remote(request_id, task) / locks.remote()
+
+A submission is one validated experiment config (rlsched.config) whose paths are absolute: its tasks run
+exactly as `rlsched train` runs them (a TaskDriver actor per task over the scheduler's locks, roles in the
+service's device group, outputs in the config's runs/<experiment>/), except that they arrive and leave
+while others run.
+
+Design decisions (and why):
+- **One scheduler, one device group, for the service's life.** The Scheduler actor and its pure Policy are
+  made once; an arriving task is registered with them (`Scheduler.admit`) and a task that ended is retired,
+  so its name can be submitted again (`--resume` after a cancel). The service's cluster settings (devices,
+  placement, budget, policy) are fixed by `rlsched up`; `submit` validates a config against them.
+- **Admission keeps every admitted task resident.** A task starts when its roles' bytes per device (the
+  plan's estimate, as `train`'s admission uses) fit beside those of the tasks running; otherwise it is
+  PENDING with the numbers, and it starts when room frees, in submission order (a task that fits never
+  overtakes an older one that does not: the older one would starve). Offloading between tasks of a shared
+  service would make every task pay for each newcomer (offload made small tasks 7x slower in the field);
+  `rlsched up --overcommit` admits any task that fits alone and lets evictions swap roles, as `train` does.
+- **Requests carry ids.** A submit or cancel repeated with the same id (a client that timed out and tried
+  again) returns the first answer and changes nothing.
+- **States are kept on disk** (`<state dir>/tasks.json`, atomically after every change): a service that
+  dies leaves its tasks' records, and the next one marks what was PENDING or RUNNING as FAILED with that
+  reason; each such task resumes from its last checkpoint with `submit --resume`.
+- **Threads, not asyncio.** A monitor thread polls the drivers (their progress lines and rows, as the
+  `train` command does), finishes the tasks that ended and admits pending ones; calls from clients take
+  other threads of the actor and share its state under one lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rlsched import cluster
+from rlsched.config import ConfigError, ExperimentConfig, dump_resolved
+from rlsched.runfiles import RunDirError, json_safe, task_dir, write_atomic
+
+NAME, NAMESPACE = "service", "rlsched"  # the actor's name and Ray namespace
+PENDING, RUNNING, FINISHED, FAILED, CANCELLED = "PENDING", "RUNNING", "FINISHED", "FAILED", "CANCELLED"
+TERMINAL = (FINISHED, FAILED, CANCELLED)
+GiB = 2**30
+
+# What `rlsched up` fixes for every task the service runs: the config keys `submit` sets from it.
+SETTINGS_KEYS = ("num_devices", "placement", "memory_budget_gb", "policy", "starvation_limit", "lease_timeout_s")
+
+
+@dataclasses.dataclass
+class TaskRecord:
+    """One task of the service, as `status` shows it."""
+
+    name: str
+    experiment: str
+    request: str  # the submission's request id
+    run_dir: str
+    steps: int
+    state: str = PENDING
+    reason: str | None = None  # why it is PENDING, or why it FAILED
+    priority: int = 0
+    weight: float = 1.0
+    needs_bytes: int = 0  # its roles' bytes on the group's busiest device (admission)
+    step: int = 0
+    reward: float | None = None
+    phase: str | None = None
+    devices: dict[str, Any] = dataclasses.field(default_factory=dict)  # role -> {"pid", "devices"}
+    submitted_at: float = dataclasses.field(default_factory=time.time)
+    started_at: float | None = None
+    ended_at: float | None = None
+    cancel_requested: bool = False
+
+    def row(self) -> dict[str, Any]:
+        return json_safe(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass
+class _Submission:
+    cfg: ExperimentConfig
+    resume: bool
+    tasks: list[str]
+    results: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    events: list[dict] = dataclasses.field(default_factory=list)
+
+
+class Service:
+    """The detached actor behind `rlsched up` (see the module docstring)."""
+
+    def __init__(self, settings: dict[str, Any], state_dir: str):
+        import ray
+
+        from rlsched.placement import visible_cores
+        from rlsched.policy import GroupSpec, Policy
+        from rlsched.scheduler import Scheduler
+
+        self.settings = dict(settings)
+        self.state_dir = Path(state_dir)
+        self._lock = threading.RLock()
+        self.tasks: dict[str, TaskRecord] = {}
+        self._lines: dict[str, list[str]] = {}
+        self._requests: dict[str, dict[str, Any]] = {}  # request id -> its answer
+        self._subs: dict[str, _Submission] = {}
+        self._drivers: dict[str, Any] = {}  # running task -> driver handle
+        self._runs: dict[Any, str] = {}  # driver.run ref -> task
+        self._closing = threading.Event()
+        self._load_previous()
+        budget = settings.get("memory_budget_gb")
+        nbytes = None if budget is None else int(budget * GiB)
+        spec = (GroupSpec.colocated(nbytes) if settings["placement"] == "colocated"
+                else GroupSpec.disaggregated(nbytes, nbytes))
+        policy = Policy({cluster.GROUP: spec}, order=settings["policy"], starvation_limit=settings["starvation_limit"])
+        self.scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=settings["lease_timeout_s"])
+        self.resource = cluster.device_resource()
+        self.devices = cluster.group_devices(settings["placement"], settings["num_devices"],
+                                             settings.get("rollout_devices") or settings["num_devices"] // 2 or 1)
+        self.pg = cluster.make_placement_group("rlsched-service", settings["placement"], self.resource, self.devices)
+        self.where = cluster.role_placement(self.pg, settings["placement"], visible_cores(), self.resource,
+                                            self.devices)
+        self._save()
+        self._monitor = threading.Thread(target=self._watch, name="rlsched-service-monitor", daemon=True)
+        self._monitor.start()
+
+    # ---- what clients call ---------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        return {"settings": self.settings, "resource": self.resource, "devices": self.devices}
+
+    def submit(self, request_id: str, cfg: ExperimentConfig, resume: bool = False) -> dict[str, Any]:
+        """Queue every task of `cfg` (validated by the client against `info()["settings"]`, paths absolute);
+        returns {"tasks": [names]} or {"error": message}. A repeated request id returns the first answer."""
+        from rlsched.experiment import estimate_bytes
+        from rlsched.meshes import check_platform
+
+        with self._lock:
+            if request_id in self._requests:
+                return self._requests[request_id]
+            if self._closing.is_set():
+                return {"error": "the scheduler is shutting down (`rlsched down` is in progress)"}
+            live = [t.name for t in cfg.tasks if t.name in self.tasks and self.tasks[t.name].state not in TERMINAL]
+            if live:
+                answer = {"error": f"task(s) {', '.join(live)} already submitted and not ended; a task's name is its "
+                                   "id in the service: cancel it, or rename the new one (tasks.N.name)"}
+                return self._requests.setdefault(request_id, answer)
+            if self.resource == "TPU":
+                return {"error": "the scheduler service runs a process per role, and tasks of different submissions "
+                                 "would open the same TPU chips from several processes (a chip opens in one); run "
+                                 "them with `rlsched train`, which holds a device group's roles in one process"}
+            try:
+                check_platform(self.resource, cfg, "per_role")
+                check_task_dirs(cfg, resume=resume)
+            except (ConfigError, ValueError) as err:
+                return self._requests.setdefault(request_id, {"error": str(err)})
+            if not (cfg.run_dir / "config.yaml").exists():  # the experiment's first submission writes it
+                write_atomic(cfg.run_dir / "config.yaml", dump_resolved(cfg))
+            for task in cfg.tasks:
+                engine, actor = estimate_bytes(task)
+                self.tasks.pop(task.name, None)  # an ended task of that name: the new one replaces its record
+                self.tasks[task.name] = TaskRecord(task.name, cfg.experiment.name, request_id, str(cfg.run_dir),
+                                                   task.steps, priority=task.priority, weight=task.weight,
+                                                   needs_bytes=self._needs(engine, actor))
+                self._lines[task.name] = []
+                self._say(task.name, f"[{task.name}] submitted ({cfg.experiment.name}, {task.steps} steps"
+                                     + (", resuming from its last checkpoint" if resume else "") + ")")
+            self._subs[request_id] = _Submission(cfg, resume, [t.name for t in cfg.tasks])
+            answer = self._requests[request_id] = {"tasks": [t.name for t in cfg.tasks]}
+            self._admit()
+            self._save()
+            return answer
+
+    def status(self) -> dict[str, Any]:
+        """Every task's row, the locks (holder and waiters with their times) and the pools' bytes."""
+        import ray
+
+        locks = ray.get(self.scheduler.locks.remote(), timeout=30)
+        with self._lock:
+            rows = [t.row() for t in self.tasks.values()]
+        for row in rows:
+            row["lock"] = _lock_of(row["name"], locks)
+        return {"tasks": rows, "locks": locks, "settings": self.settings,
+                "used_bytes": self._used_bytes(), "budget_bytes": self._budget_bytes()}
+
+    def logs(self, task: str, offset: int = 0) -> dict[str, Any]:
+        """The task's progress lines from `offset` on, and its state (a follower stops at a terminal one)."""
+        with self._lock:
+            if task not in self.tasks:
+                return {"error": self._unknown(task)}
+            lines = self._lines.get(task, [])
+            return {"lines": lines[offset:], "next": len(lines), "state": self.tasks[task].state}
+
+    def cancel(self, request_id: str, task: str) -> dict[str, Any]:
+        """A RUNNING task stops at its next phase boundary after saving a checkpoint, then is CANCELLED; a
+        PENDING one is CANCELLED at once. An ended task, or a repeated request, changes nothing."""
+        with self._lock:
+            if request_id in self._requests:
+                return self._requests[request_id]
+            if task not in self.tasks:
+                return {"error": self._unknown(task)}
+            record = self.tasks[task]
+            if record.state in TERMINAL:
+                answer = {"state": record.state, "note": f"task {task} had ended already ({record.state})"}
+            elif record.state == PENDING:
+                self._end(task, CANCELLED, "cancelled before it started")
+                answer = {"state": CANCELLED}
+            else:
+                record.cancel_requested = True
+                self._drivers[task].request_stop.remote()
+                self._say(task, f"[{task}] cancel requested: it stops after its step in progress and saves it")
+                answer = {"state": RUNNING, "note": "stops at its next phase boundary, after saving a checkpoint"}
+            self._save()
+            return self._requests.setdefault(request_id, answer)
+
+    def locks(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.scheduler.locks.remote(), timeout=30)
+
+    def release(self, task: str) -> dict[str, Any]:
+        """Force a stuck holder's lock free: the task is failed with that reason, its roles stopped first."""
+        import ray
+
+        with self._lock:
+            if task not in self.tasks:
+                return {"error": self._unknown(task)}
+            if self.tasks[task].state != RUNNING:
+                return {"error": f"task {task} is {self.tasks[task].state}: it holds no lock"}
+        cause = "its lock was released by an operator (rlsched locks --release)"
+        ray.get(self.scheduler.fail.remote(task, cause, fence=True), timeout=120)
+        return {"released": task, "cause": cause}
+
+    def shutdown(self, force: bool = False, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Graceful: PENDING tasks are cancelled, RUNNING ones stop after saving their step, and this waits
+        for them; `force`: nothing waits (the caller then ends every process)."""
+        with self._lock:
+            self._closing.set()
+            for name, record in self.tasks.items():
+                if record.state == PENDING:
+                    self._end(name, CANCELLED, "the scheduler was shut down before it started")
+                elif record.state == RUNNING and not force:
+                    record.cancel_requested = True
+                    self._drivers[name].request_stop.remote()
+            self._save()
+        deadline = time.monotonic() + timeout_s
+        while not force and time.monotonic() < deadline:
+            with self._lock:
+                if not any(t.state == RUNNING for t in self.tasks.values()):  # each one's end is recorded
+                    break
+            time.sleep(0.2)
+        with self._lock:
+            for name, record in self.tasks.items():
+                if record.state == RUNNING:  # force, or it did not stop in time
+                    self._end(name, FAILED, "the scheduler was shut down (rlsched down --force) while it ran; "
+                                            "resubmit with --resume to continue from its last checkpoint")
+            self._save()
+            return {"tasks": {n: t.state for n, t in self.tasks.items()}}
+
+    # ---- admission -------------------------------------------------------------------------------------
+
+    def _needs(self, engine: int, actor: int) -> int:
+        if self.settings.get("overcommit"):
+            return 0  # evictions make room (the policy's admission), as `train` does
+        if self.settings["placement"] == "colocated":
+            return engine + actor
+        return max(engine, actor)  # one pool each; the budget is per device of either group
+
+    def _budget_bytes(self) -> int | None:
+        budget = self.settings.get("memory_budget_gb")
+        return None if budget is None else int(budget * GiB)
+
+    def _used_bytes(self) -> int:
+        return sum(t.needs_bytes for t in self.tasks.values() if t.state == RUNNING)
+
+    def _admit(self) -> None:
+        """Start pending tasks in submission order while they fit (the oldest that does not fit blocks the rest)."""
+        budget = self._budget_bytes()
+        for name, record in list(self.tasks.items()):
+            if record.state != PENDING:
+                continue
+            used = self._used_bytes()
+            if budget is not None and used + record.needs_bytes > budget:
+                record.reason = (f"needs {record.needs_bytes / GiB:.2f} GiB per device, "
+                                 f"{max(budget - used, 0) / GiB:.2f} free in group {cluster.GROUP} "
+                                 f"(memory budget {budget / GiB:.2f} GiB per device)")
+                return
+            self._start(name)
+
+    def _start(self, name: str) -> None:
+        import dataclasses as dc
+
+        import ray
+
+        from rlsched.experiment import estimate_bytes
+        from rlsched.progress import LineBuffer
+        from rlsched.scheduler import SchedulerLocks
+        from rlsched.task import TaskDriver
+
+        record = self.tasks[name]
+        sub = self._subs[record.request]
+        spec = next(s for s in sub.cfg.task_specs() if s.name == name)
+        spec = dc.replace(spec, processes="per_role")
+        task = spec.config
+        engine, actor = estimate_bytes(task)
+        try:
+            moves = ray.get(self.scheduler.admit.remote(name, cluster.GROUP, engine, actor, priority=task.priority,
+                                                        weight=task.weight), timeout=60)
+        except Exception as err:  # noqa: BLE001 - the policy refused it: this task fails, nothing else
+            self._end(name, FAILED, f"the scheduler refused it: {err}")
+            return
+        driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
+        driver = driver_cls.remote(spec, SchedulerLocks(self.scheduler, name), placement=self.where,
+                                   resume=sub.resume, initial_moves=moves, echo=LineBuffer())
+        self.scheduler.watch.remote(name, [driver.lifeline.remote()])
+        self.scheduler.register_driver.remote(name, driver)
+        self._drivers[name] = driver
+        self._runs[driver.run.remote()] = name
+        record.state, record.reason, record.started_at = RUNNING, None, time.time()
+        self._say(name, f"[{name}] admitted: {record.needs_bytes / GiB:.2f} GiB per device; starting its roles")
+
+    # ---- the monitor -----------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        import ray
+
+        while True:
+            with self._lock:
+                refs = list(self._runs)
+            if refs:
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+            else:
+                done = []
+                time.sleep(0.5)
+            with self._lock:
+                running = [n for ref, n in self._runs.items() if ref not in done]
+            for name in running:
+                self._poll(name)
+            for ref in done:
+                self._finish(ref)
+            with self._lock:
+                if done and not self._closing.is_set():
+                    self._admit()
+                if done:
+                    self._save()
+
+    def _poll(self, name: str) -> dict[str, Any] | None:
+        import ray
+
+        try:
+            poll = ray.get(self._drivers[name].poll.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, KeyError):
+            return None
+        with self._lock:
+            record = self.tasks[name]
+            for line in poll["lines"]:
+                self._say(name, line)
+            record.step, record.phase, record.devices = poll["step"], poll["phase"], poll["roles"]
+            record.reward = poll.get("reward", record.reward)
+        return poll
+
+    def _finish(self, ref) -> None:
+        """A driver's run returned or raised: its state, its events, its driver ended, the submission's
+        outputs written once all of its tasks have ended."""
+        import ray
+
+        from rlsched.experiment import _result
+
+        with self._lock:
+            name = self._runs.pop(ref)
+        last = self._poll(name)
+        sub = self._subs[self.tasks[name].request]
+        result = _result(name, ref, self.scheduler, sub.cfg)
+        if last is not None:
+            result["roles"] = last["roles"]
+            if result["status"] == "ok" and last["state"] == "stopped":
+                result.update(status="stopped", steps=last["step"])
+        with contextlib.suppress(Exception):
+            sub.events += ray.get(self._drivers[name].events.remote(), timeout=60)
+        with contextlib.suppress(Exception):
+            ray.get(self.scheduler.retire.remote(name), timeout=60)
+        with self._lock:
+            ray.kill(self._drivers.pop(name))  # its roles go with it
+            sub.results[name] = result
+            record = self.tasks[name]
+            if result["status"] == "ok":
+                self._end(name, FINISHED, None)
+            elif result["status"] == "stopped":
+                self._end(name, CANCELLED, f"cancelled after step {result['steps']} (its checkpoint is saved; "
+                                           "`rlsched submit ... --resume` continues it)")
+            else:
+                self._end(name, FAILED, result["error"])
+            del record  # (state set by _end)
+            if all(n in sub.results for n in sub.tasks):
+                self._write_outputs(sub)
+
+    def _write_outputs(self, sub: _Submission) -> None:
+        import ray
+
+        from rlsched.experiment import write_run_outputs
+
+        try:
+            events = list(ray.get(self.scheduler.events.remote(), timeout=60)) + sub.events
+            state = ray.get(self.scheduler.state.remote(), timeout=60)
+            write_run_outputs(sub.cfg, events, sub.results, state, echo=lambda line: self._say(sub.tasks[0], line))
+        except Exception as err:  # noqa: BLE001 - the tasks' own files are written; say what is missing
+            self._say(sub.tasks[0], f"the run's timeline and summary were not written: {type(err).__name__}: {err}")
+
+    # ---- records -------------------------------------------------------------------------------------
+
+    def _end(self, name: str, state: str, reason: str | None) -> None:
+        record = self.tasks[name]
+        record.state, record.reason, record.ended_at, record.phase = state, reason, time.time(), None
+        self._say(name, f"[{name}] {state}" + (f": {reason}" if reason else ""))
+
+    def _say(self, name: str, line: str) -> None:
+        """A task's line: kept for `logs`, and appended, timed, to its experiment's run.log."""
+        self._lines.setdefault(name, []).append(line)
+        record = self.tasks.get(name)
+        if record is not None:
+            with contextlib.suppress(OSError), open(Path(record.run_dir) / "run.log", "a", encoding="utf-8") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+
+    def _unknown(self, task: str) -> str:
+        known = ", ".join(self.tasks) or "none yet"
+        return f"no task {task!r} in this scheduler (tasks: {known}); `rlsched status` lists them"
+
+    def _save(self) -> None:
+        write_atomic(self.state_dir / "tasks.json",
+                     json.dumps({"tasks": [t.row() for t in self.tasks.values()]}, indent=1) + "\n")
+
+    def _load_previous(self) -> None:
+        """The records of a service that died: what was PENDING or RUNNING then is FAILED now, with why."""
+        path = self.state_dir / "tasks.json"
+        if not path.exists():
+            return
+        fields = {f.name for f in dataclasses.fields(TaskRecord)}
+        for row in json.loads(path.read_text())["tasks"]:
+            record = TaskRecord(**{k: v for k, v in row.items() if k in fields})
+            self.tasks[record.name] = record
+            self._lines[record.name] = []
+            if record.state not in TERMINAL:
+                self._end(record.name, FAILED, f"the scheduler service stopped while the task was {record.state} "
+                                               "(its process died); resubmit with --resume to continue from its "
+                                               "last checkpoint")
+
+
+def check_task_dirs(cfg: ExperimentConfig, *, resume: bool) -> None:
+    """Tasks of one experiment may be submitted apart (`--tasks`), so a run is refused per task: one whose
+    directory holds a run needs `--resume` (RunDirError otherwise)."""
+    if resume:
+        return
+    held = [t.name for t in cfg.tasks if task_dir(cfg.run_dir, t.name).exists()]
+    if held:
+        raise RunDirError(f"{cfg.run_dir} already holds a run of task(s) {', '.join(held)}; pass --resume to continue, "
+                          "or choose another name with --set experiment.name=...")
+
+
+def _lock_of(task: str, locks: dict[str, dict[str, Any]]) -> str | None:
+    """'holds g0/train 3.2s' or 'waits for g0/rollout 1.0s', from `Scheduler.locks`."""
+    for resource, lock in locks.items():
+        if lock["holder"] == task:
+            return f"holds {resource} {lock['held_s']:.1f}s"
+        for waiter in lock["waiting"]:
+            if waiter["task"] == task:
+                waited = waiter["waited_s"]
+                return f"waits for {resource}" + ("" if waited is None else f" {waited:.1f}s")
+    return None

@@ -1,0 +1,217 @@
+"""The long-lived scheduler as a user drives it: `rlsched up / submit / status / logs / cancel / down` as real
+processes, each command a process of its own, the service in its own session with its own embedded Ray
+(RLSCHED_HOME in a temporary directory), and what they leave: task states, metrics equal to a solo run,
+checkpoints, and no process once it is down."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "demo_multitask.yaml")
+SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
+    "checkpoint_every=0", "grpo.prompts_per_step=4", "grpo.num_generations=4", "grpo.mini_batch_size=8",
+    "rollout.max_batch_size=16")]
+A_STEPS, B_STEPS = 60, 100
+
+
+def _cli(*args: str, home: Path, cwd: Path, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "rlsched.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=os.environ | {"RLSCHED_HOME": str(home)})
+    if check:
+        assert proc.returncode == 0, f"rlsched {' '.join(args)} -> {proc.returncode}\n{proc.stdout[-3000:]}" \
+                                     f"\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _sets(*extra: str) -> list[str]:
+    return [w for s in [*SMALL, *extra] for w in ("--set", s)]
+
+
+class _Service:
+    def __init__(self, home: Path, cwd: Path):
+        self.home, self.cwd, self.seen = home, cwd, set()
+
+    def __call__(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return _cli(*args, home=self.home, cwd=self.cwd, **kw)
+
+    @property
+    def pid(self) -> int:
+        return json.loads((self.home / "service.json").read_text())["pid"]
+
+    def processes(self) -> set[psutil.Process]:
+        """Every process the service process started (kept, to check that each one ends)."""
+        service = psutil.Process(self.pid)
+        self.seen |= {service, *service.children(recursive=True)}
+        return self.seen
+
+    def tasks(self) -> dict[str, dict]:
+        return {t["name"]: t for t in json.loads(self("status", "--json").stdout)["tasks"]}
+
+    def wait(self, task: str, until, timeout: float = 300) -> dict:
+        end = time.monotonic() + timeout
+        while True:
+            self.processes()
+            row = self.tasks().get(task)
+            if row is not None and until(row):
+                return row
+            assert time.monotonic() < end, f"{task}: {row}"
+            time.sleep(1)
+
+    def roles(self, task: str) -> list[int]:
+        """Wait until the task's roles are up; their processes' pids."""
+        row = self.wait(task, lambda r: len(r["devices"]) == 2)
+        return [role["pid"] for role in row["devices"].values()]
+
+    def steps(self, experiment: str, task: str, steps: int) -> None:
+        """Wait until the task has done `steps` steps (its metrics file, read directly: a command takes seconds)."""
+        metrics = self.cwd / "runs" / experiment / "tasks" / task / "metrics.jsonl"
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
+            time.sleep(0.02)
+
+    def assert_all_gone(self, timeout: float = 30) -> None:
+        end = time.monotonic() + timeout
+        while True:
+            alive = [p for p in self.seen if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if not alive:
+                return
+            assert time.monotonic() < end, [(p.pid, p.name()) for p in alive]
+            time.sleep(0.5)
+
+
+def _signal(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+def _metrics(out: Path, experiment: str, task: str) -> list[dict]:
+    path = out / experiment / "tasks" / task / "metrics.jsonl"
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "mem/"))}
+            for line in path.read_text().splitlines()]
+
+
+def _same(got: list[dict], expected: list[dict]) -> None:
+    assert [m["step"] for m in got] == [m["step"] for m in expected]
+    for g, e in zip(got, expected, strict=True):
+        assert g.keys() == e.keys()
+        for k, v in e.items():
+            assert g[k] == pytest.approx(v, rel=1e-6, abs=1e-6), (g["step"], k)
+
+
+def test_no_service_says_how_to_start_one(tmp_path):
+    for command in (["status"], ["logs", "addition"], ["cancel", "addition"], ["locks"], ["down"]):
+        proc = _cli(*command, home=tmp_path, cwd=tmp_path, check=False, timeout=60)
+        assert proc.returncode == 1, (command, proc.stdout, proc.stderr)
+        assert "no scheduler running" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path):
+    """Up (twice); a bad config refused with nothing sent; A alone, then B and C arrive while A runs; C waits
+    PENDING for memory (a retried submit with its request id changes nothing); B cancelled mid-run keeps a
+    checkpoint and `--resume` continues it; A and B equal their solo runs; a graceful `down` checkpoints the
+    task still running and ends every process; a service that dies leaves its task FAILED for the next `up`,
+    and `down --force` ends everything at once."""
+    from rlsched.config import load_config
+    from rlsched.experiment import estimate_bytes
+
+    home, out = tmp_path / "home", tmp_path / "work"
+    out.mkdir()
+    models = [f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}"]
+    # The reference: both tasks alone, one after the other in one process (this also creates the models).
+    solo = _cli("train", CONFIG, *_sets(*models, f"tasks.0.steps={A_STEPS}", f"tasks.1.steps={B_STEPS}",
+                                        f"experiment.output_dir={tmp_path / 'solo'}"), "--in-process",
+                home=home, cwd=out, timeout=600)
+    assert "step" in solo.stdout
+    # A memory budget for two tasks resident at once, not three.
+    engine, actor = estimate_bytes(load_config(CONFIG, [*SMALL, *models]).tasks[0])
+    budget_gb = 2.5 * (engine + actor) / 2**30
+
+    svc = _Service(home, out)
+    started = svc("up", "--memory-budget-gb", f"{budget_gb:.6f}")
+    assert "scheduler running: pid" in started.stdout
+    assert "running already" in svc("up").stdout
+    svc.processes()
+
+    bad = svc("submit", CONFIG, *_sets("tasks.0.grpo.beta=-1"), check=False)
+    assert bad.returncode == 2 and "tasks.0.grpo.beta" in bad.stderr, bad.stderr
+    assert svc.tasks() == {}  # nothing was sent
+
+    common = [CONFIG, *_sets(*models)]
+    assert svc("submit", *common, "--set", f"tasks.0.steps={A_STEPS}", "--tasks", "addition").stdout.split() == [
+        "addition"]
+    # SIGSTOP / SIGCONT of a task's role processes, as a user may: a step of these tiny tasks takes milliseconds and
+    # a command seconds, so the test holds a task mid-run while it sends the next commands.
+    a_roles = svc.roles("addition")
+    svc.steps("demo-multitask", "addition", 2)
+    _signal(a_roles, signal.SIGSTOP)  # A stays RUNNING, mid-run, while B and the third arrive
+    svc("submit", *common, "--set", f"tasks.1.steps={B_STEPS}", "--tasks", "subtraction")
+    b_roles = svc.roles("subtraction")
+    _signal(b_roles, signal.SIGSTOP)  # B too, in its first steps at most
+    third = [*common, "--set", "experiment.name=third", "--set", "tasks.1.name=third", "--set", "tasks.1.steps=4000",
+             "--tasks", "third", "--request-id", "third-1"]
+    assert svc("submit", *third).stdout.split() == ["third"]
+    assert svc("submit", *third).stdout.split() == ["third"]  # the retry: the same answer, no second task
+    rows = svc.tasks()
+    assert list(rows) == ["addition", "subtraction", "third"], rows
+    assert rows["addition"]["state"] == "RUNNING" and rows["subtraction"]["state"] == "RUNNING", rows
+    assert rows["subtraction"]["submitted_at"] > rows["addition"]["started_at"]
+    assert rows["third"]["state"] == "PENDING" and "GiB per device" in rows["third"]["reason"], rows
+    assert "free in group g0" in rows["third"]["reason"]
+    text = svc("status").stdout
+    assert "PENDING" in text and "addition" in text, text
+
+    _signal(a_roles + b_roles, signal.SIGCONT)
+    svc.steps("demo-multitask", "subtraction", 1)
+    _signal(b_roles, signal.SIGSTOP)  # mid-run when the cancel comes
+    assert "RUNNING" in svc("cancel", "subtraction").stdout
+    _signal(b_roles, signal.SIGCONT)
+    cancelled = svc.wait("subtraction", lambda r: r["state"] != "RUNNING")
+    assert cancelled["state"] == "CANCELLED" and cancelled["step"] < B_STEPS, cancelled
+    checkpoints = out / "runs" / "demo-multitask" / "tasks" / "subtraction" / "checkpoints"
+    assert (checkpoints / str(cancelled["step"])).is_dir(), list(checkpoints.iterdir())
+    svc.wait("third", lambda r: r["state"] == "RUNNING")  # the room subtraction left
+    again = svc("submit", *common, "--set", f"tasks.1.steps={B_STEPS}", "--tasks", "subtraction", check=False)
+    assert again.returncode == 2 and "--resume" in again.stderr, again.stderr  # its directory holds its run
+    svc("submit", *common, "--set", f"tasks.1.steps={B_STEPS}", "--tasks", "subtraction", "--resume")
+
+    for task in ("addition", "subtraction"):
+        assert svc.wait(task, lambda r: r["state"] in ("FINISHED", "FAILED", "CANCELLED"))["state"] == "FINISHED"
+        _same(_metrics(out / "runs", "demo-multitask", task), _metrics(tmp_path / "solo", "demo-multitask", task))
+    logs = svc("logs", "addition").stdout
+    assert f"[addition] step {A_STEPS:4d}/{A_STEPS}" in logs and "[addition] FINISHED" in logs, logs
+
+    # A graceful down: the task still running saves its step and is CANCELLED; nothing it started is left.
+    assert svc.tasks()["third"]["state"] == "RUNNING"
+    svc.processes()
+    svc("down", timeout=600)
+    svc.assert_all_gone()
+    rows = json.loads((home / "tasks.json").read_text())["tasks"]
+    third = next(r for r in rows if r["name"] == "third")
+    assert third["state"] == "CANCELLED", third
+    assert (out / "runs" / "third" / "tasks" / "third" / "checkpoints" / str(third["step"])).is_dir()
+
+    # A service that dies: its task is FAILED with the reason on the next `up`; `down --force` ends all at once.
+    svc.seen = set()
+    svc("up")
+    svc("submit", *third[:-2], "--resume")
+    svc.wait("third", lambda r: r["state"] == "RUNNING" and r["step"] > third["step"])
+    service = next(p for p in svc.processes() if "ray::Service" in " ".join(p.cmdline()))
+    service.send_signal(signal.SIGKILL)
+    svc.assert_all_gone(timeout=90)  # the service process notices and shuts its Ray down
+    svc("up")
+    row = svc.tasks()["third"]
+    assert row["state"] == "FAILED" and "service stopped" in row["reason"] and "--resume" in row["reason"], row
+    svc.processes()
+    svc("down", "--force", timeout=120)
+    svc.assert_all_gone()
+    assert _cli("status", home=home, cwd=out, check=False).returncode == 1
