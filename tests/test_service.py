@@ -5,6 +5,7 @@ checkpoints, and no process once it is down."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -78,6 +79,15 @@ class _Service:
         while not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
             time.sleep(0.02)
 
+    def clean_up(self) -> None:
+        """After the test, whatever happened in it: a service still up is stopped at once, and anything it
+        started that is still there is killed (a failed test must not leave tasks running beside the next)."""
+        if (self.home / "service.json").exists():
+            self("down", "--force", check=False, timeout=120)
+        for p in self.seen:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
     def assert_all_gone(self, timeout: float = 30) -> None:
         end = time.monotonic() + timeout
         while True:
@@ -114,8 +124,16 @@ def test_no_service_says_how_to_start_one(tmp_path):
         assert "no scheduler running" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.fixture
+def service(tmp_path):
+    (tmp_path / "work").mkdir()
+    svc = _Service(tmp_path / "home", tmp_path / "work")
+    yield svc
+    svc.clean_up()
+
+
 @pytest.mark.slow
-def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path):
+def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, service):
     """Up (twice); a bad config refused with nothing sent; A alone, then B and C arrive while A runs; C waits
     PENDING for memory (a retried submit with its request id changes nothing); B cancelled mid-run keeps a
     checkpoint and `--resume` continues it; A and B equal their solo runs; a graceful `down` checkpoints the
@@ -124,8 +142,8 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path):
     from rlsched.config import load_config
     from rlsched.experiment import estimate_bytes
 
-    home, out = tmp_path / "home", tmp_path / "work"
-    out.mkdir()
+    svc = service
+    home, out = svc.home, svc.cwd
     models = [f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}"]
     # The reference: both tasks alone, one after the other in one process (this also creates the models).
     solo = _cli("train", CONFIG, *_sets(*models, f"tasks.0.steps={A_STEPS}", f"tasks.1.steps={B_STEPS}",
@@ -136,7 +154,6 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path):
     engine, actor = estimate_bytes(load_config(CONFIG, [*SMALL, *models]).tasks[0])
     budget_gb = 2.5 * (engine + actor) / 2**30
 
-    svc = _Service(home, out)
     started = svc("up", "--memory-budget-gb", f"{budget_gb:.6f}")
     assert "scheduler running: pid" in started.stdout
     assert "running already" in svc("up").stdout
@@ -196,15 +213,15 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path):
     svc("down", timeout=600)
     svc.assert_all_gone()
     rows = json.loads((home / "tasks.json").read_text())["tasks"]
-    third = next(r for r in rows if r["name"] == "third")
-    assert third["state"] == "CANCELLED", third
-    assert (out / "runs" / "third" / "tasks" / "third" / "checkpoints" / str(third["step"])).is_dir()
+    stopped = next(r for r in rows if r["name"] == "third")
+    assert stopped["state"] == "CANCELLED", stopped
+    assert (out / "runs" / "third" / "tasks" / "third" / "checkpoints" / str(stopped["step"])).is_dir()
 
     # A service that dies: its task is FAILED with the reason on the next `up`; `down --force` ends all at once.
     svc.seen = set()
     svc("up")
     svc("submit", *third[:-2], "--resume")
-    svc.wait("third", lambda r: r["state"] == "RUNNING" and r["step"] > third["step"])
+    svc.wait("third", lambda r: r["state"] == "RUNNING" and r["step"] > stopped["step"])
     service = next(p for p in svc.processes() if "ray::Service" in " ".join(p.cmdline()))
     service.send_signal(signal.SIGKILL)
     svc.assert_all_gone(timeout=90)  # the service process notices and shuts its Ray down

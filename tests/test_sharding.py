@@ -123,8 +123,11 @@ def test_a_sharded_actor_computes_what_one_device_does(tiny_model_dir, one_devic
     ref_logits, ref_params = one_device[0], one_device[1]
     scale = float(np.max(np.abs(ref_logits)))
     assert np.max(np.abs(logits - ref_logits)) <= 1e-5 * scale
-    for name, ref in ref_params.items():  # three steps later, every parameter within 1e-5 (relative)
-        assert np.linalg.norm(params[name] - ref) <= 1e-5 * np.linalg.norm(ref), name
+    # Three steps later, every parameter within 5e-5 (relative). Not 1e-5: Adam's first steps are nearly
+    # sign(g) * lr, so a gradient element within rounding of zero moves a whole lr either way on another layout
+    # (CI saw 1.02e-5 on fsdp 4 x tp 2 once); a layout that computed something else would be off by O(1).
+    for name, ref in ref_params.items():
+        assert np.linalg.norm(params[name] - ref) <= 5e-5 * np.linalg.norm(ref), name
     # Laid out as the table says, and still so after the steps: nothing came back gathered.
     specs = S.param_specs({k: v.shape for k, v in params.items()}, shape, kv_heads=actor.config.num_key_value_heads)
     for name, sharding in after.items():
