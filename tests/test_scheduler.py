@@ -293,3 +293,31 @@ def test_a_failed_tasks_cause_is_the_original_error_through_rays_wrapping(ray_se
         ray.get(Driver.remote().run.remote(Role.remote()))
     assert cause_of(caught.value) == ("ValueError: max_new_tokens 9 exceeds the engine's 4 (task a, step 3; "
                                       "in the engine's rollout())")
+
+
+def test_a_task_arrives_at_a_running_scheduler_and_a_resubmitted_name_starts_afresh():
+    """rlsched.service: `admit` registers an arriving task; `locks` names holders and waiters with their times;
+    a task that was failed and retired is forgotten when a task of its name is admitted again."""
+    async def scenario():
+        s = _scheduler(tasks=("a",))
+        await s.acquire("a", "train")
+        assert s.admit("b", "g0", 100, 300) == []  # fits beside a: created on device, nothing to offload
+        waiting = asyncio.create_task(s.acquire("b", "train"))
+        await asyncio.sleep(0.05)
+        locks = s.locks()
+        assert locks["g0/train"]["holder"] == "a" and locks["g0/train"]["held_s"] >= 0.05
+        assert [w["task"] for w in locks["g0/train"]["waiting"]] == ["b"]
+        assert locks["g0/train"]["waiting"][0]["waited_s"] >= 0.05
+        assert locks["g0/rollout"] == {"holder": None, "held_s": None, "waiting": []}
+        with pytest.raises(PolicyError, match="is live"):  # a live task's name cannot be taken
+            s.admit("a", "g0", 100, 300)
+        await s.fail("a", "cancelled")
+        await asyncio.wait_for(waiting, 1)  # its lock passed on
+        with pytest.raises(LeaseLost):
+            await s.acquire("a", "rollout")
+        assert s.admit("a", "g0", 100, 300) == []
+        assert "a" not in s.failed()
+        lease = await asyncio.wait_for(s.acquire("a", "rollout"), 1)  # the new "a" takes locks again
+        assert lease.task == "a"
+
+    asyncio.run(scenario())
