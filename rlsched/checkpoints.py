@@ -46,8 +46,9 @@ class TaskCheckpointer:
         self.directory = Path(directory).absolute()
         self.background, self.max_to_keep = background, max_to_keep
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(f"{_TMP}*"):  # a write a killed process never finished
-            shutil.rmtree(stale, ignore_errors=True)
+        if jax.process_index() == 0:  # one process of a role across hosts tidies (they share the directory)
+            for stale in self.directory.glob(f"{_TMP}*"):  # a write a killed process never finished
+                shutil.rmtree(stale, ignore_errors=True)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
         self._pending: concurrent.futures.Future | None = None
         self._orbax = None  # the manager for states no process holds whole (made when first needed)

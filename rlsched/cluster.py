@@ -182,6 +182,7 @@ class RolePlacement:
     resource: str = "CPU"  # the Ray resource a device is ("TPU", "GPU" or "CPU")
     bundle_devices: dict[str, int] = dataclasses.field(default_factory=lambda: dict(ONE_DEVICE_EACH))
     hosts: dict[str, Any] | None = None  # role -> its device group's host (rlsched.hosts), per_device_group only
+    host_bundles: tuple[int, ...] = (0,)  # the group's bundle on each host, in host order (rlsched.rolegroup)
 
     @property
     def one_process(self) -> bool:
@@ -205,23 +206,58 @@ def bundle_shapes(placement: str, resource: str, devices: dict[str, int]) -> lis
     return [{resource: 1 if resource == "CPU" else devices[k]} for k in kinds]
 
 
-def make_placement_group(experiment: str, placement: str, resource: str, devices: dict[str, int] | None = None):
+def make_placement_group(experiment: str, placement: str, resource: str, devices: dict[str, int] | None = None,
+                         *, hosts: int = 1):
     """One placement group for the device group (see `bundle_shapes`). Every task's roles are placed in it, so
-    they land on the group's devices."""
+    they land on the group's devices. `hosts` > 1: one bundle per host, each on a node of its own (STRICT_SPREAD),
+    each holding that host's devices (`devices["actor"]` per host); checked against the live cluster first."""
     import ray
     from ray.util.placement_group import placement_group
 
-    bundles = bundle_shapes(placement, resource, devices or ONE_DEVICE_EACH)
-    pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{experiment}/{GROUP}")
-    ray.get(pg.ready(), timeout=60)
+    if hosts > 1:
+        per_host = (devices or ONE_DEVICE_EACH)["actor"]
+        bundle = {resource: 1 if resource == "CPU" else per_host}
+        check_hosts(resource, bundle[resource], hosts, per_host)
+        pg = placement_group([dict(bundle) for _ in range(hosts)], strategy="STRICT_SPREAD",
+                             name=f"{experiment}/{GROUP}")
+    else:
+        bundles = bundle_shapes(placement, resource, devices or ONE_DEVICE_EACH)
+        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"{experiment}/{GROUP}")
+    try:
+        ray.get(pg.ready(), timeout=60)
+    except ray.exceptions.GetTimeoutError:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
+        raise ClusterTooSmall(f"the device group ({hosts} host(s)) could not be placed on the cluster in 60 s: "
+                              f"its resources are taken by something else (`ray status` shows what)") from None
     return pg
 
 
+class ClusterTooSmall(RuntimeError):
+    """The cluster has fewer nodes with the devices a device group needs than cluster.hosts."""
+
+
+def check_hosts(resource: str, need: float, hosts: int, per_host: int) -> None:
+    """Refuse, with the numbers, a device group of `hosts` hosts where fewer live nodes have `need` of
+    `resource` (on CPU a host's devices are XLA host devices of its processes, and a node needs one core)."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    fit = [n for n in nodes if n.get("Resources", {}).get(resource, 0) >= need]
+    if len(fit) < hosts:
+        raise ClusterTooSmall(f"cluster.hosts is {hosts}, but the Ray cluster has {len(fit)} node(s) with {need:g} "
+                              f"{resource} free to give ({len(nodes)} alive in all; {per_host} devices per host); "
+                              "add nodes with `ray start --address ...` or lower cluster.hosts")
+
+
 def role_placement(pg, placement: str, cores: list[int], resource: str,
-                   devices: dict[str, int] | None = None) -> RolePlacement:
+                   devices: dict[str, int] | None = None, *, hosts: int = 1) -> RolePlacement:
     """Disaggregated: the engine on the rollout bundle and cores, the actor on the train ones;
-    colocated: both on the one bundle and every core."""
-    return RolePlacement(pg, {"engine": 0, "actor": 0 if placement == "colocated" else 1},
+    colocated: both on the one bundle and every core. `hosts` > 1 (colocated): the engine and the actor's first
+    member on host 0's bundle, the actor's other members on the next hosts' (each host's cores alike)."""
+    actor = 0 if placement == "colocated" else 1
+    return RolePlacement(pg, {"engine": 0, "actor": actor},
                          {"engine": phase_cores(placement, Phase.ROLLOUT, cores),
                           "actor": phase_cores(placement, Phase.TRAIN, cores)}, resource,
-                         dict(devices or ONE_DEVICE_EACH))
+                         dict(devices or ONE_DEVICE_EACH), host_bundles=tuple(range(hosts)) if hosts > 1 else (actor,))

@@ -129,8 +129,26 @@ class ObjectStoreChannel(_Channel):
     def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
         import ray
 
+        if any(not getattr(v, "is_fully_addressable", True) for v in flat.values()):
+            return self._send_from_group(flat, version, checksum)
         host = {k: np.asarray(v) for k, v in flat.items()}  # device -> host one leaf at a time
         return WeightMessage(self.name, int(version), checksum, _nbytes(flat), ray.put(host))
+
+    def _send_from_group(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
+        """An actor across hosts (rlsched.rolegroup): every process gathers each leaf in turn (a collective;
+        at most one whole leaf beyond the shards on any device), and process 0 alone puts them in the store.
+        The others' message carries no payload; the driver forwards member 0's."""
+        import ray
+
+        from workers.multihost import host_value, is_primary
+
+        primary, host = is_primary(), {}
+        for k, v in flat.items():
+            value = host_value(v)  # every process takes part; only process 0 keeps the values
+            if primary:
+                host[k] = value
+        payload = ray.put(host) if primary else None
+        return WeightMessage(self.name, int(version), checksum, _nbytes(flat), payload)
 
     def receive(self, message: WeightMessage) -> Flat:
         import ray

@@ -103,6 +103,10 @@ class ClusterConfig(_Section):
     """Devices of the experiment's pool, which every role's mesh takes its devices from (on CPU: the XLA host
     devices each role process gets; rlsched sets the XLA flag itself). None = exactly what the meshes need:
     colocated, the largest mesh of any task; disaggregated, the largest rollout mesh plus the largest actor mesh."""
+    hosts: int = Field(1, ge=1)
+    """Hosts per device group. With more than one, `num_devices` is the devices of each host and a task's actor
+    mesh may span hosts (a multiple of num_devices devices): it runs as one process per host joined into one JAX
+    job (README "Many hosts"). Its engine and every other mesh stay within one host."""
     memory_budget_gb: float | None = Field(None, gt=0)
     """Memory budget of each device, in GiB (a role on an n-device mesh holds its share on each); None = unlimited."""
     lease_timeout_s: float = Field(600.0, gt=0)
@@ -418,7 +422,7 @@ class ExperimentConfig(_Section):
         for i, task in enumerate(self.tasks):
             plan, actor, rollout = task.batch_plan(), task.actor.mesh, task.rollout.mesh
             for key, mesh in ((f"tasks.{i}.actor.mesh", actor), (f"tasks.{i}.rollout.mesh", rollout)):
-                if given is not None and _devices(mesh) > given:
+                if given is not None and _devices(mesh) > given and not (mesh is actor and self.cluster.hosts > 1):
                     raise _FieldError(key, mesh.model_dump(),
                                       f"{_mesh_text(mesh)} devices, but cluster.num_devices is {given}")
             rows = actor.dp * actor.fsdp * actor.ep
@@ -433,6 +437,8 @@ class ExperimentConfig(_Section):
                 raise _FieldError(f"tasks.{i}.rollout.mesh", rollout.model_dump(),
                                   f"{plan.samples_per_step} samples/step (grpo.prompts_per_step {plan.prompts_per_step}"
                                   f" x grpo.num_generations {plan.num_generations}) do not split over {over}")
+        if self.cluster.hosts > 1:
+            self._hosts_fit()
         if self.cluster.processes == "per_device_group":
             for i, task in enumerate(self.tasks):
                 if task.rollout.engine in OWN_PROCESS_ENGINES:
@@ -450,6 +456,44 @@ class ExperimentConfig(_Section):
                               f"{_mesh_text(engine)}) beside a train group of {t} (tasks.{a}.actor.mesh: "
                               f"{_mesh_text(actor)}): {r} + {t} = {r + t} devices, but cluster.num_devices is {given}")
         return self
+
+    def _hosts_fit(self) -> None:
+        """cluster.hosts > 1: what a mesh across hosts must be, before any process starts."""
+        c = self.cluster
+        if c.num_devices is None:
+            raise _FieldError("cluster.num_devices", None, f"cluster.hosts is {c.hosts}: say how many devices each "
+                              "host has (cluster.num_devices, per host)")
+        if c.placement != "colocated":
+            raise _FieldError("cluster.placement", c.placement, "cluster.hosts > 1 runs colocated only for now "
+                              "(an actor across hosts, its engine on the first host); set cluster.placement=colocated")
+        if c.processes == "per_device_group":
+            raise _FieldError("cluster.processes", c.processes, "a role across hosts is a process per host of its "
+                              "own; cluster.hosts > 1 needs cluster.processes=per_role (or auto)")
+        per_host, pool = c.num_devices, c.num_devices * c.hosts
+        for i, task in enumerate(self.tasks):
+            actor, n = task.actor.mesh, _devices(task.actor.mesh)
+            if n > pool:
+                raise _FieldError(f"tasks.{i}.actor.mesh", actor.model_dump(),
+                                  f"{_mesh_text(actor)} devices, but cluster.hosts {c.hosts} x cluster.num_devices "
+                                  f"{per_host} = {pool}")
+            if n > per_host and n % per_host:
+                raise _FieldError(f"tasks.{i}.actor.mesh", actor.model_dump(),
+                                  f"{_mesh_text(actor)} devices spans hosts of {per_host} devices but not whole ones; "
+                                  f"a mesh across hosts takes whole hosts: a multiple of {per_host} devices")
+            if n > per_host and (actor.tp > per_host or per_host % actor.tp):
+                raise _FieldError(f"tasks.{i}.actor.mesh.tp", actor.tp,
+                                  f"tp must stay inside a host (its all-reduces run every layer); a host has "
+                                  f"{per_host} devices, so tp must divide {per_host}; split across hosts with dp or "
+                                  "fsdp")
+            rollout = task.rollout.mesh
+            if _devices(rollout) > per_host:
+                raise _FieldError(f"tasks.{i}.rollout.mesh", rollout.model_dump(),
+                                  f"{_mesh_text(rollout)} devices, but an engine runs on one host of "
+                                  f"{per_host} devices (engines across hosts are not supported yet)")
+            if task.rollout.engine in OWN_PROCESS_ENGINES and n > per_host:
+                raise _FieldError(f"tasks.{i}.rollout.engine", task.rollout.engine,
+                                  f"{task.rollout.engine} beside an actor across hosts is not supported yet; use "
+                                  "rollout.engine=jax_sampler")
 
     def _devices_needed(self) -> int:
         actor = max(_devices(t.actor.mesh) for t in self.tasks)
@@ -475,7 +519,7 @@ class ExperimentConfig(_Section):
         return [TaskSpec(experiment=self.experiment.name, index=i, config=t,
                          seed=t.resolved_seed(self.experiment.seed, i), dir=run_dir / "tasks" / t.name,
                          tracking=self.experiment.tracking, placement=self.cluster.placement,
-                         num_devices=self.num_devices,
+                         num_devices=self.num_devices, hosts=self.cluster.hosts,
                          checkpoint_offset=i * t.checkpoint_every // len(self.tasks),
                          compile_cache=cache)
                 for i, t in enumerate(self.tasks)]
@@ -511,6 +555,7 @@ class TaskSpec:
     placement: Literal["colocated", "disaggregated"]
     num_devices: int  # the experiment's device pool (rlsched.meshes.role_devices picks each role's from it)
     processes: Literal["per_role", "per_device_group"] = "per_role"  # cluster.processes once the platform is known
+    hosts: int = 1  # hosts of the device group (cluster.hosts); num_devices is then per host
     checkpoint_offset: int = 0  # staggers the tasks' saves (TaskConfig.checkpoint_every)
     compile_cache: str | None = None  # absolute directory of JAX's persistent compilation cache (None: off)
 
@@ -521,6 +566,11 @@ class TaskSpec:
     @property
     def plan(self) -> BatchPlan:
         return self.config.batch_plan()
+
+    def role_hosts(self, kind: str) -> int:
+        """How many hosts role `kind` ("actor" / "engine") spans: its mesh's devices over a host's."""
+        mesh = self.config.actor.mesh if kind == "actor" else self.config.rollout.mesh
+        return max(1, -(-_devices(mesh) // self.num_devices))
 
     @property
     def comm_group(self) -> str:

@@ -129,15 +129,19 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
         echo(f"what libraries print in role processes: {logs} (worker-*-<pid>.err; pids in summary.json)")
     resource = cluster.device_resource()
     processes = resolve_processes(cfg.cluster.processes, resource)
+    if cfg.cluster.hosts > 1:
+        processes = "per_role"  # a role across hosts is a process per host of its own (rlsched.rolegroup)
     check_platform(resource, cfg, processes)  # what cannot work on this platform: before any role starts
     devices = cluster.group_devices(cfg.cluster.placement, cfg.num_devices,
                                     max(sharding.num_devices(t.rollout.mesh.as_dict()) for t in cfg.tasks))
     policy, initial_moves = build_policy(cfg)
     with StopSignals(echo, raise_on_second=False) as stop:  # the wait loop below checks for a second signal
-        pg = cluster.make_placement_group(cfg.experiment.name, cfg.cluster.placement, resource, devices)
+        pg = cluster.make_placement_group(cfg.experiment.name, cfg.cluster.placement, resource, devices,
+                                          hosts=cfg.cluster.hosts)
         actors: list = []  # everything this run started, ended in `finally` whatever happens
         try:
-            where = cluster.role_placement(pg, cfg.cluster.placement, visible_cores(), resource, devices)
+            where = cluster.role_placement(pg, cfg.cluster.placement, visible_cores(), resource, devices,
+                                           hosts=cfg.cluster.hosts)
             if processes == "per_device_group":  # one process per device group holds every task's roles there
                 where = _start_hosts(cfg, where, actors, echo)
             specs = [dataclasses.replace(s, processes=processes) for s in cfg.task_specs()]

@@ -171,6 +171,10 @@ def check_platform(platform: str, cfg: ExperimentConfig, processes: str) -> None
     - per_device_group with an engine that needs a process of its own (sglang_jax).
     CPU runs everything: its devices are per-process host devices."""
     kind = platform_kind(platform)
+    if cfg.cluster.hosts > 1 and kind != "cpu":
+        raise ConfigError(f"cluster.hosts: {cfg.cluster.hosts} hosts run on CPU devices only so far; on {kind} each "
+                          "host's devices must be held by one process for both roles (per_device_group), which a "
+                          "role across hosts does not do yet; set cluster.hosts=1")
     if processes == "per_device_group":
         for i, task in enumerate(cfg.tasks):
             if task.rollout.engine in OWN_PROCESS_ENGINES:

@@ -79,7 +79,16 @@ def role_mesh(spec: TaskSpec, kind: str):
                         "in one process at a time; set cluster.processes=per_device_group")
     actor, rollout = spec.config.actor.mesh.as_dict(), spec.config.rollout.mesh.as_dict()
     shape = actor if kind == "actor" else rollout
+    if jax.process_count() > 1:  # a member of a group across hosts (rlsched.rolegroup): the job's devices, in
+        devices = jax.devices()  # process order, so tp (innermost) stays within a host (the config checks it)
+        if len(devices) != sharding.num_devices(shape):
+            raise TaskError(f"task {spec.name}: its {kind}'s mesh ({sharding.describe(shape)}) needs "
+                            f"{sharding.num_devices(shape)} devices; its group's {jax.process_count()} processes "
+                            f"have {len(devices)}")
+        return sharding.mesh(shape, devices)
     local = jax.local_devices()
+    if spec.hosts > 1:  # a role within one host of a group across hosts (colocated): its host's first devices
+        return sharding.mesh(shape, local[: sharding.num_devices(shape)])
     try:
         ids = local_role_devices(spec.placement, kind, spec.num_devices, len(local), actor, rollout)
     except ValueError as err:
@@ -144,8 +153,7 @@ class ActorRole(_Role):
 
         compile_cache.enable(spec.compile_cache)
         m = spec.config.model
-        if m.init_preset is not None and not (Path(m.path) / "config.json").is_file():
-            init_model(m.path, preset=m.init_preset, seed=m.init_seed)
+        _make_preset_model(m, init_model)
         model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
         self.spec = spec
         self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=role_mesh(spec, "actor"))
@@ -215,6 +223,23 @@ class ActorRole(_Role):
     def close(self) -> None:
         self.checkpointer.close()
         self.channel.close()  # a local channel's slot holds our last published weights
+
+
+def _make_preset_model(m, init_model) -> None:
+    """Create the task's preset model if its directory has none. In a group across hosts process 0 writes it
+    and the others wait for it (a shared filesystem); a host that still cannot see it makes the same model
+    itself (same preset, same seed: the same weights)."""
+    import jax
+
+    missing = lambda: m.init_preset is not None and not (Path(m.path) / "config.json").is_file()  # noqa: E731
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        if jax.process_index() == 0 and missing():
+            init_model(m.path, preset=m.init_preset, seed=m.init_seed)
+        multihost_utils.sync_global_devices(f"model {m.path}")
+    if missing():
+        init_model(m.path, preset=m.init_preset, seed=m.init_seed)
 
 
 class EngineRole(_Role):
@@ -360,10 +385,19 @@ def _own_process(spec: TaskSpec) -> bool:
     return spec.config.rollout.engine in OWN_PROCESS_ENGINES
 
 
-def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlacement | None):
+def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlacement | None, take_port=None):
     """Start role `cls` for `spec`: in this process (`placement` None), except an engine that must have a
     process of its own (workers.rollout.OWN_PROCESS_ENGINES); in its device group's host (`placement.hosts`,
-    rlsched.hosts); or as a Ray actor of its own in `placement`."""
+    rlsched.hosts); as a group of one process per host when its mesh spans hosts (rlsched.rolegroup;
+    `take_port(role, host, busy)` gives its coordinator port); or as a Ray actor of its own in `placement`."""
+    from rlsched.rolegroup import RoleGroup, spans_hosts
+
+    if spans_hosts(spec, cls.kind):
+        if placement is None or take_port is None:
+            raise TaskError(f"task {spec.name}: its {cls.kind}'s mesh spans hosts (cluster.hosts {spec.hosts}), which "
+                            "needs a Ray cluster: run without --in-process")
+        return RoleGroup.launch(cls, spec, channel=channel, placement=placement, take_port=take_port,
+                                bundles=placement.host_bundles[: spec.role_hosts(cls.kind)])
     if placement is None and not (cls is EngineRole and _own_process(spec)):
         return cls(spec, channel=channel)
     if placement is not None and placement.hosts is not None:

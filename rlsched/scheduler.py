@@ -63,6 +63,9 @@ class Scheduler:
         self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
         self._evicting: dict[str, set[asyncio.Task]] = {}  # task -> offloads of its roles still in flight
         self.grant_log: list[tuple[float, str, str, str]] = []  # (time, task, phase, resource)
+        from rlsched.ports import PortAllocator
+
+        self.ports = PortAllocator()  # coordinator ports of role groups across hosts (rlsched.rolegroup)
         # Measured bytes per pool, as the tasks' residency moves report them (the policy decides on
         # its own estimates; these are what the workers really hold, shown side by side).
         self.measured = {name: MemoryPool(name, policy.budget(name)) for name in policy.pools()}
@@ -122,6 +125,10 @@ class Scheduler:
             queue = [{"task": t, "waited_s": waited.get(t)} for t in self.policy.queue(resource)]
             out[resource.id] = {"holder": holder, "held_s": None if lease is None else now - lease[1], "waiting": queue}
         return out
+
+    def take_port(self, task: str, role: str, host: str, skip: list[int]) -> int:
+        """A coordinator port on `host` for `task`'s `role` group, held by no other group (rlsched.ports)."""
+        return self.ports.take(f"{task}/{role}", host, skip)
 
     def register_driver(self, task: str, handle: Any) -> None:
         self._drivers[task] = handle
@@ -197,6 +204,7 @@ class Scheduler:
             if problems:
                 self._failed[task] = self._fenced[task] = f"{cause}; fencing: {'; '.join(problems)}"
         self.policy.fail(task)
+        self.ports.release(task)
         self._dispatch()
 
     async def retire(self, task: str) -> None:
@@ -204,6 +212,7 @@ class Scheduler:
         forgets it, the measured pools drop it) and it takes no more locks. Idempotent."""
         if task not in self._failed:
             self.policy.fail(task)  # the policy's word for "gone": no lease, no request, no memory
+        self.ports.release(task)
         for pool in self.measured.values():
             pool.clear(task)
         self._dispatch()
@@ -306,6 +315,12 @@ class SchedulerLocks:
 
         return ray.get(self.scheduler.failed.remote()).get(self.task)
 
+    def take_port(self, role: str, host: str, skip: list[int]) -> int:
+        """A coordinator port on `host` for this task's `role` group (the scheduler's allocator)."""
+        import ray
+
+        return ray.get(self.scheduler.take_port.remote(self.task, role, host, list(skip)))
+
     def register_roles(self, targets: list) -> None:
         """What the scheduler stops if it must fence this task (rlsched.fencing)."""
         import ray
@@ -342,6 +357,11 @@ class FreeLocks:
 
     def revoked(self) -> str | None:
         return None
+
+    def take_port(self, role: str, host: str, skip: list[int]) -> int:
+        from rlsched.ports import PortAllocator
+
+        return PortAllocator().take(f"{self.task}/{role}", host, skip)
 
     def register_roles(self, targets: list) -> None:
         pass

@@ -40,6 +40,7 @@ from rlsched.hosts import HostedRole
 from rlsched.memory import MemoryPool, Residency
 from rlsched.phases import HostWork, check_model_path, progress_line, step_metrics
 from rlsched.policy import Phase, Role
+from rlsched.rolegroup import RoleGroup
 from rlsched.roles import ActorRole, EngineRole, PhaseResult, RemoteRole, channel_for, spawn
 from rlsched.timeline import Timeline
 from rlsched.tracking import make_trackers
@@ -83,7 +84,8 @@ class TaskDriver:
             path = check_model_path(self.spec)
             if m.init_preset is not None and not (path / "config.json").is_file():
                 self.echo(f"[{self.name}] creating a random {m.init_preset} Qwen3 at {path}")
-            self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, placement=self.placement)
+            self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, placement=self.placement,
+                   take_port=self.locks.take_port)
             if (path / "config.json").is_file():  # the engine's process starts beside the actor's (a Ray actor
                 self._spawn_engine()               # is created in the background)
             meta, self.published = self.roles[Role.ACTOR].start(self.resume)  # what the engine must hold
@@ -96,8 +98,13 @@ class TaskDriver:
             self._resume_from(meta)
             self._loader_start = self.host.loader.state()
             self.places = {str(role): r.where() for role, r in self.roles.items()}
-            self.echo(f"[{self.name}] " + ", ".join(f"{role} on devices {p['devices']} (pid {p['pid']})"
-                                                   for role, p in self.places.items()))
+            self.echo(f"[{self.name}] " + ", ".join(_place_text(role, p) for role, p in self.places.items()))
+            for role, p in self.places.items():
+                if "members" in p:  # a role across hosts: which node each member ran on, in the trace
+                    now = self.timeline.now()
+                    self.timeline.add_span("role_group", now, now, role=role, hosts=[m["host"] for m in p["members"]],
+                                           nodes=[m["node_id"] for m in p["members"]],
+                                           pids=[m["pid"] for m in p["members"]])
             pool = MemoryPool(self.name)
             self.residency = {role: Residency(pool, self.name, str(role), onload=w.onload, offload=w.offload,
                                               timeline=self.timeline, resident=True, sizes=w.memory(),
@@ -110,11 +117,16 @@ class TaskDriver:
 
     def _register_fence_targets(self) -> None:
         """Tell the scheduler what it stops before passing on this task's lock or memory, if it must fence it."""
-        self.locks.register_roles([r.fence_target() for r in self.roles.values()
-                                   if isinstance(r, RemoteRole | HostedRole)])
+        targets = []
+        for r in self.roles.values():
+            if isinstance(r, RemoteRole | HostedRole | RoleGroup):
+                target = r.fence_target()
+                targets += target if isinstance(target, list) else [target]  # a group: one per member
+        self.locks.register_roles(targets)
 
     def _spawn_engine(self) -> None:
-        self.roles[Role.ENGINE] = spawn(EngineRole, self.spec, channel=self.channel, placement=self.placement)
+        self.roles[Role.ENGINE] = spawn(EngineRole, self.spec, channel=self.channel, placement=self.placement,
+                   take_port=self.locks.take_port)
 
     def _resume_from(self, meta: dict[str, Any] | None) -> None:
         if not self.resume:
@@ -200,7 +212,8 @@ class TaskDriver:
         with self._moving:  # an eviction waits for the new process, then moves it
             with contextlib.suppress(Exception):  # make sure nothing of the old one is left (it may be gone)
                 self.roles[role].terminate()
-            self.roles[role] = fresh = spawn(cls, self.spec, channel=self.channel, placement=self.placement)
+            self.roles[role] = fresh = spawn(cls, self.spec, channel=self.channel, placement=self.placement,
+                   take_port=self.locks.take_port)
             if role is Role.ACTOR:
                 meta, self.published = fresh.start(True)  # the latest complete checkpoint, if any
                 if meta is None:
@@ -227,7 +240,7 @@ class TaskDriver:
         closes = [("trackers", lambda: self.tracker and self.tracker.finish(exit_code))]
         for role, r in self.roles.items():
             closes.append((f"{role} close", r.close))
-            if isinstance(r, RemoteRole | HostedRole):
+            if isinstance(r, RemoteRole | HostedRole | RoleGroup):
                 closes.append((f"{role} process", r.terminate))
         closes.append(("locks", self.locks.close))
         for what, close in closes:
@@ -424,6 +437,14 @@ class TaskDriver:
         """{"engine": handle, "actor": handle} of this task's role actors (for tools and fault tests)."""
         self._started.wait()
         return {str(role): r.handle for role, r in self.roles.items() if isinstance(r, RemoteRole | HostedRole)}
+
+
+def _place_text(role: str, place: dict[str, Any]) -> str:
+    """'actor on devices [0, 1] (pid 7)', or for a role across hosts its members' hosts and pids."""
+    if "members" not in place:
+        return f"{role} on devices {place['devices']} (pid {place['pid']})"
+    members = ", ".join(f"{m['host']} pid {m['pid']}" for m in place["members"])
+    return f"{role} on {len(place['members'])} hosts, {len(place['devices'])} devices ({members})"
 
 
 def _annotate(err: BaseException, note: str) -> None:

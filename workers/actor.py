@@ -41,6 +41,7 @@ from workers.compiling import compile_once
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.multihost import global_array, host_value
 from workers.offload import offload, onload, per_device_bytes
 
 
@@ -279,8 +280,9 @@ class ActorWorker:
         m, out = self.settings.micro_batch_size, []
         for i in range(0, batch.size, m):
             rows = {"tokens": batch.tokens[i : i + m], "attention_mask": batch.attention_mask[i : i + m]}
-            out.append(self._run("logprobs", (), rows, params, rows["tokens"], rows["attention_mask"]))
-        return np.concatenate([np.asarray(x) for x in out])
+            on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, 2)) for k, v in rows.items()}
+            out.append(self._run("logprobs", (), rows, params, on_mesh["tokens"], on_mesh["attention_mask"]))
+        return np.concatenate([host_value(x) for x in out])
 
     # ---- update ---------------------------------------------------------------------------------
 
@@ -342,7 +344,10 @@ class ActorWorker:
                 idx = order[start : start + s.mini_batch_size]
                 acc = s.mini_batch_size // s.micro_batch_size
                 mini = {k: v[idx].reshape(acc, s.micro_batch_size, *v.shape[1:]) for k, v in arrays.items()}
-                self.state, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, mini)
+                # Across processes each one lays its devices' rows out of the same host batch (workers.multihost)
+                on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, v.ndim - 1, leading=1))
+                           for k, v in mini.items()}
+                self.state, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh)
                 history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
 
