@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TaskError) as err:  # config errors (ConfigError, RunDirError) and refusals
             print(f"error: {err}", file=sys.stderr)
             return 2
-    from rlsched.errors import CheckpointError, ClusterUnreachable, TaskError
+    from rlsched.errors import CheckpointError, ClusterTooSmall, ClusterUnreachable, TaskError
     from workers.models import ModelConfigError, TokenizerError
     from workers.rewards import RewardError
     from workers.rollout import RolloutInputError
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServiceError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except ClusterUnreachable as err:
+    except (ClusterUnreachable, ClusterTooSmall) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except (ModelConfigError, TokenizerError, RolloutInputError, ValueError, TaskError, RewardError,

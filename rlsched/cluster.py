@@ -228,20 +228,20 @@ def make_placement_group(experiment: str, placement: str, resource: str, devices
     except ray.exceptions.GetTimeoutError:
         from ray.util.placement_group import remove_placement_group
 
+        from rlsched.errors import ClusterTooSmall
+
         remove_placement_group(pg)
         raise ClusterTooSmall(f"the device group ({hosts} host(s)) could not be placed on the cluster in 60 s: "
                               f"its resources are taken by something else (`ray status` shows what)") from None
     return pg
 
 
-class ClusterTooSmall(RuntimeError):
-    """The cluster has fewer nodes with the devices a device group needs than cluster.hosts."""
-
-
 def check_hosts(resource: str, need: float, hosts: int, per_host: int) -> None:
     """Refuse, with the numbers, a device group of `hosts` hosts where fewer live nodes have `need` of
     `resource` (on CPU a host's devices are XLA host devices of its processes, and a node needs one core)."""
     import ray
+
+    from rlsched.errors import ClusterTooSmall
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     fit = [n for n in nodes if n.get("Resources", {}).get(resource, 0) >= need]

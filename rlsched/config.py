@@ -422,7 +422,7 @@ class ExperimentConfig(_Section):
         for i, task in enumerate(self.tasks):
             plan, actor, rollout = task.batch_plan(), task.actor.mesh, task.rollout.mesh
             for key, mesh in ((f"tasks.{i}.actor.mesh", actor), (f"tasks.{i}.rollout.mesh", rollout)):
-                if given is not None and _devices(mesh) > given and not (mesh is actor and self.cluster.hosts > 1):
+                if given is not None and _devices(mesh) > given and self.cluster.hosts == 1:  # else _hosts_fit
                     raise _FieldError(key, mesh.model_dump(),
                                       f"{_mesh_text(mesh)} devices, but cluster.num_devices is {given}")
             rows = actor.dp * actor.fsdp * actor.ep

@@ -46,3 +46,7 @@ def cause_of(err: BaseException) -> str:
         err = inner
     message = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{type(err).__name__}: {message}" + (f" ({'; '.join(reversed(notes))})" if notes else "")
+
+
+class ClusterTooSmall(RuntimeError):
+    """The Ray cluster cannot hold a device group: fewer nodes with its devices than cluster.hosts."""

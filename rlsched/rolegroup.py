@@ -90,6 +90,7 @@ class RoleGroup:
     def __init__(self, members: list, kind: str, nodes: list[dict[str, Any]], *,
                  hang_timeout_s: float = HANG_TIMEOUT_S):
         self.members, self.kind, self.nodes, self.hang_timeout_s = members, kind, nodes, hang_timeout_s
+        self.coordinator: str | None = None  # "host:port" of member 0's JAX coordinator, once joined
 
     @classmethod
     def launch(cls, role_cls, spec, *, channel, placement, take_port, bundles: list[int],
@@ -180,8 +181,8 @@ class RoleGroup:
 
     def where(self) -> dict[str, Any]:
         """Member 0's place, with every member's host, node and pid (the task's placement line and timeline)."""
-        first = self.__getattr__("where")()
-        return {**first, "members": [dict(n) for n in self.nodes]}
+        first = self._gather([m.call.remote("where", (), {}) for m in self.members], "where")[0]
+        return {**first, "members": [dict(n) for n in self.nodes], "coordinator": self.coordinator}
 
     @property
     def handle(self):

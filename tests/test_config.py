@@ -439,3 +439,23 @@ def test_the_lock_policy_and_each_tasks_priority_and_weight_reach_the_scheduler(
         load_config(write(tmp_path, ADDITION), ["cluster.policy=lottery"])
     with pytest.raises(ConfigError, match="tasks.0.weight"):
         load_config(write(tmp_path, ADDITION), ["tasks.0.weight=0"])
+
+
+def test_a_mesh_across_hosts_takes_whole_hosts_and_keeps_tp_inside_one(tmp_path):
+    hosts = ["cluster.hosts=2", "cluster.num_devices=4"]
+    cfg = load_config(write(tmp_path, ADDITION), [*hosts, "tasks.0.actor.mesh={dp: 2, fsdp: 2, tp: 2}"])
+    spec = cfg.task_specs()[0]
+    assert (spec.hosts, spec.num_devices, spec.role_hosts("actor"), spec.role_hosts("engine")) == (2, 4, 2, 1)
+    errors = {
+        "a mesh larger than hosts x devices": (["tasks.0.actor.mesh.fsdp=16"],
+                                               "fsdp 16 = 16 devices, but cluster.hosts 2 x cluster.num_devices 4 = 8"),
+        "part of a host": (["cluster.num_devices=3", "tasks.0.actor.mesh.fsdp=4"], "a multiple of 3 devices"),
+        "tp across hosts": (["tasks.0.actor.mesh={fsdp: 1, tp: 8}"], "tasks.0.actor.mesh.tp: tp must stay inside a host"),
+        "an engine across hosts": (["tasks.0.rollout.mesh.tp=8"], "an engine runs on one host of 4 devices"),
+        "disaggregated": (["cluster.placement=disaggregated"], "cluster.hosts > 1 runs colocated only for now"),
+        "per_device_group": (["cluster.processes=per_device_group"], "needs cluster.processes=per_role"),
+    }
+    for why, (overrides, expected) in errors.items():
+        assert expected in load_error(tmp_path, ADDITION, [*hosts, *overrides]), why
+    msg = load_error(tmp_path, ADDITION, ["cluster.hosts=2"])
+    assert "cluster.num_devices: cluster.hosts is 2: say how many devices each host has" in msg

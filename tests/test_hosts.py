@@ -1,0 +1,160 @@
+"""Roles across hosts on a real multi-node Ray cluster (ray.cluster_utils.Cluster: a head and two worker nodes, each
+a raylet of its own on this machine), through `rlsched train --address` in real processes.
+
+A task's actor with mesh {dp: 2, fsdp: 2} on cluster.hosts 2 x cluster.num_devices 2 runs as one process per node
+joined into one JAX job (rlsched.rolegroup); it must compute what the same task does on one host of 4 devices, fail
+alone when a member is killed, and take a coordinator port no other group holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+# configs/demo_mesh.yaml made small: both tasks' actors {dp: 2, fsdp: 2}, engines on one device. Batches of 16 x 8
+# samples: enough that a random tiny model scores a few answers, so the first steps have gradients to compare.
+SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
+    "actor.mesh={dp: 2, fsdp: 2, tp: 1}", "rollout.mesh.tp=1", "checkpoint_every=0", "grpo.prompts_per_step=16",
+    "grpo.num_generations=8", "grpo.mini_batch_size=64", "rollout.max_batch_size=128", "data.max_operand=3")]
+TWO_HOSTS = ["cluster.hosts=2", "cluster.num_devices=2"]
+ONE_HOST = ["cluster.num_devices=4"]
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """A head without CPUs (drivers and the scheduler need none) and two nodes of 2 CPUs: a device group's host
+    bundle can only go to a worker node, so two hosts are two nodes."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 0})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+
+
+def _args(out: Path, models: Path, steps: tuple[int, int], *extra: str) -> list[str]:
+    sets = [*SMALL, f"experiment.output_dir={out}", f"tasks.0.model.path={models / 'a'}",
+            f"tasks.1.model.path={models / 's'}", f"tasks.0.steps={steps[0]}", f"tasks.1.steps={steps[1]}"]
+    args = [sys.executable, "-u", "-m", "rlsched.cli", "train", "configs/demo_mesh.yaml", "--overwrite"]
+    for s in sets:
+        args += ["--set", s]
+    for s in extra:
+        args += ["--set", s] if "=" in s and not s.startswith("--") else [s]
+    return args
+
+
+def _train(out: Path, models: Path, steps: tuple[int, int], *extra: str, ok: bool = True):
+    done = subprocess.run(_args(out, models, steps, *extra), capture_output=True, text=True, cwd=ROOT, timeout=400)
+    if ok:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _metrics(out: Path, task: str) -> list[dict]:
+    path = out / "demo-mesh" / "tasks" / task / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _numbers(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows]
+
+
+def _groups(out: Path) -> dict[str, dict]:
+    """{task: the 'role_group' span's args} from the run's Perfetto trace."""
+    trace = json.loads((out / "demo-mesh" / "timeline.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return {e["args"]["task"]: e["args"] for e in events if e.get("name") == "role_group"}
+
+
+def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
+    """Two tasks, each actor across both nodes (two groups at once), against the task on one host of 4 devices
+    (embedded Ray, and the same cluster by --address)."""
+    models = tmp_path / "models"
+    two = _train(tmp_path / "two", models, (3, 3), *TWO_HOSTS, "--address", nodes)
+    assert "[addition] ok" in two.stdout and "[subtraction] ok" in two.stdout, two.stdout[-2000:]
+    assert re.search(r"\[addition\] actor on 2 hosts, 4 devices", two.stdout)
+    groups = _groups(tmp_path / "two")
+    for task, group in groups.items():  # every member on a node of its own
+        assert len(set(group["nodes"])) == len(group["nodes"]) == 2, (task, group)
+    assert set(groups) == {"addition", "subtraction"}
+    ports = {task: g["coordinator"] for task, g in groups.items()}
+    assert ports["addition"] != ports["subtraction"], ports  # two groups, two coordinators
+
+    _train(tmp_path / "one", models, (3, 3), *ONE_HOST, "--tasks", "addition")  # embedded local Ray
+    _train(tmp_path / "one-address", models, (3, 3), *ONE_HOST, "--tasks", "addition", "--address", nodes)
+    across, one = _metrics(tmp_path / "two", "addition"), _metrics(tmp_path / "one", "addition")
+    assert len(across) == len(one) == 3
+    assert across[0]["reward/mean"] == one[0]["reward/mean"] > 0  # same weights, same samples, something scored
+    assert any(r["grad_norm"] > 0 for r in one)  # the comparison has gradients in it
+    for a, o in zip(across, one, strict=True):
+        assert abs(a["loss"] - o["loss"]) <= 1e-5 and abs(a["grad_norm"] - o["grad_norm"]) <= 1e-5 * o["grad_norm"], \
+            (a, o)
+    # The user's cluster by --address runs exactly what the embedded default runs.
+    assert _numbers(_metrics(tmp_path / "one-address", "addition")) == _numbers(one)
+
+
+def test_a_killed_member_fails_its_task_only(nodes, tmp_path):
+    """SIGKILL one member of addition's 2-host actor mid-run: addition fails naming the member within 30 s, every
+    process of its group is gone, and subtraction (one host, same experiment) finishes as it does alone."""
+    models = tmp_path / "models"
+    # subtraction's actor on one device of host 0: a task within one host beside a task across both
+    one_device = ["tasks.1.actor.mesh={dp: 1, fsdp: 1, tp: 1}", "tasks.1.grpo.prompts_per_step=4",
+                  "tasks.1.grpo.num_generations=4", "tasks.1.grpo.mini_batch_size=16"]
+    args = _args(tmp_path / "run", models, (200, 60), *TWO_HOSTS, *one_device, "--address", nodes)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    lines, members, killed_at, failed_after = [], None, None, None
+    try:
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:
+            lines.append(line)
+            if members is None and "[addition] actor on 2 hosts" in line:
+                members = [int(p) for p in re.findall(r"pid (\d+)", line.split("engine")[0])]
+            if killed_at is None and members and re.match(r"\[addition\] step +2/", line):
+                os.kill(members[1], signal.SIGKILL)
+                killed_at = time.monotonic()
+            if killed_at and "[addition] failed" in line:
+                failed_after = time.monotonic() - killed_at
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    out = "".join(lines)
+    assert members and len(members) == 2 and killed_at, out[-3000:]
+    assert proc.returncode != 0  # a task failed
+    failure = re.search(r"\[addition\] failed: RoleDied: member 1 of 2 \(host [\d.]+, pid (\d+), node \w+\) of its "
+                        r"actor group died during \w+\(\): killed by signal 9", out)
+    assert failure and int(failure.group(1)) == members[1], out[-3000:]
+    assert failed_after is not None and failed_after <= 30, failed_after
+    assert "[subtraction] ok" in out, out[-3000:]
+    for pid in members:  # no process of the failed group is left
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    together = _metrics(tmp_path / "run", "subtraction")
+    # subtraction was still running when the member died: the failure happened beside it, not after it
+    assert together[-1]["time/end_unix"] > time.time() - (time.monotonic() - killed_at)
+    _train(tmp_path / "alone", models, (200, 60), *TWO_HOSTS, *one_device, "--tasks", "subtraction",
+           "--address", nodes)
+    assert _numbers(together) == _numbers(_metrics(tmp_path / "alone", "subtraction"))
+
+
+def test_more_hosts_than_the_cluster_has_nodes_is_refused_with_the_numbers(nodes, tmp_path):
+    done = _train(tmp_path / "three", tmp_path / "models", (3, 3), "cluster.hosts=3", "cluster.num_devices=2",
+                  "--tasks", "addition", "--address", nodes, ok=False)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert ("error: cluster.hosts is 3, but the Ray cluster has 2 node(s) with 1 CPU free to give (3 alive in all; "
+            "2 devices per host)") in done.stderr, done.stderr[-2000:]
