@@ -85,7 +85,7 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
     """Two tasks, each actor across both nodes (two groups at once), against the task on one host of 4 devices
     (embedded Ray, and the same cluster by --address)."""
     models = tmp_path / "models"
-    two = _train(tmp_path / "two", models, (3, 3), *TWO_HOSTS, "--address", nodes)
+    two = _train(tmp_path / "two", models, (4, 4), *TWO_HOSTS, "--address", nodes)
     assert "[addition] ok" in two.stdout and "[subtraction] ok" in two.stdout, two.stdout[-2000:]
     assert re.search(r"\[addition\] actor on 2 hosts, 4 devices", two.stdout)
     groups = _groups(tmp_path / "two")
@@ -95,10 +95,10 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
     ports = {task: g["coordinator"] for task, g in groups.items()}
     assert ports["addition"] != ports["subtraction"], ports  # two groups, two coordinators
 
-    _train(tmp_path / "one", models, (3, 3), *ONE_HOST, "--tasks", "addition")  # embedded local Ray
-    _train(tmp_path / "one-address", models, (3, 3), *ONE_HOST, "--tasks", "addition", "--address", nodes)
+    _train(tmp_path / "one", models, (4, 4), *ONE_HOST, "--tasks", "addition")  # embedded local Ray
+    _train(tmp_path / "one-address", models, (4, 4), *ONE_HOST, "--tasks", "addition", "--address", nodes)
     across, one = _metrics(tmp_path / "two", "addition"), _metrics(tmp_path / "one", "addition")
-    assert len(across) == len(one) == 3
+    assert len(across) == len(one) == 4
     assert across[0]["reward/mean"] == one[0]["reward/mean"] > 0  # same weights, same samples, something scored
     assert any(r["grad_norm"] > 0 for r in one)  # the comparison has gradients in it
     for a, o in zip(across, one, strict=True):
@@ -106,6 +106,25 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
             (a, o)
     # The user's cluster by --address runs exactly what the embedded default runs.
     assert _numbers(_metrics(tmp_path / "one-address", "addition")) == _numbers(one)
+
+    # Ctrl-C after step 2 saves the group's state (orbax, every member), --resume restores it in every member:
+    # the steps after equal the uninterrupted run's.
+    stop = _args(tmp_path / "stopped", models, (4, 4), *TWO_HOSTS, "tasks.0.checkpoint_every=1", "--tasks", "addition",
+                 "--address", nodes)
+    proc = subprocess.Popen(stop, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        for line in proc.stdout:
+            if re.match(r"\[addition\] step +2/", line):
+                proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+    saved = len(_metrics(tmp_path / "stopped", "addition"))
+    assert 2 <= saved < 4
+    resumed = _train(tmp_path / "stopped", models, (4, 4), *TWO_HOSTS, "tasks.0.checkpoint_every=1", "--tasks",
+                     "addition", "--address", nodes, "--resume")
+    assert f"[addition] resumed after step {saved}" in resumed.stdout
+    assert _numbers(_metrics(tmp_path / "stopped", "addition")) == _numbers(across)
 
 
 def test_a_killed_member_fails_its_task_only(nodes, tmp_path):
@@ -115,7 +134,7 @@ def test_a_killed_member_fails_its_task_only(nodes, tmp_path):
     # subtraction's actor on one device of host 0: a task within one host beside a task across both
     one_device = ["tasks.1.actor.mesh={dp: 1, fsdp: 1, tp: 1}", "tasks.1.grpo.prompts_per_step=4",
                   "tasks.1.grpo.num_generations=4", "tasks.1.grpo.mini_batch_size=16"]
-    args = _args(tmp_path / "run", models, (200, 60), *TWO_HOSTS, *one_device, "--address", nodes)
+    args = _args(tmp_path / "run", models, (200, 200), *TWO_HOSTS, *one_device, "--address", nodes)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     lines, members, killed_at, failed_after = [], None, None, None
     try:
@@ -124,7 +143,7 @@ def test_a_killed_member_fails_its_task_only(nodes, tmp_path):
             lines.append(line)
             if members is None and "[addition] actor on 2 hosts" in line:
                 members = [int(p) for p in re.findall(r"pid (\d+)", line.split("engine")[0])]
-            if killed_at is None and members and re.match(r"\[addition\] step +2/", line):
+            if killed_at is None and members and re.match(r"\[addition\] step +1/", line):
                 os.kill(members[1], signal.SIGKILL)
                 killed_at = time.monotonic()
             if killed_at and "[addition] failed" in line:
@@ -147,7 +166,7 @@ def test_a_killed_member_fails_its_task_only(nodes, tmp_path):
     together = _metrics(tmp_path / "run", "subtraction")
     # subtraction was still running when the member died: the failure happened beside it, not after it
     assert together[-1]["time/end_unix"] > time.time() - (time.monotonic() - killed_at)
-    _train(tmp_path / "alone", models, (200, 60), *TWO_HOSTS, *one_device, "--tasks", "subtraction",
+    _train(tmp_path / "alone", models, (200, 200), *TWO_HOSTS, *one_device, "--tasks", "subtraction",
            "--address", nodes)
     assert _numbers(together) == _numbers(_metrics(tmp_path / "alone", "subtraction"))
 
