@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rlsched import daemon
-from rlsched.config import ExperimentConfig, load_configs, select_tasks, with_absolute_paths
+from rlsched.config import ConfigError, ExperimentConfig, load_configs, select_tasks, with_absolute_paths
 from rlsched.errors import TaskError
 from rlsched.service import SETTINGS_KEYS, TERMINAL
 
@@ -34,6 +34,9 @@ def service_config(paths: Sequence[str | Path], overrides: Sequence[str], tasks:
     from rlsched.preflight import preflight
 
     given = load_configs(paths, overrides)
+    if given.cluster.hosts > 1:
+        raise ConfigError(f"cluster.hosts is {given.cluster.hosts}: the scheduler service runs device groups of one "
+                          "host so far; run a task across hosts with `rlsched train CONFIG --address ADDR`")
     for key in SETTINGS_KEYS:
         mine, theirs = getattr(given.cluster, key), settings.get(key)
         if key in given.cluster.model_fields_set and mine != theirs:

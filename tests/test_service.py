@@ -232,3 +232,14 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     svc("down", "--force", timeout=120)
     svc.assert_all_gone()
     assert _cli("status", home=home, cwd=out, check=False).returncode == 1
+
+
+def test_a_task_across_hosts_is_refused_before_anything_is_sent():
+    from rlsched.client import service_config
+    from rlsched.config import ConfigError
+
+    settings = {"num_devices": 1, "placement": "colocated", "memory_budget_gb": None, "policy": "fifo",
+                "starvation_limit": 8, "lease_timeout_s": 600.0}
+    with pytest.raises(ConfigError, match=r"cluster.hosts is 2: the scheduler service runs device groups of one host"):
+        service_config([ROOT / "configs" / "demo_mesh.yaml"], ["cluster.hosts=2", "cluster.num_devices=4"], None,
+                       settings, echo=lambda *_: None)
