@@ -225,7 +225,9 @@ def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConf
             for name in pending.values():
                 drivers[name].request_stop.remote()
             asked = True
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+        # A short wait: a stop request reaches the drivers, and their lines the terminal, within ~0.2 s, which
+        # is a step or less even where steps are fast (the stop lands after the step in progress, as promised).
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=0.2)
         stop.check()  # a second signal: leave now (the caller's `finally` ends every process)
         _poll(drivers, [n for ref, n in pending.items() if ref not in done], view)
         if not done:

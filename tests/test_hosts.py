@@ -28,6 +28,8 @@ SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     "grpo.num_generations=8", "grpo.mini_batch_size=64", "rollout.max_batch_size=128", "data.max_operand=3")]
 TWO_HOSTS = ["cluster.hosts=2", "cluster.num_devices=2"]
 ONE_HOST = ["cluster.num_devices=4"]
+# addition's steps: room after the Ctrl-C at step 1, which lands a step or two later on a fast machine
+STEPS = 8
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,7 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
     """Two tasks, each actor across both nodes (two groups at once), against the task on one host of 4 devices
     (embedded Ray, and the same cluster by --address)."""
     models = tmp_path / "models"
-    two = _train(tmp_path / "two", models, (4, 4), *TWO_HOSTS, "--address", nodes)
+    two = _train(tmp_path / "two", models, (STEPS, 4), *TWO_HOSTS, "--address", nodes)
     assert "[addition] ok" in two.stdout and "[subtraction] ok" in two.stdout, two.stdout[-2000:]
     assert re.search(r"\[addition\] actor on 2 hosts, 4 devices", two.stdout)
     groups = _groups(tmp_path / "two")
@@ -95,33 +97,36 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
     ports = {task: g["coordinator"] for task, g in groups.items()}
     assert ports["addition"] != ports["subtraction"], ports  # two groups, two coordinators
 
-    _train(tmp_path / "one", models, (4, 4), *ONE_HOST, "--tasks", "addition")  # embedded local Ray
-    _train(tmp_path / "one-address", models, (4, 4), *ONE_HOST, "--tasks", "addition", "--address", nodes)
+    _train(tmp_path / "one", models, (STEPS, 4), *ONE_HOST, "--tasks", "addition")  # embedded local Ray
+    _train(tmp_path / "one-address", models, (STEPS, 4), *ONE_HOST, "--tasks", "addition", "--address", nodes)
     across, one = _metrics(tmp_path / "two", "addition"), _metrics(tmp_path / "one", "addition")
-    assert len(across) == len(one) == 4
+    assert len(across) == len(one) == STEPS
     assert across[0]["reward/mean"] == one[0]["reward/mean"] > 0  # same weights, same samples, something scored
     assert any(r["grad_norm"] > 0 for r in one)  # the comparison has gradients in it
+    # Same samples every step (rewards equal), losses within 1e-5; the gradient norm within 1e-4 relative: float32
+    # sums taken in another order across processes, felt most near the end where the loss is ~1e-4 and cancels.
     for a, o in zip(across, one, strict=True):
-        assert abs(a["loss"] - o["loss"]) <= 1e-5 and abs(a["grad_norm"] - o["grad_norm"]) <= 1e-5 * o["grad_norm"], \
+        assert a["reward/mean"] == o["reward/mean"], (a, o)
+        assert abs(a["loss"] - o["loss"]) <= 1e-5 and abs(a["grad_norm"] - o["grad_norm"]) <= 1e-4 * o["grad_norm"], \
             (a, o)
     # The user's cluster by --address runs exactly what the embedded default runs.
     assert _numbers(_metrics(tmp_path / "one-address", "addition")) == _numbers(one)
 
-    # Ctrl-C after step 2 saves the group's state (orbax, every member), --resume restores it in every member:
+    # Ctrl-C after step 1 saves the group's state (orbax, every member), --resume restores it in every member:
     # the steps after equal the uninterrupted run's.
-    stop = _args(tmp_path / "stopped", models, (4, 4), *TWO_HOSTS, "tasks.0.checkpoint_every=1", "--tasks", "addition",
-                 "--address", nodes)
+    stop = _args(tmp_path / "stopped", models, (STEPS, 4), *TWO_HOSTS, "tasks.0.checkpoint_every=1",
+                 "--tasks", "addition", "--address", nodes)
     proc = subprocess.Popen(stop, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
         for line in proc.stdout:
-            if re.match(r"\[addition\] step +2/", line):
+            if re.match(r"\[addition\] step +1/", line):
                 proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
     finally:
         proc.kill()
     saved = len(_metrics(tmp_path / "stopped", "addition"))
-    assert 2 <= saved < 4
-    resumed = _train(tmp_path / "stopped", models, (4, 4), *TWO_HOSTS, "tasks.0.checkpoint_every=1", "--tasks",
+    assert 1 <= saved < STEPS, saved  # stopped after the step in progress, well before the end
+    resumed = _train(tmp_path / "stopped", models, (STEPS, 4), *TWO_HOSTS, "tasks.0.checkpoint_every=1", "--tasks",
                      "addition", "--address", nodes, "--resume")
     assert f"[addition] resumed after step {saved}" in resumed.stdout
     assert _numbers(_metrics(tmp_path / "stopped", "addition")) == _numbers(across)
