@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlsched.errors import CheckpointError
+from workers.multihost import is_primary
 
 log = logging.getLogger(__name__)
 _TMP = ".tmp-"  # prefix of a step being written
@@ -46,7 +47,7 @@ class TaskCheckpointer:
         self.directory = Path(directory).absolute()
         self.background, self.max_to_keep = background, max_to_keep
         self.directory.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:  # one process of a role across hosts tidies (they share the directory)
+        if is_primary():  # one process of a role across hosts tidies (they share the directory)
             for stale in self.directory.glob(f"{_TMP}*"):  # a write a killed process never finished
                 shutil.rmtree(stale, ignore_errors=True)
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")

@@ -75,8 +75,15 @@ class RoleMember:
                                    initialization_timeout=int(timeout_s), coordinator_bind_address=bind)
         return {"process_index": jax.process_index(), "local": len(jax.local_devices()), "global": len(jax.devices())}
 
-    def build(self, cls, spec, channel) -> None:
+    def build(self, cls, spec, channel) -> bool:
+        """Build the role; in a member other than 0, first put the run's files under the guard (only process 0
+        writes them; every process writes its shards of the task's checkpoints). Whether the guard is on."""
+        from workers.multihost import guard_run_files
+
+        shared = [spec.checkpoint_dir] + ([spec.compile_cache] if spec.compile_cache else [])
+        guarded = guard_run_files([spec.dir.parent.parent], shared=shared)  # runs/<experiment>
         self.role = cls(spec, channel=channel)
+        return guarded
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         if self.role is None:
@@ -91,6 +98,7 @@ class RoleGroup:
                  hang_timeout_s: float = HANG_TIMEOUT_S):
         self.members, self.kind, self.nodes, self.hang_timeout_s = members, kind, nodes, hang_timeout_s
         self.coordinator: str | None = None  # "host:port" of member 0's JAX coordinator, once joined
+        self.guarded: list[bool] = []  # per member: whether its run-file guard is on (workers.multihost)
 
     @classmethod
     def launch(cls, role_cls, spec, *, channel, placement, take_port, bundles: list[int],
@@ -125,7 +133,7 @@ class RoleGroup:
             group.coordinator = f"{host}:{port}"
             group._gather([m.join.remote(group.coordinator, len(members), i, JOIN_TIMEOUT_S)
                            for i, m in enumerate(members)], "jax.distributed.initialize")
-            group._gather([m.build.remote(role_cls, spec, channel) for m in members], "__init__")
+            group.guarded = group._gather([m.build.remote(role_cls, spec, channel) for m in members], "__init__")
         except BaseException:
             group.terminate()
             raise
@@ -182,7 +190,8 @@ class RoleGroup:
     def where(self) -> dict[str, Any]:
         """Member 0's place, with every member's host, node and pid (the task's placement line and timeline)."""
         first = self._gather([m.call.remote("where", (), {}) for m in self.members], "where")[0]
-        return {**first, "members": [dict(n) for n in self.nodes], "coordinator": self.coordinator}
+        return {**first, "members": [dict(n, guarded=g) for n, g in zip(self.nodes, self.guarded, strict=True)],
+                "coordinator": self.coordinator}
 
     @property
     def handle(self):

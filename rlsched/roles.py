@@ -235,7 +235,9 @@ def _make_preset_model(m, init_model) -> None:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        if jax.process_index() == 0 and missing():
+        from workers.multihost import is_primary
+
+        if is_primary() and missing():
             init_model(m.path, preset=m.init_preset, seed=m.init_seed)
         multihost_utils.sync_global_devices(f"model {m.path}")
     if missing():

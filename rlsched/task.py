@@ -104,7 +104,8 @@ class TaskDriver:
                     now = self.timeline.now()
                     self.timeline.add_span("role_group", now, now, role=role, hosts=[m["host"] for m in p["members"]],
                                            nodes=[m["node_id"] for m in p["members"]],
-                                           pids=[m["pid"] for m in p["members"]], coordinator=p["coordinator"])
+                                           pids=[m["pid"] for m in p["members"]], coordinator=p["coordinator"],
+                                           guarded=[m["guarded"] for m in p["members"]])
             pool = MemoryPool(self.name)
             self.residency = {role: Residency(pool, self.name, str(role), onload=w.onload, offload=w.offload,
                                               timeline=self.timeline, resident=True, sizes=w.memory(),

@@ -93,6 +93,7 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
     groups = _groups(tmp_path / "two")
     for task, group in groups.items():  # every member on a node of its own
         assert len(set(group["nodes"])) == len(group["nodes"]) == 2, (task, group)
+        assert group["guarded"] == [False, True], group  # member 1 ran (and saved, below) under the run-file guard
     assert set(groups) == {"addition", "subtraction"}
     ports = {task: g["coordinator"] for task, g in groups.items()}
     assert ports["addition"] != ports["subtraction"], ports  # two groups, two coordinators

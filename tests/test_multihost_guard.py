@@ -1,0 +1,91 @@
+"""The multihost guard (workers.multihost): in a real two-process JAX job (jax.distributed, gloo, two CPU
+processes of 2 devices each), what a role writes once is written by process 0 only, and a run file written from
+process 1 fails at once with the file named; the task's checkpoints (each process's orbax shards) stay writable
+by every process. tests/test_hosts.py runs whole tasks across hosts with this guard on in every member ≠ 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MEMBER = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+
+    import jax
+
+    port, index, run, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=index,
+                               initialization_timeout=60, coordinator_bind_address=f"127.0.0.1:{port}")
+    from jax.experimental import multihost_utils
+
+    from workers import multihost
+    from workers.models.presets import init_model
+
+    task = run / "tasks" / "t"
+    (task / "checkpoints").mkdir(parents=True, exist_ok=True)  # the way to a shared directory: every process
+    seen = {"process": jax.process_index(), "devices": len(jax.devices()),
+            "guarded": multihost.guard_run_files([run], shared=[task / "checkpoints"])}
+
+    def attempt(name, fn):  # what the guard says about one write: "ok" or its error
+        try:
+            fn()
+            seen[name] = "ok"
+        except multihost.RunFileWriteError as err:
+            seen[name] = "refused: " + str(err)
+
+    # Through the helper: every process calls it, one writes.
+    multihost.primary_only(lambda: (task / "metrics.jsonl").write_text(f"written by {index}\\n"))
+    # Each process's own shard of the task's checkpoints: every process writes by design.
+    attempt("shard", lambda: (task / "checkpoints" / f"shard.{index}").write_text(str(index)))
+    # Forgotten guards, each kind of write: appending to a run file, a real worker writing a model, a rename.
+    attempt("append", lambda: open(task / "metrics.jsonl", "a").close())
+    attempt("model", lambda: init_model(run / "model", preset="tiny"))
+    attempt("rename", lambda: (task / "checkpoints" / f"shard.{index}").rename(task / f"moved.{index}"))
+    attempt("mkdir", lambda: (task / "logs").mkdir())
+    attempt("rmtree", lambda: __import__("shutil").rmtree(run / "tasks" / "other"))
+    attempt("outside", lambda: (out.parent / f"scratch.{index}").write_text("not a run file"))
+    multihost_utils.sync_global_devices("done")
+    out.write_text(json.dumps(seen))
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_only_process_0_writes_run_files_and_a_forgotten_guard_fails_naming_the_file(tmp_path):
+    run, script = tmp_path / "runs" / "exp", tmp_path / "member.py"
+    (run / "tasks" / "other").mkdir(parents=True)
+    script.write_text(MEMBER)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": str(ROOT)}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(i), str(run), str(tmp_path / f"{i}.json")],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in (0, 1)]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    first, second = (json.loads((tmp_path / f"{i}.json").read_text()) for i in (0, 1))
+    assert (first["process"], second["process"], first["devices"]) == (0, 1, 4)  # one job of 4 devices
+
+    assert not first["guarded"] and second["guarded"]
+    assert (run / "tasks" / "t" / "metrics.jsonl").read_text() == "written by 0\n"  # the helper: process 0 alone
+    for name in ("append", "model", "rename", "mkdir", "rmtree"):
+        assert first[name] == "ok", (name, first[name])
+        assert second[name].startswith("refused: process 1 of a role across hosts wrote "), (name, second[name])
+    assert str(run / "tasks" / "t" / "metrics.jsonl") in second["append"] and "is_primary()" in second["append"]
+    assert f"{run}{os.sep}" in second["model"]  # init_model's own first write is what the guard stopped
+    assert (run / "model" / "config.json").is_file()  # process 0's model is whole
+    # Shards are every process's own; anything outside the run directory is not the guard's business.
+    assert first["shard"] == second["shard"] == "ok" and first["outside"] == second["outside"] == "ok"
