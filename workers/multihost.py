@@ -14,7 +14,7 @@ Design decisions (and why):
   write under the run's directories (open for writing, rename, remove, mkdir, rmtree) raises `RunFileWriteError`
   naming the file, except in the subtrees every process writes by design (orbax saves each process's shards
   under the task's checkpoints; each process keeps its own compiled programs). So a forgotten `is_primary`
-  fails the task on its first write instead of two processes racing on one file; tests/test_multihost_guard.py
+  fails the task on its first write instead of two processes racing on one file; tests/test_multihost.py
   shows it in a real two-process JAX job. (Writes from native code, e.g. tensorstore, are not seen: those are
   orbax's, and allowed.)
 - **Nothing changes on one process.** Every helper is the identity (or a plain `np.asarray`) when the arrays

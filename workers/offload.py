@@ -7,6 +7,9 @@ Design decisions (and why):
   survive multi-device meshes. Otherwise it becomes host numpy (`jax.device_get`).
 - **The device buffers are deleted at offload**, so the bytes are really freed (the field's "offload
   freed far less than expected"); nothing keeps a reference to them.
+- **Across processes too.** A role across hosts (rlsched.rolegroup) offloads in every process at once, each its
+  own shards: a memory-kind move is per shard already; the numpy fallback keeps each process's shards
+  (`_Shards`) where `device_get` would need the whole array in one process.
 - **"On the device" means the device memory kind.** Pinned-host arrays are live JAX arrays too, so
   counting bytes counts only arrays whose memory kind is the device's default.
 """
@@ -18,6 +21,14 @@ from typing import Any
 
 import jax
 import numpy as np
+
+
+@dataclasses.dataclass
+class _Shards:
+    """This process's shards of an array that spans processes, in host numpy (the numpy fallback)."""
+
+    shape: tuple[int, ...]
+    data: list[tuple[Any, np.ndarray]]  # (device, its shard)
 
 
 @dataclasses.dataclass
@@ -43,8 +54,10 @@ def offload(tree: Any) -> Offloaded:
     if kind is not None:
         host = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), tree)
         jax.block_until_ready(host)
-    else:
+    elif all(x.is_fully_addressable for x in leaves):
         host, kind = jax.device_get(tree), "numpy"
+    else:  # a role across hosts: every process keeps its own shards
+        host, kind = jax.tree.map(_own_shards, tree), "numpy"
     for x in leaves:
         x.delete()
     return Offloaded(host, shardings, kind)
@@ -52,12 +65,28 @@ def offload(tree: Any) -> Offloaded:
 
 def onload(off: Offloaded) -> Any:
     """Bring an offloaded tree back to its devices (and free the host copies of pinned arrays)."""
-    tree = jax.device_put(off.tree, off.shardings)
+    if any(isinstance(x, _Shards) for x in jax.tree.leaves(off.tree)):
+        tree = jax.tree.map(_from_shards, off.tree, off.shardings)
+    else:
+        tree = jax.device_put(off.tree, off.shardings)
     jax.block_until_ready(tree)
     if off.memory_kind != "numpy":
         for x in jax.tree.leaves(off.tree):
             x.delete()
     return tree
+
+
+def _own_shards(x: Any) -> Any:
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return jax.device_get(x)
+    return _Shards(x.shape, [(s.device, np.asarray(s.data)) for s in x.addressable_shards])
+
+
+def _from_shards(host: Any, sharding: Any) -> Any:
+    if not isinstance(host, _Shards):
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_single_device_arrays(
+        host.shape, sharding, [jax.device_put(data, device) for device, data in host.data])
 
 
 def host_tree_numpy(off: Offloaded) -> Any:
