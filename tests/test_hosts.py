@@ -76,10 +76,23 @@ def _numbers(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows]
 
 
+def _trace(out: Path) -> list[dict]:
+    trace = json.loads((out / "demo-mesh" / "timeline.json").read_text())
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def _one_task_fits() -> str:
+    """A per-device memory budget with room for one task's engine and actor, and half of one more role."""
+    from rlsched.config import load_config
+    from rlsched.experiment import estimate_bytes
+
+    engine, actor = estimate_bytes(load_config(ROOT / "configs" / "demo_mesh.yaml", [*SMALL, *TWO_HOSTS]).tasks[0])
+    return f"cluster.memory_budget_gb={(engine + actor + min(engine, actor) // 2) / 2**30}"
+
+
 def _groups(out: Path) -> dict[str, dict]:
     """{task: the 'role_group' span's args} from the run's Perfetto trace."""
-    trace = json.loads((out / "demo-mesh" / "timeline.json").read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = _trace(out)
     return {e["args"]["task"]: e["args"] for e in events if e.get("name") == "role_group"}
 
 
@@ -87,13 +100,18 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
     """Two tasks, each actor across both nodes (two groups at once), against the task on one host of 4 devices
     (embedded Ray, and the same cluster by --address)."""
     models = tmp_path / "models"
-    two = _train(tmp_path / "two", models, (STEPS, 4), *TWO_HOSTS, "--address", nodes)
+    # Memory for one task's engine and actor per device, not two: roles are evicted (offloaded, every member its
+    # own shards) and brought back all along, and the numbers must not move.
+    two = _train(tmp_path / "two", models, (STEPS, 4), *TWO_HOSTS, _one_task_fits(), "--address", nodes)
     assert "[addition] ok" in two.stdout and "[subtraction] ok" in two.stdout, two.stdout[-2000:]
     assert re.search(r"\[addition\] actor on 2 hosts, 4 devices", two.stdout)
     groups = _groups(tmp_path / "two")
     for task, group in groups.items():  # every member on a node of its own
         assert len(set(group["nodes"])) == len(group["nodes"]) == 2, (task, group)
         assert group["guarded"] == [False, True], group  # member 1 ran (and saved, below) under the run-file guard
+    moved = {(e["name"], e["args"]["task"]) for e in _trace(tmp_path / "two") if e.get("ph") == "X"
+             and e["name"] in ("offload", "onload") and e["args"].get("role") == "actor"}
+    assert moved == {(m, t) for m in ("offload", "onload") for t in ("addition", "subtraction")}, moved
     assert set(groups) == {"addition", "subtraction"}
     ports = {task: g["coordinator"] for task, g in groups.items()}
     assert ports["addition"] != ports["subtraction"], ports  # two groups, two coordinators
