@@ -581,6 +581,11 @@ class TaskSpec:
     def checkpoint_dir(self) -> Path:
         return self.dir / "checkpoints"
 
+    @property
+    def run_dir(self) -> Path:
+        """The experiment's runs/<experiment>, which holds this task's directory."""
+        return self.dir.parent.parent
+
 
 def with_absolute_paths(cfg: ExperimentConfig, base: str | Path) -> ExperimentConfig:
     """`cfg` with its relative paths (experiment.output_dir, each task's model.path and data.path) made

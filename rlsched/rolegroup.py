@@ -81,7 +81,7 @@ class RoleMember:
         from workers.multihost import guard_run_files
 
         shared = [spec.checkpoint_dir] + ([spec.compile_cache] if spec.compile_cache else [])
-        guarded = guard_run_files([spec.dir.parent.parent], shared=shared)  # runs/<experiment>
+        guarded = guard_run_files([spec.run_dir], shared=shared)
         self.role = cls(spec, channel=channel)
         return guarded
 

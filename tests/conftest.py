@@ -33,6 +33,15 @@ import pytest  # noqa: E402
 from workers.models import init_model  # noqa: E402
 
 
+def one_task_fits_gb(task) -> float:
+    """A per-device memory budget (GiB) with room for one task's engine and actor and half of one more role: one
+    task fits, two never do, so colocated tasks evict each other's roles all along. `task`: a TaskConfig."""
+    from rlsched.experiment import estimate_bytes
+
+    engine, actor = estimate_bytes(task)
+    return (engine + actor + min(engine, actor) // 2) / 2**30
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """`rlsched init-model --preset tiny` output, with weights peaked enough (std 0.2) that greedy

@@ -59,11 +59,9 @@ def test_an_expired_lease_fences_its_holder_and_the_lock_passes_only_then(ray_se
 def test_an_eviction_that_fails_fails_the_evicted_task_not_the_waiter(ray_session, tmp_path, tiny_model_dir):
     """Room for one task's roles: every step evicts the other's. addition's engine fails its first offload;
     addition is fenced and fails with that cause, subtraction (which waited for the room) runs every step."""
-    from rlsched.experiment import estimate_bytes
+    from conftest import one_task_fits_gb
 
-    probe = _experiment(tmp_path, tiny_model_dir, "probe", {}, {})
-    engine, actor = estimate_bytes(probe.tasks[0])
-    budget_gb = (engine + actor + min(engine, actor) // 2) / 2**30  # one task fits, two never do
+    budget_gb = one_task_fits_gb(_experiment(tmp_path, tiny_model_dir, "probe", {}, {}).tasks[0])
     # addition asks for its first lock 3 s after subtraction: subtraction's first ROLLOUT evicts addition's
     # engine, whose offload is the one that fails (were addition first, its own move would fail, not an eviction)
     faults = {"addition": {"fail_release_on_call": 1, "delay_start_s": 3}}

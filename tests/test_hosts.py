@@ -82,12 +82,13 @@ def _trace(out: Path) -> list[dict]:
 
 
 def _one_task_fits() -> str:
-    """A per-device memory budget with room for one task's engine and actor, and half of one more role."""
-    from rlsched.config import load_config
-    from rlsched.experiment import estimate_bytes
+    """The override for a per-device memory budget that fits one task of the run, not two."""
+    from conftest import one_task_fits_gb
 
-    engine, actor = estimate_bytes(load_config(ROOT / "configs" / "demo_mesh.yaml", [*SMALL, *TWO_HOSTS]).tasks[0])
-    return f"cluster.memory_budget_gb={(engine + actor + min(engine, actor) // 2) / 2**30}"
+    from rlsched.config import load_config
+
+    task = load_config(ROOT / "configs" / "demo_mesh.yaml", [*SMALL, *TWO_HOSTS]).tasks[0]
+    return f"cluster.memory_budget_gb={one_task_fits_gb(task)}"
 
 
 def _groups(out: Path) -> dict[str, dict]:

@@ -95,11 +95,9 @@ def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_se
     step saves a checkpoint, under the TRAIN lock: no eviction can empty the actor mid-save."""
     import json
 
-    from rlsched.experiment import estimate_bytes
+    from conftest import one_task_fits_gb
 
-    probe = _experiment(tmp_path, tiny_model_dir, "probe", ["addition"])
-    engine, actor = estimate_bytes(probe.tasks[0])
-    budget_gb = (engine + actor + min(engine, actor) // 2) / 2**30  # one task fits, two never do
+    budget_gb = one_task_fits_gb(_experiment(tmp_path, tiny_model_dir, "probe", ["addition"]).tasks[0])
     cluster = {"placement": "colocated", "memory_budget_gb": budget_gb}
     cfg = _experiment(tmp_path, tiny_model_dir, "tight", ["addition", "subtraction"], cluster=cluster,
                       checkpoint_every=1)
