@@ -92,11 +92,16 @@ class LocalChannel(_Channel):
     layout, device to device), and a message that travels through another process (a driver forwarding it
     between two roles hosted in one process, rlsched.hosts) carries no arrays. The slot holds the latest
     version only, and the sender's arrays must still be alive when it is received: the engine syncs in the
-    ROLLOUT that follows the TRAIN that published."""
+    ROLLOUT that follows the TRAIN that published. An actor whose arrays span the processes of a device group
+    across hosts (rlsched.hosts) sends them gathered, leaf by leaf, into the first host's memory, where its engine
+    is: every process takes part in each gather."""
 
     def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
+        nbytes = _nbytes(flat)
+        if any(not getattr(v, "is_fully_addressable", True) for v in flat.values()):
+            flat = _gathered(flat)  # an actor across a device group's hosts (rlsched.hosts) to an engine on one
         _SLOTS[self.name] = (int(version), dict(flat))
-        return WeightMessage(self.name, int(version), checksum, _nbytes(flat), None)
+        return WeightMessage(self.name, int(version), checksum, nbytes, None)
 
     def receive(self, message: WeightMessage) -> Flat:
         self._check(message)
@@ -114,6 +119,20 @@ class LocalChannel(_Channel):
     def close(self) -> None:
         """Drop this channel's slot (the sender's last weights) in this process."""
         _SLOTS.pop(self.name, None)
+
+
+def _gathered(flat: Flat) -> Flat:
+    """Arrays that span processes (an actor across hosts), each gathered in turn into host numpy: every process
+    of the job takes part (a collective; at most one whole leaf beyond the shards on any device), process 0
+    keeps the values (the engine is on its host), the others keep nothing."""
+    from workers.multihost import host_value, is_primary
+
+    primary, host = is_primary(), {}
+    for k, v in flat.items():
+        value = host_value(v)
+        if primary:
+            host[k] = value
+    return host
 
 
 _SLOTS: dict[str, tuple[int, dict]] = {}  # LocalChannel name -> (version, weights) last sent in this process
@@ -140,14 +159,9 @@ class ObjectStoreChannel(_Channel):
         The others' message carries no payload; the driver forwards member 0's."""
         import ray
 
-        from workers.multihost import host_value, is_primary
+        from workers.multihost import is_primary
 
-        primary, host = is_primary(), {}
-        for k, v in flat.items():
-            value = host_value(v)  # every process takes part; only process 0 keeps the values
-            if primary:
-                host[k] = value
-        payload = ray.put(host) if primary else None
+        payload = ray.put(_gathered(flat)) if is_primary() else None
         return WeightMessage(self.name, int(version), checksum, _nbytes(flat), payload)
 
     def receive(self, message: WeightMessage) -> Flat:

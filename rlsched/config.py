@@ -466,9 +466,6 @@ class ExperimentConfig(_Section):
         if c.placement != "colocated":
             raise _FieldError("cluster.placement", c.placement, "cluster.hosts > 1 runs colocated only for now "
                               "(an actor across hosts, its engine on the first host); set cluster.placement=colocated")
-        if c.processes == "per_device_group":
-            raise _FieldError("cluster.processes", c.processes, "a role across hosts is a process per host of its "
-                              "own; cluster.hosts > 1 needs cluster.processes=per_role (or auto)")
         per_host, pool = c.num_devices, c.num_devices * c.hosts
         for i, task in enumerate(self.tasks):
             actor, n = task.actor.mesh, _devices(task.actor.mesh)
@@ -485,6 +482,11 @@ class ExperimentConfig(_Section):
                                   f"tp must stay inside a host (its all-reduces run every layer); a host has "
                                   f"{per_host} devices, so tp must divide {per_host}; split across hosts with dp or "
                                   "fsdp")
+            if c.processes == "per_device_group" and per_host < n < pool:
+                raise _FieldError(f"tasks.{i}.actor.mesh", actor.model_dump(),
+                                  f"{_mesh_text(actor)} devices spans some of the {c.hosts} hosts, but with "
+                                  "cluster.processes=per_device_group the hosts are one JAX job and a mesh across "
+                                  f"them takes them all: {pool} devices (or one host's {per_host} at most)")
             rollout = task.rollout.mesh
             if _devices(rollout) > per_host:
                 raise _FieldError(f"tasks.{i}.rollout.mesh", rollout.model_dump(),

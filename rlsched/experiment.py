@@ -128,9 +128,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     if logs is not None:
         echo(f"what libraries print in role processes: {logs} (worker-*-<pid>.err; pids in summary.json)")
     resource = cluster.device_resource()
-    processes = resolve_processes(cfg.cluster.processes, resource)
-    if cfg.cluster.hosts > 1:
-        processes = "per_role"  # a role across hosts is a process per host of its own (rlsched.rolegroup)
+    processes = resolve_processes(cfg.cluster.processes, resource)  # across hosts: per_role, a role across hosts
     check_platform(resource, cfg, processes)  # what cannot work on this platform: before any role starts
     devices = cluster.group_devices(cfg.cluster.placement, cfg.num_devices,
                                     max(sharding.num_devices(t.rollout.mesh.as_dict()) for t in cfg.tasks))
@@ -142,11 +140,11 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
         try:
             where = cluster.role_placement(pg, cfg.cluster.placement, visible_cores(), resource, devices,
                                            hosts=cfg.cluster.hosts)
-            if processes == "per_device_group":  # one process per device group holds every task's roles there
-                where = _start_hosts(cfg, where, actors, echo)
             specs = [dataclasses.replace(s, processes=processes) for s in cfg.task_specs()]
             scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)
             actors.append(scheduler)
+            if processes == "per_device_group":  # one process per device group holds every task's roles there
+                where = _start_hosts(cfg, where, actors, echo, scheduler)
             # Drivers need no device: they wait on locks and score rewards between phases. Threads, not asyncio:
             # the step loop blocks one, while the lifeline and the scheduler's eviction requests take others.
             driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
@@ -182,11 +180,24 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     return results
 
 
-def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo):
+def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo, scheduler):
     """`cluster.processes: per_device_group`: a host process per device group (one when colocated), added to
-    `actors`; the placement with them."""
-    from rlsched.hosts import start_host
+    `actors`; the placement with them. Across hosts (cluster.hosts > 1, colocated): a process per host, joined
+    into one JAX job whose coordinator port comes from the scheduler's allocator (rlsched.hosts.HostGroup)."""
+    import ray
 
+    from rlsched.hosts import start_host, start_host_group
+
+    if cfg.cluster.hosts > 1:
+        def take_port(kind: str, host: str, busy: list[int]) -> int:
+            return ray.get(scheduler.take_port.remote("device group", kind, host, list(busy)))
+
+        hosts = start_host_group(where, num_devices=cfg.num_devices, max_tasks=len(cfg.tasks), take_port=take_port)
+        actors += hosts.members
+        members = ", ".join(f"{n['host']} pid {n['pid']}" for n in hosts.nodes)
+        echo(f"roles held by {len(hosts.members)} device-group processes, one per host, joined into one JAX job "
+             f"(coordinator {hosts.coordinator}; {members})")
+        return dataclasses.replace(where, hosts={"engine": hosts, "actor": hosts})
     group = {"engine": start_host(where, "engine", num_devices=cfg.num_devices, max_tasks=len(cfg.tasks))}
     actors.append(group["engine"])
     if cfg.cluster.placement == "colocated":

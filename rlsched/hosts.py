@@ -19,6 +19,11 @@ Design decisions (and why):
 - **Collateral is the price.** A role that kills its process (a segfault, an out-of-memory kill) ends every
   role of the host; every task there fails with `RoleDied` naming the host. That is how a TPU host behaves
   anyway; on CPU the default stays a process per role.
+- **Across hosts** (`cluster.hosts` > 1): one such process per host, all joined into one JAX job
+  (`start_host_group`, `HostGroup`). A task's actor whose mesh spans the hosts is built in each and called SPMD
+  (`HostedGroupRole`); everything within one host lives in the first host's process. Every host must enter
+  collectives in the same order while several drivers call them at once, so each SPMD call takes a turn from
+  the first host and every host runs the turns in order (`RoleHost.in_turn`).
 - Ray is imported inside the functions: importing this module costs nothing without Ray.
 """
 
@@ -26,16 +31,20 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
+import threading
 from typing import Any
 
 from rlsched import placement as pin
 from rlsched.errors import RoleDied, TaskError
 from rlsched.exits import death_cause
+from rlsched.rolegroup import HANG_TIMEOUT_S, JobMember, RoleGroup, join_job
 
 
-class RoleHost:
-    """The process that holds every role of one device group on this host (run as a threaded Ray actor)."""
+class RoleHost(JobMember):
+    """The process that holds every role of one device group on this host (run as a threaded Ray actor). Across
+    hosts (cluster.hosts > 1) the group's hosts first join one JAX job (`JobMember.join`, by `start_host_group`)."""
 
     def __init__(self, cores: list[int] | None = None):
         from rlsched import exits
@@ -44,18 +53,64 @@ class RoleHost:
         if cores:
             pin.pin_process(cores)  # before JAX creates its thread pools: the group's cores, as a role would
         self.roles: dict[str, Any] = {}
+        self._guard: tuple[set, set] = (set(), set())  # run directories, and the subtrees every process writes
+        # SPMD turns across hosts (see `in_turn`): the first host hands them out, every host runs them in order.
+        self._turns = itertools.count()
+        self._order = threading.Condition()
+        self._next_turn = 0  # the turn this host runs next
+        self._arrived: set[int] = set()  # turns whose call has reached this host and waits or runs
 
-    def start(self, key: str, cls, spec, channel) -> None:
-        """Build role `cls` (rlsched.roles.ActorRole / EngineRole) for task `spec` here, under `key`."""
+    def start(self, key: str, cls, spec, channel) -> bool:
+        """Build role `cls` (rlsched.roles.ActorRole / EngineRole) for task `spec` here, under `key`. Returns
+        whether this process writes under the run-file guard (a host other than the first of a group across
+        hosts: only process 0 writes run files, workers.multihost)."""
         if key in self.roles:
             raise TaskError(f"{key} is held by this host already (a task started twice?)")
+        guarded = False
+        if spec.hosts > 1:
+            from workers.multihost import guard_run_files
+
+            roots, shared = self._guard  # every task's run directory so far: the guard takes them all at once
+            roots.add(str(spec.run_dir))
+            shared.update(str(d) for d in [spec.checkpoint_dir, spec.compile_cache] if d)
+            guarded = guard_run_files(sorted(roots), shared=sorted(shared))
         self.roles[key] = cls(spec, channel=channel)
+        return guarded
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
         role = self.roles.get(key)
         if role is None:
             raise TaskError(f"{key} is not held by this host (it was dropped, or never started)")
         return getattr(role, method)(*args, **kwargs)
+
+    def ticket(self) -> int:
+        """The next SPMD turn of the device group (asked of the first host only)."""
+        with self._order:
+            return next(self._turns)
+
+    def in_turn(self, turn: int, method: str, *args) -> Any:
+        """Run `method` (start or call) as SPMD turn `turn`: after every earlier turn, alone.
+
+        Why: every host of a JAX job must enter collectives in the same order, but the tasks' drivers call the
+        hosts concurrently, and a threaded Ray actor runs calls in no set order. So each call a role across the
+        hosts makes takes a turn from the first host first, and every host runs the turns in order. A turn that
+        never reaches this host (its caller died between taking it and sending it) stops the queue; after
+        HANG_TIMEOUT_S without it the host says so, rather than waiting for ever."""
+        with self._order:
+            self._arrived.add(turn)
+            while self._next_turn != turn:
+                waiting = self._next_turn
+                if not self._order.wait(timeout=HANG_TIMEOUT_S) and self._next_turn == waiting \
+                        and waiting not in self._arrived:
+                    raise TaskError(f"SPMD turn {waiting} never reached this host in {HANG_TIMEOUT_S:.0f} s (its "
+                                    "caller died before sending it?); the device group's hosts cannot go on in step")
+        try:
+            return getattr(self, method)(*args)
+        finally:
+            with self._order:
+                self._arrived.discard(turn)
+                self._next_turn += 1
+                self._order.notify_all()
 
     def drop(self, key: str) -> None:
         """Forget a role (its driver closed it first): its arrays are freed with its last reference."""
@@ -70,21 +125,23 @@ class RoleHost:
                 "roles": {key: role.device_ids() for key, role in self.roles.items()}}
 
 
-def start_host(placement, kind: str, *, num_devices: int, max_tasks: int):
+def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle: int | None = None):
     """Start the host of `kind`'s device group ("actor": train, "engine": rollout; one host for both when
-    colocated) on its bundle of `placement` (rlsched.cluster.RolePlacement), seeing the pool's devices."""
+    colocated) on its bundle of `placement` (rlsched.cluster.RolePlacement; `bundle` another host's), seeing
+    the pool's devices."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from rlsched.cluster import role_env
 
     resource = placement.resource
+    bundle = placement.bundles[kind] if bundle is None else bundle
     options: dict[str, Any] = {"max_restarts": 0, "num_cpus": 0, "max_concurrency": 4 * max_tasks + 4,
                                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                                   placement.placement_group, placement_group_bundle_index=placement.bundles[kind]),
+                                   placement.placement_group, placement_group_bundle_index=bundle),
                                "runtime_env": {"env_vars": role_env(num_devices, resource, shares_devices=False)}}
     # The one process that uses the group's accelerators takes them all, so Ray makes them visible to it.
-    devices = placement.bundle_devices[kind]
+    devices = placement.bundle_devices[kind]  # on each host, when the group spans hosts
     if resource == "GPU":
         options["num_gpus"] = devices
     elif resource == "CPU":
@@ -141,3 +198,106 @@ class HostedRole:
 
         with contextlib.suppress(ray.exceptions.RayActorError):  # a dead host: the role's memory went with it
             ray.get(self._host.drop.remote(self.key))
+
+
+class HostGroup:
+    """A device group across hosts held by one process per host (`cluster.processes: per_device_group` with
+    `cluster.hosts` > 1): the hosts, in host order, joined into one JAX job whose coordinator is on the first.
+
+    What real hardware needs: a TPU host's chips open in one process, so every role that uses them, of every
+    task, is held by that host's process, and a mesh over several hosts is one JAX job of those processes. A
+    task's actor whose mesh spans the hosts is built in every host and called SPMD (`HostedGroupRole`); an
+    engine, and an actor within one host, are held by the first host alone (`HostedRole`), on its own devices.
+    A host that dies breaks the JAX job: every host is stopped and every task of the group fails, as a device
+    group's one process does on one host."""
+
+    def __init__(self, members: list, nodes: list[dict[str, Any]], coordinator: str):
+        self.members, self.nodes, self.coordinator = members, nodes, coordinator
+
+    @property
+    def first(self):
+        return self.members[0]
+
+
+def start_host_group(placement, *, num_devices: int, max_tasks: int, take_port,
+                     hang_timeout_s: float = HANG_TIMEOUT_S) -> HostGroup:
+    """Start one device-group host per host bundle of `placement` and join them into one JAX job; the port of
+    its coordinator comes from `take_port(kind, host, busy)` (the scheduler's allocator)."""
+    members = [start_host(placement, "actor", num_devices=num_devices, max_tasks=max_tasks, bundle=b)
+               for b in placement.host_bundles]
+    probe = HostedGroupRole(HostGroup(members, [{} for _ in members], ""), "", "device group",
+                            hang_timeout_s=hang_timeout_s)
+    try:
+        nodes, coordinator = join_job(members, "device-group", take_port, probe._gather)
+    except BaseException:
+        probe._end()
+        raise
+    return HostGroup(members, nodes, coordinator)
+
+
+class HostedGroupRole(RoleGroup):
+    """A task's role whose mesh spans the hosts of a `HostGroup`: built in every host under one key, each method
+    called SPMD on every host (member 0's value), a host's death or hang ending the group as a RoleGroup's does,
+    except that the hosts are the device group's: every task there fails with it (`RoleDied(shared=True)`)."""
+
+    def __init__(self, group: HostGroup, key: str, kind: str, *, hang_timeout_s: float = HANG_TIMEOUT_S):
+        super().__init__(list(group.members), kind, list(group.nodes), hang_timeout_s=hang_timeout_s)
+        self.key, self.coordinator = key, group.coordinator
+
+    @classmethod
+    def launch(cls, group: HostGroup, role_cls, spec, channel) -> HostedGroupRole:
+        role = cls(group, f"{spec.name}/{role_cls.kind}", role_cls.kind)
+        turn = role._ticket("__init__")
+        role.guarded = role._gather([m.in_turn.remote(turn, "start", role.key, role_cls, spec, channel)
+                                     for m in role.members], "__init__")
+        return role
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args, **kwargs):
+            turn = self._ticket(name)
+            return self._gather([m.in_turn.remote(turn, "call", self.key, name, args, kwargs) for m in self.members],
+                                name)[0]
+
+        return call
+
+    def _ticket(self, name: str) -> int:
+        """An SPMD turn from the first host (RoleHost.in_turn), right before the call is sent to every host."""
+        return self._gather([self.members[0].ticket.remote()], name)[0]
+
+    def _remote(self, member, method: str, args: tuple, kwargs: dict):
+        raise AssertionError("a device group's role is called in turns (HostedGroupRole.__getattr__)")
+
+    def where(self) -> dict[str, Any]:
+        turn = self._ticket("where")
+        first = self._gather([m.in_turn.remote(turn, "call", self.key, "where", (), {}) for m in self.members],
+                             "where")[0]
+        return {**first, "members": [dict(n, guarded=g) for n, g in zip(self.nodes, self.guarded, strict=True)],
+                "coordinator": self.coordinator}
+
+    def _end(self) -> None:
+        import ray
+
+        for m in self.members:  # the JAX job of the hosts is broken: every host goes
+            with contextlib.suppress(Exception):
+                ray.kill(m, no_restart=True)
+
+    def _died(self, message: str) -> RoleDied:
+        return RoleDied(message.replace(f"its {self.kind} group", f"its device group's hosts (holding its "
+                                        f"{self.kind})"), self.kind, shared=True)
+
+    def fence_target(self) -> list:
+        """What the scheduler stops if it must fence this role's task: the role, dropped by every host."""
+        from rlsched.fencing import Target
+
+        return [Target(f"{self.kind}[{i}]", m, self.key) for i, m in enumerate(self.members)]
+
+    def terminate(self) -> None:
+        """Free the role's arrays in every host (the hosts go on for the other tasks)."""
+        import ray
+
+        for m in self.members:
+            with contextlib.suppress(ray.exceptions.RayActorError):  # a dead host: the role's memory went with it
+                ray.get(m.drop.remote(self.key))

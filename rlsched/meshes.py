@@ -169,12 +169,13 @@ def check_platform(platform: str, cfg: ExperimentConfig, processes: str) -> None
     - gpu, per_role, a mesh of more than one device: roles that time-share a GPU each take a fraction of it
       from Ray, and Ray gives a fractional share exactly one device.
     - per_device_group with an engine that needs a process of its own (sglang_jax).
+    - gpu or tpu, per_role, with cluster.hosts > 1: a host's devices are held by one process for both roles.
     CPU runs everything: its devices are per-process host devices."""
     kind = platform_kind(platform)
-    if cfg.cluster.hosts > 1 and kind != "cpu":
-        raise ConfigError(f"cluster.hosts: {cfg.cluster.hosts} hosts run on CPU devices only so far; on {kind} each "
-                          "host's devices must be held by one process for both roles (per_device_group), which a "
-                          "role across hosts does not do yet; set cluster.hosts=1")
+    if cfg.cluster.hosts > 1 and kind != "cpu" and processes != "per_device_group":
+        raise ConfigError(f"cluster.processes: per_role with cluster.hosts {cfg.cluster.hosts} on {kind}: each "
+                          "host's devices must be held by one process for both roles, so a device group across "
+                          "hosts is one process per host; use cluster.processes=per_device_group (or auto)")
     if processes == "per_device_group":
         for i, task in enumerate(cfg.tasks):
             if task.rollout.engine in OWN_PROCESS_ENGINES:

@@ -40,14 +40,9 @@ HANG_TIMEOUT_S = 120.0  # a member this long behind a peer on the same call is s
 JOIN_TIMEOUT_S = 120  # jax.distributed.initialize: every member must reach the coordinator within this
 
 
-class RoleMember:
-    """One host's process of a role group (a Ray actor): joins the group's JAX job, then holds the role."""
-
-    def __init__(self, cores: list[int] | None = None):
-        exits.watch()  # a death is told by how it happened (rlsched.exits)
-        if cores:
-            pin.pin_process(cores)  # before JAX creates its thread pools: this host's share, as a role would
-        self.role = None
+class JobMember:
+    """What every process that joins a JAX job across hosts can do: say where it runs, check a port, join.
+    A role group's member (below) and a device group's host across hosts (rlsched.hosts) are both one."""
 
     def node(self) -> dict[str, Any]:
         """Where this member runs: Ray node id, the node's address, the process id."""
@@ -74,6 +69,16 @@ class RoleMember:
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                                    initialization_timeout=int(timeout_s), coordinator_bind_address=bind)
         return {"process_index": jax.process_index(), "local": len(jax.local_devices()), "global": len(jax.devices())}
+
+
+class RoleMember(JobMember):
+    """One host's process of a role group (a Ray actor): joins the group's JAX job, then holds the role."""
+
+    def __init__(self, cores: list[int] | None = None):
+        exits.watch()  # a death is told by how it happened (rlsched.exits)
+        if cores:
+            pin.pin_process(cores)  # before JAX creates its thread pools: this host's share, as a role would
+        self.role = None
 
     def build(self, cls, spec, channel) -> bool:
         """Build the role; in a member other than 0, first put the run's files under the guard (only process 0
@@ -123,16 +128,7 @@ class RoleGroup:
             members.append(ray.remote(RoleMember).options(**options).remote(placement.cores[role_cls.kind]))
         group = cls(members, role_cls.kind, [{} for _ in members], hang_timeout_s=hang_timeout_s)
         try:
-            group.nodes = group._gather([m.node.remote() for m in members], "node")
-            host = group.nodes[0]["host"]
-            busy: list[int] = []
-            port = take_port(role_cls.kind, host, busy)
-            while not ray.get(members[0].port_free.remote(host, port)):
-                busy.append(port)
-                port = take_port(role_cls.kind, host, busy)
-            group.coordinator = f"{host}:{port}"
-            group._gather([m.join.remote(group.coordinator, len(members), i, JOIN_TIMEOUT_S)
-                           for i, m in enumerate(members)], "jax.distributed.initialize")
+            group.nodes, group.coordinator = join_job(members, role_cls.kind, take_port, group._gather)
             group.guarded = group._gather([m.build.remote(role_cls, spec, channel) for m in members], "__init__")
         except BaseException:
             group.terminate()
@@ -146,9 +142,20 @@ class RoleGroup:
             raise AttributeError(name)
 
         def call(*args, **kwargs):
-            return self._gather([m.call.remote(name, args, kwargs) for m in self.members], name)[0]
+            return self._gather([self._remote(m, name, args, kwargs) for m in self.members], name)[0]
 
         return call
+
+    def _remote(self, member, method: str, args: tuple, kwargs: dict):
+        """One member's call of the role's `method` (a subclass holds the role under a key, rlsched.hosts)."""
+        return member.call.remote(method, args, kwargs)
+
+    def _end(self) -> None:
+        """End the group after a member died or hung: every member's process (their JAX job is broken)."""
+        self.terminate()
+
+    def _died(self, message: str) -> RoleDied:
+        return RoleDied(message, self.kind)
 
     def _member(self, i: int) -> str:
         node = self.nodes[i] if i < len(self.nodes) else {}
@@ -167,18 +174,18 @@ class RoleGroup:
             done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
             if not done:  # peers finished hang_timeout_s ago: the rest are stuck in a collective
                 stuck = ", ".join(self._member(index[r]) for r in pending)
-                self.terminate()
-                raise RoleDied(f"its {self.kind} group's {stuck} did not finish {name}() {self.hang_timeout_s:.0f} s "
-                               "after the other members did (stuck in a collective); every member was stopped",
-                               self.kind)
+                self._end()
+                raise self._died(f"its {self.kind} group's {stuck} did not finish {name}() "
+                                 f"{self.hang_timeout_s:.0f} s after the other members did (stuck in a collective); "
+                                 "every member was stopped")
             first_done = first_done or time.monotonic()
             i = index[done[0]]
             try:
                 results[i] = ray.get(done[0])
             except ray.exceptions.RayActorError as err:
-                self.terminate()  # its peers would block in the next collective
-                raise RoleDied(f"{self._member(i)} of its {self.kind} group died during {name}(): "
-                               f"{exits.death_cause(err)}; every member was stopped", self.kind) from err
+                self._end()  # its peers would block in the next collective
+                raise self._died(f"{self._member(i)} of its {self.kind} group died during {name}(): "
+                                 f"{exits.death_cause(err)}; every member was stopped") from err
             except Exception as err:  # noqa: BLE001 - raised in the role: every member raises it alike, the
                 error = error or err  # same inputs giving the same error; wait for the others, then raise it
         if error is not None:
@@ -189,7 +196,7 @@ class RoleGroup:
 
     def where(self) -> dict[str, Any]:
         """Member 0's place, with every member's host, node and pid (the task's placement line and timeline)."""
-        first = self._gather([m.call.remote("where", (), {}) for m in self.members], "where")[0]
+        first = self._gather([self._remote(m, "where", (), {}) for m in self.members], "where")[0]
         return {**first, "members": [dict(n, guarded=g) for n, g in zip(self.nodes, self.guarded, strict=True)],
                 "coordinator": self.coordinator}
 
@@ -214,6 +221,26 @@ class RoleGroup:
         for m in self.members:
             with contextlib.suppress(Exception):  # gone already
                 ray.kill(m, no_restart=True)
+
+
+def join_job(members: list, kind: str, take_port, gather) -> tuple[list[dict[str, Any]], str]:
+    """Join `members` (JobMember actors, one per host, in host order) into one JAX job: find where each runs,
+    take a coordinator port on member 0's host from the scheduler's allocator (`take_port(kind, host, busy)`,
+    skipping ports that host finds busy), and have every member initialize. `gather(refs, call)` waits for
+    every member (RoleGroup._gather). Returns (each member's node, "host:port" of the coordinator)."""
+    import ray
+
+    nodes = gather([m.node.remote() for m in members], "node")
+    host = nodes[0]["host"]
+    busy: list[int] = []
+    port = take_port(kind, host, busy)
+    while not ray.get(members[0].port_free.remote(host, port)):
+        busy.append(port)
+        port = take_port(kind, host, busy)
+    coordinator = f"{host}:{port}"
+    gather([m.join.remote(coordinator, len(members), i, JOIN_TIMEOUT_S) for i, m in enumerate(members)],
+           "jax.distributed.initialize")
+    return nodes, coordinator
 
 
 def spans_hosts(spec, kind: str) -> bool:

@@ -79,8 +79,10 @@ def role_mesh(spec: TaskSpec, kind: str):
                         "in one process at a time; set cluster.processes=per_device_group")
     actor, rollout = spec.config.actor.mesh.as_dict(), spec.config.rollout.mesh.as_dict()
     shape = actor if kind == "actor" else rollout
-    if jax.process_count() > 1:  # a member of a group across hosts (rlsched.rolegroup): the job's devices, in
-        devices = jax.devices()  # process order, so tp (innermost) stays within a host (the config checks it)
+    if jax.process_count() > 1 and spec.role_hosts(kind) > 1:  # a role across hosts (rlsched.rolegroup, or a
+        # device group's hosts, rlsched.hosts): the job's devices, in process order, so tp (innermost) stays
+        # within a host (the config checks it)
+        devices = jax.devices()
         if len(devices) != sharding.num_devices(shape):
             raise TaskError(f"task {spec.name}: its {kind}'s mesh ({sharding.describe(shape)}) needs "
                             f"{sharding.num_devices(shape)} devices; its group's {jax.process_count()} processes "
@@ -88,6 +90,7 @@ def role_mesh(spec: TaskSpec, kind: str):
         return sharding.mesh(shape, devices)
     local = jax.local_devices()
     if spec.hosts > 1:  # a role within one host of a group across hosts (colocated): its host's first devices
+        # (a process of its own beside a role group, or the first host of a device group across hosts)
         return sharding.mesh(shape, local[: sharding.num_devices(shape)])
     try:
         ids = local_role_devices(spec.placement, kind, spec.num_devices, len(local), actor, rollout)
@@ -153,7 +156,7 @@ class ActorRole(_Role):
 
         compile_cache.enable(spec.compile_cache)
         m = spec.config.model
-        _make_preset_model(m, init_model)
+        _make_preset_model(m, init_model, across=spec.role_hosts("actor") > 1)
         model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
         self.spec = spec
         self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=role_mesh(spec, "actor"))
@@ -225,14 +228,15 @@ class ActorRole(_Role):
         self.channel.close()  # a local channel's slot holds our last published weights
 
 
-def _make_preset_model(m, init_model) -> None:
-    """Create the task's preset model if its directory has none. In a group across hosts process 0 writes it
-    and the others wait for it (a shared filesystem); a host that still cannot see it makes the same model
-    itself (same preset, same seed: the same weights)."""
+def _make_preset_model(m, init_model, *, across: bool) -> None:
+    """Create the task's preset model if its directory has none. In a group across hosts (`across`) process 0
+    writes it and the others wait for it (a shared filesystem); a host that still cannot see it makes the same
+    model itself (same preset, same seed: the same weights). An actor within one host makes it alone, even in a
+    process of a JAX job across hosts (rlsched.hosts): the other processes take no part in its calls."""
     import jax
 
     missing = lambda: m.init_preset is not None and not (Path(m.path) / "config.json").is_file()  # noqa: E731
-    if jax.process_count() > 1:
+    if across and jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         from workers.multihost import is_primary
@@ -394,6 +398,15 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
     `take_port(role, host, busy)` gives its coordinator port); or as a Ray actor of its own in `placement`."""
     from rlsched.rolegroup import RoleGroup, spans_hosts
 
+    if placement is not None and placement.hosts is not None:
+        from rlsched.hosts import HostedGroupRole, HostedRole, HostGroup
+
+        host = placement.hosts[cls.kind]
+        if isinstance(host, HostGroup):  # a device group across hosts: a role spanning them is built in each
+            if spans_hosts(spec, cls.kind):
+                return HostedGroupRole.launch(host, cls, spec, channel)
+            host = host.first  # a role within one host: the first host's devices
+        return HostedRole.launch(host, cls, spec, channel)
     if spans_hosts(spec, cls.kind):
         if placement is None or take_port is None:
             raise TaskError(f"task {spec.name}: its {cls.kind}'s mesh spans hosts (cluster.hosts {spec.hosts}), which "
@@ -402,10 +415,6 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
                                 bundles=placement.host_bundles[: spec.role_hosts(cls.kind)])
     if placement is None and not (cls is EngineRole and _own_process(spec)):
         return cls(spec, channel=channel)
-    if placement is not None and placement.hosts is not None:
-        from rlsched.hosts import HostedRole
-
-        return HostedRole.launch(placement.hosts[cls.kind], cls, spec, channel)
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

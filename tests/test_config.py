@@ -454,9 +454,16 @@ def test_a_mesh_across_hosts_takes_whole_hosts_and_keeps_tp_inside_one(tmp_path)
                             "tasks.0.actor.mesh.tp: tp must stay inside a host"),
         "an engine across hosts": (["tasks.0.rollout.mesh.tp=8"], "an engine runs on one host of 4 devices"),
         "disaggregated": (["cluster.placement=disaggregated"], "cluster.hosts > 1 runs colocated only for now"),
-        "per_device_group": (["cluster.processes=per_device_group"], "needs cluster.processes=per_role"),
+        "per_device_group, a mesh over some of the hosts": (
+            ["cluster.hosts=3", "cluster.processes=per_device_group", "tasks.0.actor.mesh={dp: 2, fsdp: 2, tp: 2}"],
+            "dp 2 x fsdp 2 x tp 2 = 8 devices spans some of the 3 hosts, but with cluster.processes=per_device_group "
+            "the hosts are one JAX job and a mesh across them takes them all: 12 devices"),
     }
     for why, (overrides, expected) in errors.items():
         assert expected in load_error(tmp_path, ADDITION, [*hosts, *overrides]), why
+    # one process per host holding every role (GPU's and TPU's default): a mesh over all the hosts, or one host
+    for mesh in ("{dp: 2, fsdp: 2, tp: 2}", "{fsdp: 2, tp: 2}"):
+        load_config(write(tmp_path, ADDITION), [*hosts, "cluster.processes=per_device_group",
+                                                f"tasks.0.actor.mesh={mesh}"])
     msg = load_error(tmp_path, ADDITION, ["cluster.hosts=2"])
     assert "cluster.num_devices: cluster.hosts is 2: say how many devices each host has" in msg

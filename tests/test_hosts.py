@@ -97,7 +97,30 @@ def _groups(out: Path) -> dict[str, dict]:
     return {e["args"]["task"]: e["args"] for e in events if e.get("name") == "role_group"}
 
 
-def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory) -> Path:
+    """Both tasks on one host of 4 devices (embedded local Ray): what every run across hosts must compute."""
+    out = tmp_path_factory.mktemp("one-host")
+    _train(out, out / "models", (STEPS, 4), *ONE_HOST)
+    return out
+
+
+def _same_numbers(across: Path, one: Path) -> None:
+    """Both tasks computed across hosts what they do on one host."""
+    for task, steps in (("addition", STEPS), ("subtraction", 4)):
+        a_rows, o_rows = _metrics(across, task), _metrics(one, task)
+        assert len(a_rows) == len(o_rows) == steps
+        assert any(r["reward/mean"] > 0 for r in o_rows), task  # something scored...
+        assert any(r["grad_norm"] > 0 for r in o_rows), task  # ...so the comparison has gradients in it
+        # Same samples every step (rewards equal), losses within 1e-5; the gradient norm within 1e-4 relative:
+        # float32 sums taken in another order across processes, felt most where the loss is ~1e-4 and cancels.
+        for a, o in zip(a_rows, o_rows, strict=True):
+            assert a["reward/mean"] == o["reward/mean"], (a, o)
+            assert abs(a["loss"] - o["loss"]) <= 1e-5, (a, o)
+            assert abs(a["grad_norm"] - o["grad_norm"]) <= 1e-4 * o["grad_norm"], (a, o)
+
+
+def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path, one_host):
     """Two tasks, each actor across both nodes (two groups at once), against the task on one host of 4 devices
     (embedded Ray, and the same cluster by --address)."""
     models = tmp_path / "models"
@@ -117,20 +140,9 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path):
     ports = {task: g["coordinator"] for task, g in groups.items()}
     assert ports["addition"] != ports["subtraction"], ports  # two groups, two coordinators
 
-    _train(tmp_path / "one", models, (STEPS, 4), *ONE_HOST)  # both tasks on one host, embedded local Ray
     _train(tmp_path / "one-address", models, (STEPS, 4), *ONE_HOST, "--tasks", "addition", "--address", nodes)
-    for task, steps in (("addition", STEPS), ("subtraction", 4)):  # both groups computed what one host does
-        across, one = _metrics(tmp_path / "two", task), _metrics(tmp_path / "one", task)
-        assert len(across) == len(one) == steps
-        assert any(r["reward/mean"] > 0 for r in one), task  # something scored...
-        assert any(r["grad_norm"] > 0 for r in one), task  # ...so the comparison has gradients in it
-        # Same samples every step (rewards equal), losses within 1e-5; the gradient norm within 1e-4 relative:
-        # float32 sums taken in another order across processes, felt most where the loss is ~1e-4 and cancels.
-        for a, o in zip(across, one, strict=True):
-            assert a["reward/mean"] == o["reward/mean"], (a, o)
-            assert abs(a["loss"] - o["loss"]) <= 1e-5, (a, o)
-            assert abs(a["grad_norm"] - o["grad_norm"]) <= 1e-4 * o["grad_norm"], (a, o)
-    across, one = _metrics(tmp_path / "two", "addition"), _metrics(tmp_path / "one", "addition")
+    _same_numbers(tmp_path / "two", one_host)  # both groups computed what one host does
+    across, one = _metrics(tmp_path / "two", "addition"), _metrics(one_host, "addition")
     # The user's cluster by --address runs exactly what the embedded default runs.
     assert _numbers(_metrics(tmp_path / "one-address", "addition")) == _numbers(one)
 
@@ -204,3 +216,32 @@ def test_more_hosts_than_the_cluster_has_nodes_is_refused_with_the_numbers(nodes
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     assert ("error: cluster.hosts is 3, but the Ray cluster has 2 node(s) with 1 CPU free to give (3 alive in all; "
             "2 devices per host)") in done.stderr, done.stderr[-2000:]
+
+
+def test_a_device_group_across_hosts_is_one_process_per_host_holding_every_role(nodes, tmp_path, one_host):
+    """cluster.processes: per_device_group (the default on GPU and TPU, where a host's devices open in one process)
+    across 2 hosts: one process per node holds both tasks' roles, the two processes are one JAX job, each actor
+    is built in both and called SPMD, the engines live in the first host's process; under a budget for one task
+    the actors are evicted and brought back all along, and both tasks compute what they do on one host."""
+    run = _train(tmp_path / "hosts", tmp_path / "models", (STEPS, 4), *TWO_HOSTS, "cluster.processes=per_device_group",
+                 _one_task_fits(), "--address", nodes)
+    assert "[addition] ok" in run.stdout and "[subtraction] ok" in run.stdout, run.stdout[-2000:]
+    hosts = re.search(r"roles held by 2 device-group processes, one per host, joined into one JAX job \(coordinator "
+                      r"([\d.]+:\d+); [\d.]+ pid (\d+), [\d.]+ pid (\d+)\)", run.stdout)
+    assert hosts, run.stdout[-2000:]
+    pids = [int(hosts.group(2)), int(hosts.group(3))]
+    groups = _groups(tmp_path / "hosts")
+    assert set(groups) == {"addition", "subtraction"}
+    for task, group in groups.items():  # both actors are the same two processes, on two nodes, one job
+        assert group["pids"] == pids and len(set(group["nodes"])) == 2, (task, group)
+        assert group["coordinator"] == hosts.group(1) and group["guarded"] == [False, True], group
+    summary = json.loads((tmp_path / "hosts" / "demo-mesh" / "summary.json").read_text())
+    for task in ("addition", "subtraction"):  # the engine is in the first host's process, beside actor member 0
+        assert summary["tasks"][task]["roles"]["engine"]["pid"] == pids[0], summary["tasks"][task]["roles"]
+    moved = {(e["name"], e["args"]["task"]) for e in _trace(tmp_path / "hosts") if e.get("ph") == "X"
+             and e["name"] in ("offload", "onload") and e["args"].get("role") == "actor"}
+    assert moved == {(m, t) for m in ("offload", "onload") for t in ("addition", "subtraction")}, moved
+    _same_numbers(tmp_path / "hosts", one_host)
+    for pid in pids:  # the run ended its hosts
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -135,6 +135,15 @@ def test_platform_rule(tmp_path):
         check_platform("tpu", sglang, "per_device_group")
     with pytest.raises(ConfigError, match="platform 'metal' is not one rlsched runs on"):
         check_platform("metal", colocated, "per_role")
+    # A device group across hosts on an accelerator: one process per host holds both roles, never a process per role.
+    hosts = _demo_mesh(tmp_path, ["cluster.hosts=2", "cluster.num_devices=4"])
+    for platform in ("cpu", "gpu", "tpu"):
+        check_platform(platform, hosts, "per_device_group")
+    check_platform("cpu", hosts, "per_role")  # CPU devices are per-process host devices
+    for platform in ("gpu", "tpu"):
+        with pytest.raises(ConfigError, match=f"^cluster.processes: per_role with cluster.hosts 2 on {platform}: each "
+                                              "host's devices must be held by one process for both roles"):
+            check_platform(platform, hosts, "per_role")
 
 
 # --- bytes per device, by hand -------------------------------------------------------------------------------

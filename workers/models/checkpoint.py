@@ -21,7 +21,6 @@ from safetensors.flax import save_file
 from workers.models import params as P
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.qwen3 import CausalLM
-from workers.models.tokenizer import load_tokenizer, save_tokenizer
 
 _INDEX = "model.safetensors.index.json"
 
@@ -72,7 +71,11 @@ def load_pretrained(path: str | Path, *, dtype: str | None = None, with_tokenize
     cfg = ModelConfig.from_dir(path)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    tokenizer = load_tokenizer(path) if with_tokenizer else None
+    tokenizer = None
+    if with_tokenizer:  # imported here: the tokenizer brings in transformers (~0.8 s of CPU), which a role
+        from workers.models.tokenizer import load_tokenizer  # process loading weights alone never needs
+
+        tokenizer = load_tokenizer(path)
     tensors = read_safetensors(path)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some exporters write the tied head anyway
@@ -97,6 +100,8 @@ def save_pretrained(model: CausalLM, path: str | Path, tokenizer=None) -> Path:
         gen = {"eos_token_id": model.config.eos_token_id, "pad_token_id": model.config.pad_token_id}
         (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None}))
         if tokenizer is not None:
+            from workers.models.tokenizer import save_tokenizer
+
             save_tokenizer(tokenizer, tmp)
         if path.exists():
             backup = path.with_name(f".{path.name}.old")
