@@ -245,3 +245,40 @@ def test_a_device_group_across_hosts_is_one_process_per_host_holding_every_role(
     for pid in pids:  # the run ended its hosts
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_dead_host_of_a_device_group_across_hosts_ends_every_task_there_naming_it(nodes, tmp_path):
+    """SIGKILL the second host's process of a per_device_group run across 2 hosts: its JAX job is broken, so every
+    host is stopped and both tasks fail within 30 s, one of them naming the member and the signal; no host is left."""
+    args = _args(tmp_path / "run", tmp_path / "models", (200, 200), *TWO_HOSTS, "cluster.processes=per_device_group",
+                 "--address", nodes)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    lines, pids, killed_at, failed = [], None, None, {}
+    try:
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:
+            lines.append(line)
+            hosts = re.search(r"one JAX job \(coordinator [\d.:]+; [\d.]+ pid (\d+), [\d.]+ pid (\d+)\)", line)
+            if hosts:
+                pids = [int(p) for p in hosts.groups()]
+            if killed_at is None and pids and re.match(r"\[addition\] step +1/", line):
+                os.kill(pids[1], signal.SIGKILL)
+                killed_at = time.monotonic()
+            task = re.match(r"\[(\w+)\] failed: (.*)", line)
+            if killed_at and task:
+                failed[task.group(1)] = (time.monotonic() - killed_at, task.group(2))
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    out = "".join(lines)
+    assert pids and killed_at and proc.returncode != 0, out[-3000:]
+    assert set(failed) == {"addition", "subtraction"}, out[-3000:]  # the group's tasks, both
+    assert all(after <= 30 and why.startswith("RoleDied: ") for after, why in failed.values()), failed
+    named = [why for _, why in failed.values() if re.match(
+        rf"RoleDied: member 1 of 2 \(host [\d.]+, pid {pids[1]}, node \w+\) of its device group's hosts \(holding its "
+        r"actor\) died during \w+\(\): killed by signal 9", why)]
+    assert named, failed
+    for pid in pids:  # no host of the broken job is left
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
