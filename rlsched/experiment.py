@@ -128,7 +128,9 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     if logs is not None:
         echo(f"what libraries print in role processes: {logs} (worker-*-<pid>.err; pids in summary.json)")
     resource = cluster.device_resource()
-    processes = resolve_processes(cfg.cluster.processes, resource)  # across hosts: per_role, a role across hosts
+    # Across hosts, per_role makes a role spanning them a group of its own (rlsched.rolegroup); per_device_group,
+    # one process per host for every role (rlsched.hosts.HostGroup).
+    processes = resolve_processes(cfg.cluster.processes, resource)
     check_platform(resource, cfg, processes)  # what cannot work on this platform: before any role starts
     devices = cluster.group_devices(cfg.cluster.placement, cfg.num_devices,
                                     max(sharding.num_devices(t.rollout.mesh.as_dict()) for t in cfg.tasks))

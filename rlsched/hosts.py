@@ -252,37 +252,13 @@ class HostedGroupRole(RoleGroup):
                                      for m in role.members], "__init__")
         return role
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-
-        def call(*args, **kwargs):
-            turn = self._ticket(name)
-            return self._gather([m.in_turn.remote(turn, "call", self.key, name, args, kwargs) for m in self.members],
-                                name)[0]
-
-        return call
-
     def _ticket(self, name: str) -> int:
         """An SPMD turn from the first host (RoleHost.in_turn), right before the call is sent to every host."""
         return self._gather([self.members[0].ticket.remote()], name)[0]
 
-    def _remote(self, member, method: str, args: tuple, kwargs: dict):
-        raise AssertionError("a device group's role is called in turns (HostedGroupRole.__getattr__)")
-
-    def where(self) -> dict[str, Any]:
-        turn = self._ticket("where")
-        first = self._gather([m.in_turn.remote(turn, "call", self.key, "where", (), {}) for m in self.members],
-                             "where")[0]
-        return {**first, "members": [dict(n, guarded=g) for n, g in zip(self.nodes, self.guarded, strict=True)],
-                "coordinator": self.coordinator}
-
-    def _end(self) -> None:
-        import ray
-
-        for m in self.members:  # the JAX job of the hosts is broken: every host goes
-            with contextlib.suppress(Exception):
-                ray.kill(m, no_restart=True)
+    def _send(self, method: str, args: tuple, kwargs: dict) -> list:
+        turn = self._ticket(method)
+        return [m.in_turn.remote(turn, "call", self.key, method, args, kwargs) for m in self.members]
 
     def _died(self, message: str) -> RoleDied:
         return RoleDied(message.replace(f"its {self.kind} group", f"its device group's hosts (holding its "

@@ -142,17 +142,22 @@ class RoleGroup:
             raise AttributeError(name)
 
         def call(*args, **kwargs):
-            return self._gather([self._remote(m, name, args, kwargs) for m in self.members], name)[0]
+            return self._gather(self._send(name, args, kwargs), name)[0]
 
         return call
 
-    def _remote(self, member, method: str, args: tuple, kwargs: dict):
-        """One member's call of the role's `method` (a subclass holds the role under a key, rlsched.hosts)."""
-        return member.call.remote(method, args, kwargs)
+    def _send(self, method: str, args: tuple, kwargs: dict) -> list:
+        """Send every member the role's `method` call; their refs, in member order (rlsched.hosts sends it as a
+        turn of a device group's hosts)."""
+        return [m.call.remote(method, args, kwargs) for m in self.members]
 
     def _end(self) -> None:
         """End the group after a member died or hung: every member's process (their JAX job is broken)."""
-        self.terminate()
+        import ray
+
+        for m in self.members:
+            with contextlib.suppress(Exception):  # gone already
+                ray.kill(m, no_restart=True)
 
     def _died(self, message: str) -> RoleDied:
         return RoleDied(message, self.kind)
@@ -196,7 +201,7 @@ class RoleGroup:
 
     def where(self) -> dict[str, Any]:
         """Member 0's place, with every member's host, node and pid (the task's placement line and timeline)."""
-        first = self._gather([self._remote(m, "where", (), {}) for m in self.members], "where")[0]
+        first = self._gather(self._send("where", (), {}), "where")[0]
         return {**first, "members": [dict(n, guarded=g) for n, g in zip(self.nodes, self.guarded, strict=True)],
                 "coordinator": self.coordinator}
 
@@ -216,11 +221,7 @@ class RoleGroup:
 
     def terminate(self) -> None:
         """End every member's process now."""
-        import ray
-
-        for m in self.members:
-            with contextlib.suppress(Exception):  # gone already
-                ray.kill(m, no_restart=True)
+        self._end()
 
 
 def join_job(members: list, kind: str, take_port, gather) -> tuple[list[dict[str, Any]], str]:
