@@ -181,6 +181,23 @@ def test_the_control_plane_imports_no_jax():
     assert out.stdout.strip() == "[]", f"importing the control plane imported: {out.stdout.strip()}"
 
 
+
+def test_role_processes_import_no_tokenizer_library():
+    """An actor and a built-in engine load weights, never a tokenizer: what their __init__ imports brings in
+    neither transformers nor torch (~1 s of CPU each, paid by every role process of every task at start and at
+    every restart). Checked in a fresh interpreter; what the import of the role modules pulls in, then the
+    names the roles' __init__ take."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport rlsched.roles, rlsched.compile_cache, rlsched.checkpoints, workers.actor\n"
+            "from workers.models import init_model, load_pretrained\n"
+            "from workers.rollout import make_engine\nimport workers.rollout.jax_sampler\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"a role process's imports brought in: {out.stdout.strip()}"
+
 def test_module_level_cycle_is_reported_with_both_edges(tmp_path):
     imports = _tree(
         tmp_path, {"rlsched/a.py": "import os\nfrom rlsched import b\n", "rlsched/b.py": "import rlsched.a"}

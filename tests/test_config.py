@@ -58,9 +58,16 @@ def test_valid_config_fills_defaults(tmp_path):
 
 
 def test_fields_are_documented():
-    from rlsched.config import GRPOSection
+    from rlsched import config
+    from rlsched.config import GRPOSection, field_doc
 
-    assert "group size" in GRPOSection.model_fields["num_generations"].description
+    assert "group size" in field_doc(GRPOSection, "num_generations")
+    assert field_doc(GRPOSection, "no_such_field") is None
+    sections = [c for c in vars(config).values() if isinstance(c, type) and issubclass(c, config._Section)]
+    is_section = lambda f: isinstance(f.annotation, type) and issubclass(f.annotation, config._Section)  # noqa: E731
+    undocumented = [f"{s.__name__}.{n}" for s in sections for n, f in s.model_fields.items()
+                    if not is_section(f) and not field_doc(s, n)]
+    assert undocumented == [], f"fields without a docstring under them: {undocumented}"
 
 
 def test_task_seed_defaults_to_experiment_seed_plus_index(tmp_path):

@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 from workers.models.config import ModelConfig, family
-from workers.models.tokenizer import write_tokenizer
 
 PRESETS: dict[str, dict] = {
     # ~0.2M params: unit tests and the CI demo compile and run in seconds.
@@ -58,7 +57,10 @@ def _round_up(n: int, multiple: int) -> int:
 def init_model(out_dir: str | Path, *, preset: str = "tiny", tokenizer: str = "byte", seed: int = 0,
                dtype: str = "float32", initializer_range: float = 0.02) -> Path:
     """Create a random model of `preset` plus a `tokenizer` ("byte" or "qwen3") in out_dir."""
-    from workers.models.checkpoint import abstract_model, save_pretrained  # JAX: only where a model is made
+    # JAX only where a model is made; transformers (~1 s of CPU) only where a tokenizer is written: an actor
+    # imports this module for init_model but calls it only when its preset model is missing.
+    from workers.models.checkpoint import abstract_model, save_pretrained
+    from workers.models.tokenizer import write_tokenizer
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
