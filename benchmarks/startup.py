@@ -1,6 +1,7 @@
 """Time to first step for 1, 2 and 4 tasks, with a cold and a warm compilation cache; and what a restart costs.
 
-    python -m benchmarks.startup [--tasks 1 2 4] [--steps 2] [--no-restarts] [--out benchmarks/results/startup]
+    python -m benchmarks.startup [--tasks 1 2 4] [--steps 2] [--repeats 3] [--no-restarts]
+                                 [--processes per_role|per_device_group] [--out benchmarks/results/startup]
 
 The tasks are configs/demo_4tasks.yaml's (identical shapes, different weights), the first N of them, under the
 Ray scheduler as `rlsched train` runs them. Ray is started once, before the clock (a constant every run pays).
@@ -10,6 +11,8 @@ Ray scheduler as `rlsched train` runs them. Ray is started once, before the cloc
   empty `cluster.compile_cache_dir`; warm: the same directory again, as a rerun finds it. The ratio of N
   tasks to 1 is the figure to watch (goal: <= 1.5 x on this 2-core machine, where 2 N role processes start
   JAX at once; <= 1.2 x where each role has a core).
+- **Repeats**: each figure is the median of `--repeats` runs (a cold one with an empty cache each time); on 2
+  shared cores one run of 10 s varies by +-2 s, enough to move a ratio by 0.3.
 - **Restart cost** (`max_restarts`, one task): seconds from a SIGKILL of its engine (then of its actor) to
   the task's next completed step, with a checkpoint every step and a warm cache.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -38,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tasks", type=int, nargs="+", default=[1, 2, 4], choices=[1, 2, 3, 4],
                    help="numbers of tasks to start together")
     p.add_argument("--steps", type=int, default=2, help="GRPO steps per run (the first is what is timed)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--no-restarts", dest="restarts", action="store_false", help="skip the restart-cost runs")
     p.add_argument("--processes", default="auto", choices=["auto", "per_role", "per_device_group"],
                    help="cluster.processes: a process per role (CPU's default) or one per device group")
@@ -135,16 +140,25 @@ def main(argv=None) -> dict:
         root = Path(tmp)
         _make_models(root, args)  # before the clock: a first run would make them, later ones would not
         for n in args.tasks:
-            cache = root / f"cache-{n}"  # empty: nothing compiled by an earlier run of another size
             for label in ("cold", "warm"):
-                runs[f"{label}-{n}"] = r = first_step(root, n, cache, label, args)
-                print(f"{n} task(s), {label} cache: first step after {r['first_step_s']:.1f} s", flush=True)
+                runs[f"{label}-{n}"] = {"all_s": []}
+            for i in range(args.repeats):
+                cache = root / f"cache-{n}-{i}"  # empty: nothing compiled by an earlier run
+                for label in ("cold", "warm"):
+                    r = first_step(root, n, cache, label, args)
+                    runs[f"{label}-{n}"]["all_s"].append(r)
+                    print(f"{n} task(s), {label} cache: first step after {r['first_step_s']:.1f} s", flush=True)
+            for label in ("cold", "warm"):
+                run = runs[f"{label}-{n}"]
+                for key in ("first_step_s", "mean_first_step_s"):
+                    run[key] = statistics.median(r[key] for r in run["all_s"])
+                run["all_s"] = [round(r["first_step_s"], 2) for r in run["all_s"]]
         restarts = {}
         if args.restarts and args.processes == "per_device_group":
             print("restart cost: not measured (roles in a device-group process are not restarted)", flush=True)
         elif args.restarts:
             for role in ("engine", "actor"):
-                restarts[role] = restart_cost(root, root / f"cache-{args.tasks[0]}", role, args)
+                restarts[role] = restart_cost(root, root / f"cache-{args.tasks[0]}-0", role, args)
                 print(f"restart of a killed {role}: next step {restarts[role]:.1f} s after the kill", flush=True)
     base = {label: runs[f"{label}-{args.tasks[0]}"]["first_step_s"] for label in ("cold", "warm")}
     for key, r in runs.items():
@@ -154,13 +168,15 @@ def main(argv=None) -> dict:
                    restart_s=restarts, goal_ratio=GOAL_RATIO_SHARED_CORES,
                    met=runs[f"warm-{largest}"]["vs_first"] <= GOAL_RATIO_SHARED_CORES,
                    cache_from_environment=overridden, timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
-    rows = [f"| {n} | {runs[f'cold-{n}']['first_step_s']:.1f} | {runs[f'cold-{n}']['vs_first']:.2f} | "
-            f"{runs[f'warm-{n}']['first_step_s']:.1f} | {runs[f'warm-{n}']['vs_first']:.2f} |" for n in args.tasks]
+    spread = lambda r: f"{r['first_step_s']:.1f} ({min(r['all_s']):.1f}-{max(r['all_s']):.1f})"  # noqa: E731
+    rows = [f"| {n} | {spread(runs[f'cold-{n}'])} | {runs[f'cold-{n}']['vs_first']:.2f} | "
+            f"{spread(runs[f'warm-{n}'])} | {runs[f'warm-{n}']['vs_first']:.2f} |" for n in args.tasks]
     report = "\n".join([
         f"demo_4tasks' tasks (tiny Qwen3, identical shapes) under the Ray scheduler (cluster.processes: "
         f"{args.processes}), {os.cpu_count()} CPU cores; "
-        "time from the run's start to every task's first completed step (Ray already up)",
-        "", f"| tasks | cold cache, s | vs {args.tasks[0]} | warm cache, s | vs {args.tasks[0]} |",
+        "time from the run's start to every task's first completed step (Ray already up); "
+        f"median of {args.repeats} run(s)",
+        "", f"| tasks | cold cache, s (range) | vs {args.tasks[0]} | warm cache, s (range) | vs {args.tasks[0]} |",
         "|---:|---:|---:|---:|---:|", *rows, "",
         *([f"(every run used the environment's JAX_COMPILATION_CACHE_DIR={overridden}: cold is not cold)", ""]
           if overridden else []),

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # Each process waits until both are ready, then compiles the same program (a few hundred ms of XLA work):
 # without the lock both miss the cache; with it one compiles and the other loads.
 CHILD = textwrap.dedent("""
@@ -59,3 +61,71 @@ def test_two_processes_compiling_one_program_at_once_compile_it_once(tmp_path):
     assert sorted(c["hits"] for c in counts) == [0, 1], counts  # the second loaded what the first compiled
     unlocked = _two_at_once(tmp_path, locked=False)  # the reference: what happens without the lock
     assert [c["hits"] for c in unlocked] == [0, 0], unlocked
+
+
+def test_a_program_asked_for_by_two_roles_at_once_is_built_once():
+    """`shared`: roles of one process (threads of a device group's) asking for one key at once build it once,
+    and the second gets the first's executable; a build that raises leaves the key to the next caller."""
+    import threading
+
+    from workers.compiling import shared
+
+    builds, start = [], threading.Barrier(2)
+
+    def build():
+        builds.append(threading.get_ident())
+        return object()
+
+    got = []
+    threads = [threading.Thread(target=lambda: (start.wait(), got.append(shared(("test", "once"), build))))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert got[0][0] is got[1][0] and sorted(b for _, b in got) == [False, True]
+
+    def fails():
+        raise RuntimeError("compile failed")
+
+    with pytest.raises(RuntimeError, match="compile failed"):
+        shared(("test", "fails"), fails)
+    assert shared(("test", "fails"), build)[1] is True
+
+
+def test_actors_of_like_tasks_in_one_process_share_their_programs(tiny_model_dir):
+    """A device group's process holds several tasks' actors. Tasks with the same model and settings (the demo's
+    four, a sweep over seeds or data) trace and compile each program once between them: the second actor takes
+    the first one's executable and trains exactly as an actor that compiled its own. Another learning rate is
+    another program."""
+    import dataclasses
+
+    import numpy as np
+
+    from workers.actor import ActorSettings, ActorWorker
+    from workers.batch import build_train_batch
+    from workers.models import load_pretrained
+    from workers.models import params as P
+
+    settings = ActorSettings(lr=7e-4, total_steps=3, warmup_steps=0, min_lr_ratio=0.5, weight_decay=0.03,
+                             grad_clip=1.0, b1=0.9, b2=0.99, epsilon=0.2, epsilon_high=None, beta=0.0,
+                             aggregation="token-mean", temperature=1.0, micro_batch_size=4, mini_batch_size=8,
+                             epochs=1, router_aux_loss_coef=None)  # values no other test uses: nothing shared yet
+    rng = np.random.default_rng(3)
+    batch = build_train_batch([rng.integers(1, 200, 5).astype(np.int32) for _ in range(8)],
+                              [rng.integers(1, 200, int(rng.integers(1, 6))).astype(np.int32) for _ in range(8)],
+                              rng.normal(size=8).astype(np.float32), pad_id=0)
+    actor = lambda s=settings: ActorWorker(load_pretrained(tiny_model_dir)[0], s)  # noqa: E731
+    first, second, own = actor(), actor(), actor()
+    assert first.prepare(batch.size, batch.tokens.shape[1]) == 1  # the train step (on-policy, beta 0: no logprobs)
+    assert second.prepare(batch.size, batch.tokens.shape[1]) == 0
+    assert list(second._prepared.values())[0] is list(first._prepared.values())[0]
+    assert actor(dataclasses.replace(settings, lr=8e-4)).prepare(batch.size, batch.tokens.shape[1]) == 1
+
+    shared_metrics, own_metrics = second.train(batch, step=1), own.train(batch, step=1)
+    assert own._prepared == {}  # it ran its own jitted program
+    assert shared_metrics == own_metrics
+    mine, theirs = P.to_flat(second.state.params), P.to_flat(own.state.params)
+    for name, leaf in mine.items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(theirs[name]))

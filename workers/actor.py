@@ -37,7 +37,7 @@ from flax import nnx
 
 from workers import grpo
 from workers.batch import TrainBatch
-from workers.compiling import compile_once
+from workers.compiling import compile_once, shared
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.qwen3 import Qwen3ForCausalLM
@@ -216,6 +216,10 @@ class ActorWorker:
         self._prepared: dict = {}  # (kind, batch keys, shapes) -> executable compiled ahead (`prepare`)
         self._abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                       self.state, self.shardings)
+        # What this worker's programs depend on besides the batch: actors of tasks with the same model, settings
+        # and layout (a sweep over seeds or data) share their executables within a process (compiling.shared).
+        self._signature = ("actor", self.graphdef, settings, self.mesh, jax.tree.structure(self._abstract),
+                           tuple(jax.tree.leaves(self._abstract)))
 
     def _program(self, kind: str, keys: tuple[str, ...] = ()):
         """The jitted train step (per set of batch keys) or logprobs program, with explicit shardings."""
@@ -244,8 +248,10 @@ class ActorWorker:
             key = ("logprobs", (), _shapes_key(shapes))
             if key not in self._prepared:
                 rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
-                self._prepared[key] = compile_once(self._program("logprobs").lower(self._abstract.params, *rows))
-                compiled += 1
+                self._prepared[key], built = shared(
+                    (self._signature, key),
+                    lambda: compile_once(self._program("logprobs").lower(self._abstract.params, *rows)))
+                compiled += built
         acc = s.mini_batch_size // m
         mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
                 "loss_mask": ((acc, m, length - 1), np.float32), "advantages": ((acc, m), np.float32)}
@@ -256,8 +262,9 @@ class ActorWorker:
         key = ("train", keys, _shapes_key(mini))
         if key not in self._prepared:
             batch = {k: jax.ShapeDtypeStruct(*v) for k, v in mini.items()}
-            self._prepared[key] = compile_once(self._program("train", keys).lower(self._abstract, batch))
-            compiled += 1
+            self._prepared[key], built = shared(
+                (self._signature, key), lambda: compile_once(self._program("train", keys).lower(self._abstract, batch)))
+            compiled += built
         return compiled
 
     def _run(self, kind: str, keys: tuple[str, ...], arrays: dict, *args):

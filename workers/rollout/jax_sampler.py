@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from workers.compiling import compile_once
+from workers.compiling import compile_once, shared
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
@@ -251,10 +251,13 @@ class JaxSampler:
         the devices; returns how many were compiled now (0: all were ready)."""
         compiled = 0
         for key, args in self._chunks(prompt_ids, params, seed=0):
-            if key not in _COMPILED:
-                _COMPILED[key] = compile_once(self._jitted().lower(self._abstract, *args))
-                compiled += 1
+            if key not in _COMPILED:  # engines in one process (a device group's) share it; built once if asked at once
+                _COMPILED[key], built = shared(("generate", *key), partial(self._compile, args))
+                compiled += built
         return compiled
+
+    def _compile(self, args):
+        return compile_once(self._jitted().lower(self._abstract, *args))
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
         t0 = time.perf_counter()
