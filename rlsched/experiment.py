@@ -200,12 +200,15 @@ def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo, scheduler):
         echo(f"roles held by {len(hosts.members)} device-group processes, one per host, joined into one JAX job "
              f"(coordinator {hosts.coordinator}; {members})")
         return dataclasses.replace(where, hosts={"engine": hosts, "actor": hosts})
-    group = {"engine": start_host(where, "engine", num_devices=cfg.num_devices, max_tasks=len(cfg.tasks))}
+    # A host that dies is restarted by Ray while a task of it may still restart its roles (rlsched.hosts).
+    sizes = dict(num_devices=cfg.num_devices, max_tasks=len(cfg.tasks),
+                 max_restarts=max(t.max_restarts for t in cfg.tasks))
+    group = {"engine": start_host(where, "engine", **sizes)}
     actors.append(group["engine"])
     if cfg.cluster.placement == "colocated":
         group["actor"] = group["engine"]
     else:
-        group["actor"] = start_host(where, "actor", num_devices=cfg.num_devices, max_tasks=len(cfg.tasks))
+        group["actor"] = start_host(where, "actor", **sizes)
         actors.append(group["actor"])
     echo(f"roles held by {len(set(map(id, group.values())))} device-group process(es) "
          "(cluster.processes: per_device_group)")

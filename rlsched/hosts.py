@@ -17,8 +17,14 @@ Design decisions (and why):
 - **A threaded actor.** Each task's driver blocks in its own call; the locks already order what touches the
   devices, while one task's host-side work (a memory probe, a checkpoint write) runs beside another's phase.
 - **Collateral is the price.** A role that kills its process (a segfault, an out-of-memory kill) ends every
-  role of the host; every task there fails with `RoleDied` naming the host. That is how a TPU host behaves
-  anyway; on CPU the default stays a process per role.
+  role of the host; every task there gets `RoleDied(shared=True)` naming the host. That is how a TPU host
+  behaves anyway; on CPU the default stays a process per role.
+- **A dead host comes back** when a task there has `max_restarts`: Ray restarts the host's process (the actor's
+  own `max_restarts`, the most any of its tasks allows), on the same bundle and devices, empty. Each task with
+  restarts left builds its roles there again (rlsched.task: its actor from the last checkpoint, its engine fed
+  the actor's weights); one without fails. A task that learns of it later, at its next call, is told by the new
+  process (`call`: a role missing from a restarted host is a death, not a bug). Not across hosts: there a new
+  process would have to rejoin a broken JAX job.
 - **Across hosts** (`cluster.hosts` > 1): one such process per host, all joined into one JAX job
   (`start_host_group`, `HostGroup`). A task's actor whose mesh spans the hosts is built in each and called SPMD
   (`HostedGroupRole`); everything within one host lives in the first host's process. Every host must enter
@@ -52,7 +58,11 @@ class RoleHost(JobMember):
         exits.watch()  # a death is told by how it happened (rlsched.exits)
         if cores:
             pin.pin_process(cores)  # before JAX creates its thread pools: the group's cores, as a role would
+        import ray
+
         self.roles: dict[str, Any] = {}
+        # Ray restarted this host after its process died (start_host's max_restarts): every role it held is gone.
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._guard: tuple[set, set] = (set(), set())  # run directories, and the subtrees every process writes
         # SPMD turns across hosts (see `in_turn`): the first host hands them out, every host runs them in order.
         self._turns = itertools.count()
@@ -79,6 +89,10 @@ class RoleHost(JobMember):
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
         role = self.roles.get(key)
+        if role is None and self.restarted:
+            kind = key.rpartition("/")[2]
+            raise RoleDied(f"the device group's host process holding its {kind} died before {method}(); Ray "
+                           f"restarted it (pid {os.getpid()}) without its roles", kind, shared=True)
         if role is None:
             raise TaskError(f"{key} is not held by this host (it was dropped, or never started)")
         return getattr(role, method)(*args, **kwargs)
@@ -125,10 +139,12 @@ class RoleHost(JobMember):
                 "roles": {key: role.device_ids() for key, role in self.roles.items()}}
 
 
-def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle: int | None = None):
+def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle: int | None = None,
+               max_restarts: int = 0):
     """Start the host of `kind`'s device group ("actor": train, "engine": rollout; one host for both when
     colocated) on its bundle of `placement` (rlsched.cluster.RolePlacement; `bundle` another host's), seeing
-    the pool's devices."""
+    the pool's devices. Ray restarts its process up to `max_restarts` times after a death (empty: the tasks
+    with restarts left build their roles there again)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -136,7 +152,7 @@ def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle
 
     resource = placement.resource
     bundle = placement.bundles[kind] if bundle is None else bundle
-    options: dict[str, Any] = {"max_restarts": 0, "num_cpus": 0, "max_concurrency": 4 * max_tasks + 4,
+    options: dict[str, Any] = {"max_restarts": max_restarts, "num_cpus": 0, "max_concurrency": 4 * max_tasks + 4,
                                "scheduling_strategy": PlacementGroupSchedulingStrategy(
                                    placement.placement_group, placement_group_bundle_index=bundle),
                                "runtime_env": {"env_vars": role_env(num_devices, resource, shares_devices=False)}}

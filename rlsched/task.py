@@ -36,7 +36,7 @@ from typing import Any
 from rlsched.cluster import RolePlacement
 from rlsched.config import TaskSpec
 from rlsched.errors import RoleDied, TaskError
-from rlsched.hosts import HostedRole
+from rlsched.hosts import HostedRole, HostGroup
 from rlsched.memory import MemoryPool, Residency
 from rlsched.phases import HostWork, check_model_path, progress_line, step_metrics
 from rlsched.policy import Phase, Role
@@ -181,10 +181,11 @@ class TaskDriver:
         if died is None:
             return False
         limit = self.spec.config.max_restarts
-        if died.shared:
+        lost = self._lost_with(died)
+        if not lost:
             if limit:
-                err.add_note("not restarted: the process held other tasks' roles too (cluster.processes: "
-                             "per_device_group); max_restarts restarts roles that run in processes of their own")
+                err.add_note("not restarted: the device group's processes span hosts and form one JAX job, which a "
+                             "new process cannot rejoin; max_restarts restarts roles within one host")
             return False
         revoked = self.locks.revoked() if limit else None
         if revoked is not None:  # the scheduler stopped our roles itself: it took the task's lease for good
@@ -193,17 +194,31 @@ class TaskDriver:
             if limit:
                 err.add_note(f"after {limit} restart(s) (max_restarts={limit}): " + "; ".join(self.restarts))
             return False
-        role = Role(died.role)
         self.restarts.append(f"step {n}: {died}")
-        self.echo(f"[{self.name}] step {n}: {died}; restarting its {role} "
+        what = " and ".join(map(str, lost))
+        self.echo(f"[{self.name}] step {n}: {died}; restarting its {what} "
                   f"({len(self.restarts)} of max_restarts={limit})")
-        with self.timeline.span("restart", role=str(role), step=n, cause=str(died)):
-            self._replace(role)
-        if role is Role.ENGINE:
+        for role in lost:  # the actor first: where it goes back to decides where the engine's redo starts
+            with self.timeline.span("restart", role=str(role), step=n, cause=str(died)):
+                self._replace(role)
+        if Role.ACTOR not in lost:
             self.host.loader.load_state(position)  # the step is redone with the same prompts, the same weights
-        self.echo(f"[{self.name}] {role} restarted (pid {self.places[str(role)]['pid']}); "
-                  f"going on from step {self.step_done + 1}")
+        pids = ", ".join(f"{role} pid {self.places[str(role)]['pid']}" for role in lost)
+        self.echo(f"[{self.name}] {what} restarted ({pids}); going on from step {self.step_done + 1}")
         return True
+
+    def _lost_with(self, died: RoleDied) -> list[Role]:
+        """The roles of this task that died with `died`'s process, the actor first: its role alone, or every role
+        of this task a device group's host held (both, when colocated). None when that host cannot come back
+        (a group across hosts: rlsched.hosts)."""
+        role = Role(died.role)
+        if not died.shared:
+            return [role]
+        host = self.roles[role]
+        if not isinstance(host, HostedRole) or isinstance(self.placement.hosts[str(role)], HostGroup):
+            return []
+        return [r for r in (Role.ACTOR, Role.ENGINE)
+                if isinstance(self.roles.get(r), HostedRole) and self.roles[r].handle == host.handle]
 
     def _replace(self, role: Role) -> None:
         """A new process for `role`, put where the dead one was (on device or on host). A new actor restores the

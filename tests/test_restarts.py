@@ -23,17 +23,28 @@ STEPS = 5
 TASKS = {"addition": "addition", "subtraction": "subtraction", "add2": "addition"}
 
 
-def _experiment(tmp_path, model_dir, name, max_restarts=3):
+def _experiment(tmp_path, model_dir, name, max_restarts=3, cluster=None, restarts_of=None):
     grpo = {"prompts_per_step": 4, "num_generations": 4, "max_prompt_len": 16, "max_new_tokens": 4,
             "mini_batch_size": 8}
     raw = {"experiment": {"name": name, "output_dir": str(tmp_path), "seed": 0},
            "tasks": [{"name": t, "seed": 100 + i, "model": {"path": str(model_dir)},
                       "data": {"kind": kind, "template": "plain"}, "reward": {"name": kind}, "grpo": grpo,
-                      "optim": {"lr": 3e-3}, "steps": STEPS, "checkpoint_every": 1, "max_restarts": max_restarts}
+                      "optim": {"lr": 3e-3}, "steps": STEPS, "checkpoint_every": 1,
+                      "max_restarts": (restarts_of or {}).get(t, max_restarts)}
                      for i, (t, kind) in enumerate(TASKS.items())]}
+    if cluster:
+        raw["cluster"] = cluster
     cfg = validate(yaml.safe_load(yaml.safe_dump(raw)))
     prepare_run_dir(cfg, resume=False, overwrite=True)
     return cfg
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory, tiny_model_dir):
+    """Each task alone in this process, nothing killed: what every run here must compute."""
+    reference = _experiment(tmp_path_factory.mktemp("alone"), tiny_model_dir, "alone")
+    run_in_process(reference, echo=lambda *_: None)
+    return reference
 
 
 def _metrics(cfg, task):
@@ -87,7 +98,7 @@ class _Chaos:
 
 
 def test_chaos_three_tasks_survive_killed_engines_and_actors_and_compute_what_they_do_alone(
-        ray_session, tmp_path, tiny_model_dir):
+        ray_session, tmp_path, tiny_model_dir, alone):
     """addition's engine is SIGKILLed after its step 1, subtraction's actor after its step 2, addition's new
     engine after its step 3. With max_restarts 3 every task finishes; a dead engine's step is redone with the
     actor's live weights, a dead actor goes back to its last checkpoint (checkpoint_every 1); each task's
@@ -103,10 +114,8 @@ def test_chaos_three_tasks_survive_killed_engines_and_actors_and_compute_what_th
                for cause in results[t]["restarts"]), results
     assert any(line.startswith("[subtraction] actor restarted") for line in lines), lines
 
-    reference = _experiment(tmp_path / "alone", tiny_model_dir, "alone")
-    run_in_process(reference, echo=lambda *_: None)  # each task alone, nothing killed
     for task in TASKS:
-        _assert_same(_metrics(cfg, task), _metrics(reference, task))
+        _assert_same(_metrics(cfg, task), _metrics(alone, task))
     last = {t: read_metrics(cfg.run_dir / "tasks" / t / "metrics.jsonl")[-1]["fault/restarts"] for t in TASKS}
     assert last == {"addition": 2, "subtraction": 1, "add2": 0}
 
@@ -128,3 +137,49 @@ def test_without_restarts_left_the_task_fails_with_every_cause(ray_session, tmp_
     assert results["addition"]["status"] == "failed", results
     assert error.startswith("RoleDied: its engine process died during"), error
     assert "after 1 restart(s) (max_restarts=1): step " in error and error.count("killed by signal 9") == 2, error
+
+
+def test_a_dead_device_group_host_comes_back_and_its_tasks_compute_what_they_do_alone(
+        ray_session, tmp_path, tiny_model_dir, alone):
+    """cluster.processes: per_device_group (GPU's and TPU's default): one process holds every task's actor and
+    engine. SIGKILL it after addition's step 2: Ray restarts it, addition and subtraction (max_restarts 1) build
+    both their roles there again, each actor from its last checkpoint, and finish with the metrics of their
+    uninterrupted runs; add2 (max_restarts 0) fails naming the host. Both roles' restarts are in the trace."""
+    import ray
+
+    cfg = _experiment(tmp_path / "group", tiny_model_dir, "group", max_restarts=1, restarts_of={"add2": 0},
+                      cluster={"processes": "per_device_group", "placement": "colocated"})
+    killed, errors, lines = [], [], []
+
+    def kill(drivers):
+        def run():
+            try:
+                path = cfg.run_dir / "tasks" / "addition" / "metrics.jsonl"
+                while len(read_metrics(path)) < 2:
+                    time.sleep(0.05)
+                host = ray.get(drivers["addition"].role_handles.remote())["actor"]
+                killed.append(ray.get(host.where.remote(), timeout=60)["pid"])
+                os.kill(killed[0], signal.SIGKILL)
+            except Exception as err:  # noqa: BLE001 - the test reports it
+                errors.append(err)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    results = run_experiment(cfg, echo=lines.append, on_started=kill)
+    assert errors == [] and len(killed) == 1, (errors, killed)
+    assert {t: r["status"] for t, r in results.items()} == {"addition": "ok", "subtraction": "ok",
+                                                            "add2": "failed"}, results
+    assert "device group's host process" in results["add2"]["error"], results["add2"]["error"]
+    for task in ("addition", "subtraction"):
+        (cause,) = results[task]["restarts"]
+        assert "device group's host process" in cause, cause
+        assert any(line.startswith(f"[{task}] actor and engine restarted") for line in lines), lines
+        assert results[task]["roles"]["actor"]["pid"] == results[task]["roles"]["engine"]["pid"] != killed[0]
+
+    for task in ("addition", "subtraction"):
+        _assert_same(_metrics(cfg, task), _metrics(alone, task))
+    events = read_trace(cfg.run_dir / "timeline.json")
+    assert check_lock_exclusivity(events) == []
+    restarts = sorted((e["task"], e["args"]["role"]) for e in events if e["kind"] == "span" and e["name"] == "restart")
+    assert restarts == [("addition", "actor"), ("addition", "engine"), ("subtraction", "actor"),
+                        ("subtraction", "engine")]
