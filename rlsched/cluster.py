@@ -149,6 +149,26 @@ def role_env(num_devices: int, resource: str, *, shares_devices: bool) -> dict[s
     return env
 
 
+def enter_role_env(env: dict[str, str] | None) -> None:
+    """Put `role_env`'s variables into this role process's environment, first thing in its constructor (None: a
+    role built in the caller's process, which keeps its own). Given to the constructor rather than as Ray's
+    runtime_env, which starts every process through an extra Python (Ray's setup_worker: ~0.7 s of CPU and
+    ~0.3 s more per role process, measured here) and keeps it from taking an idle worker Ray has started.
+    Everything these variables shape is read when JAX starts its backend; one started already in this process
+    (a pooled worker reused after a task that used JAX) is refused, as the variables would not take effect."""
+    if env is None:
+        return
+    import sys
+
+    if "jax" in sys.modules:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized() and any(os.environ.get(k) != v for k, v in env.items()):
+            raise RuntimeError("this role's process started JAX before rlsched could set its environment (Ray "
+                               "reused a worker whose earlier work used JAX); run JAX work in actors of its own")
+    os.environ.update(env)
+
+
 def use_host_devices(num_devices: int) -> None:
     """This process will hold roles itself (`--in-process`): give it the pool's XLA host devices, if JAX has
     not started yet (if it has, a role whose mesh needs more devices than it sees says so)."""

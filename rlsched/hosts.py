@@ -52,9 +52,11 @@ class RoleHost(JobMember):
     """The process that holds every role of one device group on this host (run as a threaded Ray actor). Across
     hosts (cluster.hosts > 1) the group's hosts first join one JAX job (`JobMember.join`, by `start_host_group`)."""
 
-    def __init__(self, cores: list[int] | None = None):
+    def __init__(self, cores: list[int] | None = None, env: dict[str, str] | None = None):
         from rlsched import exits
+        from rlsched.cluster import enter_role_env
 
+        enter_role_env(env)  # before anything reads it: JAX, and exits.watch
         exits.watch()  # a death is told by how it happened (rlsched.exits)
         if cores:
             pin.pin_process(cores)  # before JAX creates its thread pools: the group's cores, as a role would
@@ -154,8 +156,7 @@ def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle
     bundle = placement.bundles[kind] if bundle is None else bundle
     options: dict[str, Any] = {"max_restarts": max_restarts, "num_cpus": 0, "max_concurrency": 4 * max_tasks + 4,
                                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                                   placement.placement_group, placement_group_bundle_index=bundle),
-                               "runtime_env": {"env_vars": role_env(num_devices, resource, shares_devices=False)}}
+                                   placement.placement_group, placement_group_bundle_index=bundle)}
     # The one process that uses the group's accelerators takes them all, so Ray makes them visible to it.
     devices = placement.bundle_devices[kind]  # on each host, when the group spans hosts
     if resource == "GPU":
@@ -164,7 +165,8 @@ def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle
         options["num_cpus"] = 0.01  # nominal: the bundle reserves the core, the pinning uses it
     else:
         options["resources"] = {resource: devices}
-    return ray.remote(RoleHost).options(**options).remote(placement.cores[kind])
+    env = role_env(num_devices, resource, shares_devices=False)
+    return ray.remote(RoleHost).options(**options).remote(placement.cores[kind], env)
 
 
 class HostedRole:

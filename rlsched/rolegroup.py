@@ -74,7 +74,10 @@ class JobMember:
 class RoleMember(JobMember):
     """One host's process of a role group (a Ray actor): joins the group's JAX job, then holds the role."""
 
-    def __init__(self, cores: list[int] | None = None):
+    def __init__(self, cores: list[int] | None = None, env: dict[str, str] | None = None):
+        from rlsched.cluster import enter_role_env
+
+        enter_role_env(env)  # before anything reads it: JAX, and exits.watch
         exits.watch()  # a death is told by how it happened (rlsched.exits)
         if cores:
             pin.pin_process(cores)  # before JAX creates its thread pools: this host's share, as a role would
@@ -120,12 +123,11 @@ class RoleGroup:
             options: dict[str, Any] = {
                 "max_restarts": 0, "num_cpus": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(placement.placement_group,
-                                                                        placement_group_bundle_index=bundle),
-                # Each member sees its own host's devices; the mesh over all of them comes from the JAX job.
-                "runtime_env": {"env_vars": role_env(spec.num_devices, resource,
-                                                     shares_devices=spec.placement == "colocated")}}
+                                                                        placement_group_bundle_index=bundle)}
             options["num_gpus" if resource == "GPU" else "num_cpus"] = 0.01  # nominal, as a role's own process
-            members.append(ray.remote(RoleMember).options(**options).remote(placement.cores[role_cls.kind]))
+            # Each member sees its own host's devices; the mesh over all of them comes from the JAX job.
+            env = role_env(spec.num_devices, resource, shares_devices=spec.placement == "colocated")
+            members.append(ray.remote(RoleMember).options(**options).remote(placement.cores[role_cls.kind], env))
         group = cls(members, role_cls.kind, [{} for _ in members], hang_timeout_s=hang_timeout_s)
         try:
             group.nodes, group.coordinator = join_job(members, role_cls.kind, take_port, group._gather)

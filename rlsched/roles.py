@@ -34,7 +34,7 @@ from typing import Any
 
 from rlsched import exits
 from rlsched import placement as pin
-from rlsched.cluster import RolePlacement, init_ray, role_env
+from rlsched.cluster import RolePlacement, enter_role_env, init_ray, role_env
 from rlsched.comm import WeightChannel, WeightMessage, make_channel
 from rlsched.config import TaskSpec
 from rlsched.errors import RoleDied, TaskError
@@ -145,7 +145,9 @@ class ActorRole(_Role):
 
     kind = "actor"
 
-    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None):
+    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None,
+                 env: dict[str, str] | None = None):
+        enter_role_env(env)  # before anything reads it: JAX, and exits.watch
         exits.watch()  # in a process of its own: a death is told by how it happened
         if cores:
             pin.pin_process(cores)  # before JAX creates its thread pools
@@ -253,7 +255,9 @@ class EngineRole(_Role):
 
     kind = "engine"
 
-    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None):
+    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None,
+                 env: dict[str, str] | None = None):
+        enter_role_env(env)  # before anything reads it: JAX, and exits.watch
         from workers.rollout import XLA_CPU_THREADS, make_engine
 
         exits.watch()  # in a process of its own: a death is told by how it happened
@@ -433,7 +437,6 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
     # A role on an rlsched mesh sees the pool and takes its devices from it (role_mesh); an engine that lays
     # itself out (sglang-jax fills its mesh with every device it sees) sees one: its own.
     on_mesh = cls is ActorRole or spec.config.rollout.engine == "jax_sampler"
-    options["runtime_env"] = {"env_vars": role_env(spec.num_devices if on_mesh else 1, resource,
-                                                   shares_devices=spec.placement == "colocated")}
-    handle = ray.remote(cls).options(**options).remote(spec, channel=channel, cores=cores)
+    env = role_env(spec.num_devices if on_mesh else 1, resource, shares_devices=spec.placement == "colocated")
+    handle = ray.remote(cls).options(**options).remote(spec, channel=channel, cores=cores, env=env)
     return RemoteRole(handle, cls.kind)

@@ -103,3 +103,34 @@ def test_a_cluster_of_other_versions_is_named_with_both(ray_session):
         f"--address {gcs}: the cluster runs Ray 2.9.3 on Python {metadata['python_version']}, this rlsched Ray "
         f"{ray_session.__version__} on Python {platform.python_version()}; run rlsched with the cluster's versions, "
         "or start the cluster from this environment")
+
+
+ROLE_ENV = """
+import os, sys
+from rlsched.cluster import enter_role_env, role_env
+env = role_env(3, "CPU", shares_devices=False)
+if sys.argv[1] == "started":
+    import jax
+    jax.devices()  # this process's JAX backend started before the role's environment was set
+try:
+    enter_role_env(env)
+except RuntimeError as err:
+    print("refused:", err)
+else:
+    import jax
+    print(len(jax.devices()), os.environ["RLSCHED_RECORD_EXIT"])
+"""
+
+
+def test_a_role_process_takes_its_environment_before_jax_starts_and_refuses_one_started_already():
+    """A role's environment (XLA host devices, the exit record) is set by its constructor (cluster.enter_role_env),
+    not by Ray's runtime_env: it reaches JAX when nothing started JAX before, and is refused, naming why, when
+    something did (the variables would not take effect). Fresh interpreters."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RLSCHED_RECORD_EXIT")}
+    env["JAX_PLATFORMS"] = "cpu"
+    run = lambda how: subprocess.run([sys.executable, "-c", ROLE_ENV, how], capture_output=True, text=True,  # noqa: E731
+                                     env=env, timeout=120)
+    fresh, started = run("fresh"), run("started")
+    assert fresh.returncode == 0 and fresh.stdout.split() == ["3", "1"], fresh.stderr
+    assert started.returncode == 0, started.stderr
+    assert started.stdout.startswith("refused: this role's process started JAX before"), started.stdout
