@@ -142,19 +142,17 @@ def main(argv=None) -> dict:
         root = Path(tmp)
         _make_models(root, args)  # before the clock: a first run would make them, later ones would not
         for n in args.tasks:
-            for label in ("cold", "warm"):
-                runs[f"{label}-{n}"] = {"all_s": []}
+            samples: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
             for i in range(args.repeats):
                 cache = root / f"cache-{n}-{i}"  # empty: nothing compiled by an earlier run
                 for label in ("cold", "warm"):
                     r = first_step(root, n, cache, label, args)
-                    runs[f"{label}-{n}"]["all_s"].append(r)
+                    samples[label].append(r)
                     print(f"{n} task(s), {label} cache: first step after {r['first_step_s']:.1f} s", flush=True)
-            for label in ("cold", "warm"):
-                run = runs[f"{label}-{n}"]
-                for key in ("first_step_s", "mean_first_step_s"):
-                    run[key] = statistics.median(r[key] for r in run["all_s"])
-                run["all_s"] = [round(r["first_step_s"], 2) for r in run["all_s"]]
+            for label, rs in samples.items():
+                runs[f"{label}-{n}"] = {"all_s": [round(r["first_step_s"], 2) for r in rs],
+                                        **{k: statistics.median(r[k] for r in rs)
+                                           for k in ("first_step_s", "mean_first_step_s")}}
         restarts = {}
         if args.restarts:  # per_device_group: the role's process is its device group's, which Ray restarts
             for role in ("engine", "actor"):

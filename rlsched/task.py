@@ -214,11 +214,11 @@ class TaskDriver:
         role = Role(died.role)
         if not died.shared:
             return [role]
-        host = self.roles[role]
-        if not isinstance(host, HostedRole) or isinstance(self.placement.hosts[str(role)], HostGroup):
+        dead = self.roles[role]
+        if not isinstance(dead, HostedRole) or isinstance(self.placement.hosts[str(role)], HostGroup):
             return []
         return [r for r in (Role.ACTOR, Role.ENGINE)
-                if isinstance(self.roles.get(r), HostedRole) and self.roles[r].handle == host.handle]
+                if isinstance(self.roles.get(r), HostedRole) and self.roles[r].handle == dead.handle]
 
     def _replace(self, role: Role) -> None:
         """A new process for `role`, put where the dead one was (on device or on host). A new actor restores the

@@ -34,7 +34,7 @@ def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
     """The executable this process holds under `key`, built by `build()` (trace, lower, compile) the first time;
     (executable, whether this call built it). Two roles asking for one key at once build it once: the second
     waits for the first. `key` must name all the program depends on: equal keys share one executable.
-    A build that raises leaves nothing behind; the next caller builds again."""
+    A build that raises stores nothing under `key`; the next caller builds it again."""
     with _GUARD:
         if key in _EXECUTABLES:
             return _EXECUTABLES[key], False
