@@ -19,6 +19,11 @@ Design decisions (and why):
   (the engine must own its buffers: object-store arrays are read-only views, local ones the actor's), then
   hashes what it holds on its devices, and the driver compares that with `message.checksum`:
   verification never trusts the transport.
+- **Published weights survive their sender's moves.** A local channel holds the sender's own arrays until
+  the engine takes them, and a memory budget may evict the actor in between (another task needs the room).
+  The sender moves through `follow`: its offload keeps the published params in host memory, the slot points
+  at those, and the engine's sync reads them from host into its own buffers; no receive reads arrays that a
+  move is freeing (`receiving` and `follow` exclude each other). Never a second copy on the device.
 - Implementations: `LocalChannel` (one process: the weights wait in a slot of the process), `ObjectStoreChannel`
   (one node, several processes: `ray.put` in the sender, `ray.get` in the receiver), `FakeChannel`
   (tests: records what was sent and can corrupt a payload to prove verification catches it). A
@@ -28,8 +33,10 @@ Design decisions (and why):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,6 +64,10 @@ class WeightChannel(Protocol):
 
     def receive(self, message: WeightMessage) -> Flat: ...
 
+    def receiving(self, message: WeightMessage) -> contextlib.AbstractContextManager[Flat]: ...
+
+    def follow(self, version: int, move: Callable[[], Flat]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -79,6 +90,16 @@ class _Channel:
             raise ChannelError(f"channel {self.name!r} received a message of group {message.group!r}: "
                                "weights never cross between tasks")
 
+    @contextlib.contextmanager
+    def receiving(self, message: WeightMessage) -> Iterator[Flat]:
+        """`receive`, for as long as the receiver copies what it got: the sender's arrays stay where they are."""
+        yield self.receive(message)
+
+    def follow(self, version: int, move: Callable[[], Flat]) -> None:
+        """The sender moves its weights (an offload or onload, `move`, returning where its params of `version` lie
+        after it): a channel that holds the sender's arrays points at the new ones. Here nothing is held."""
+        move()
+
     def close(self) -> None:
         """Free what this process keeps for the channel (nothing, unless a subclass keeps something)."""
 
@@ -91,21 +112,36 @@ class LocalChannel(_Channel):
     message carries only their version. Nothing is copied here (the receiver copies onto its devices and
     layout, device to device), and a message that travels through another process (a driver forwarding it
     between two roles hosted in one process, rlsched.hosts) carries no arrays. The slot holds the latest
-    version only, and the sender's arrays must still be alive when it is received: the engine syncs in the
-    ROLLOUT that follows the TRAIN that published. An actor whose arrays span the processes of a device group
-    across hosts (rlsched.hosts) sends them gathered, leaf by leaf, into the first host's memory, where its engine
-    is: every process takes part in each gather."""
+    version only, and holds the sender's arrays wherever they lie: a sender that offloads (evicted between the
+    TRAIN that published and the ROLLOUT that syncs) moves through `follow`, and the slot then holds its host
+    copies, which the engine copies from host onto its devices. An actor whose arrays span the processes of a
+    device group across hosts (rlsched.hosts) sends them gathered, leaf by leaf, into the first host's memory, where
+    its engine is: every process takes part in each gather."""
 
     def send(self, flat: Flat, version: int, checksum: str) -> WeightMessage:
         nbytes = _nbytes(flat)
-        if any(not getattr(v, "is_fully_addressable", True) for v in flat.values()):
+        gathered = any(not getattr(v, "is_fully_addressable", True) for v in flat.values())
+        if gathered:
             flat = _gathered(flat)  # an actor across a device group's hosts (rlsched.hosts) to an engine on one
-        _SLOTS[self.name] = (int(version), dict(flat))
+        with _lock(self.name):
+            _SLOTS[self.name] = (int(version), dict(flat), gathered)
         return WeightMessage(self.name, int(version), checksum, nbytes, None)
+
+    @contextlib.contextmanager
+    def receiving(self, message: WeightMessage) -> Iterator[Flat]:
+        with _lock(self.name):  # the sender does not move the arrays while the receiver copies them
+            yield self.receive(message)
+
+    def follow(self, version: int, move: Callable[[], Flat]) -> None:
+        with _lock(self.name):
+            flat = move()
+            held = _SLOTS.get(self.name)
+            if held is not None and held[0] == version and not held[2]:  # gathered copies are the slot's own
+                _SLOTS[self.name] = (version, dict(flat), False)
 
     def receive(self, message: WeightMessage) -> Flat:
         self._check(message)
-        version, flat = _SLOTS.get(self.name, (None, {}))
+        version, flat, _ = _SLOTS.get(self.name, (None, {}, False))
         if version != message.version:
             held = "nothing" if version is None else f"v{version}"
             raise ChannelError(f"{self.name}: v{message.version} was not sent in this process (its slot holds "
@@ -135,7 +171,14 @@ def _gathered(flat: Flat) -> Flat:
     return host
 
 
-_SLOTS: dict[str, tuple[int, dict]] = {}  # LocalChannel name -> (version, weights) last sent in this process
+_SLOTS: dict[str, tuple[int, dict, bool]] = {}  # LocalChannel name -> (version, weights, gathered) last sent here
+_LOCKS: dict[str, threading.RLock] = {}  # LocalChannel name -> its slot's lock (the roles hold copies of the channel)
+_LOCKS_LOCK = threading.Lock()
+
+
+def _lock(name: str) -> threading.RLock:
+    with _LOCKS_LOCK:
+        return _LOCKS.setdefault(name, threading.RLock())
 
 
 class ObjectStoreChannel(_Channel):

@@ -28,6 +28,7 @@ Design decisions (and why):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,21 @@ class ActorRole(_Role):
         self._held = self.worker
         self._published_checksum: str | None = None
 
+    def offload(self) -> None:
+        """Offload; weights published and not yet received stay readable from their host copies (rlsched.comm)."""
+        self.channel.follow(self.worker.version, self._moved(self.worker.release_memory))
+
+    def onload(self) -> dict[str, int]:
+        self.channel.follow(self.worker.version, self._moved(self.worker.resume_memory))
+        return self.memory()
+
+    def _moved(self, move):
+        def moved():
+            move()
+            return self.worker.params_flat()
+
+        return moved
+
     def start(self, resume: bool) -> tuple[dict[str, Any] | None, WeightMessage]:
         """Restore the latest checkpoint when resuming (its meta, or None without one), then publish the
         weights the engine must hold before it generates."""
@@ -299,18 +315,22 @@ class EngineRole(_Role):
     def update_weights(self, message: WeightMessage) -> dict[str, int]:
         """Receive `message`'s params from the channel and swap them in; the swap's stats."""
         with self.timeline.span("sync_weights", bytes=message.nbytes) as sync:
-            with self.timeline.span("receive", bytes=message.nbytes):
-                flat = self.channel.receive(message)
-            with self.timeline.span("swap", bytes=message.nbytes) as span:
-                from workers.models.params import WeightMismatchError  # JAX: this is the engine's process
+            with contextlib.ExitStack() as receiving:  # the actor moves none of the arrays while we copy them
+                with self.timeline.span("receive", bytes=message.nbytes) as received:
+                    flat = receiving.enter_context(self.channel.receiving(message))
+                    received.update(_where(flat))
+                with self.timeline.span("swap", bytes=message.nbytes) as span:
+                    from workers.models.params import WeightMismatchError  # JAX: this is the engine's process
 
-                before = self.version()
-                try:  # staged, then verified against what the actor hashed before sending
-                    stats = dict(self.engine.update_weights(flat, message.version, checksum=message.checksum) or {})
-                except WeightMismatchError as err:
-                    raise TaskError(f"task {self.name}: the weights received for v{message.version} were refused "
-                                    f"(the engine holds v{self.version()}, it held v{before}): {err}") from err
-                span.update(stats)
+                    before = self.version()
+                    try:  # staged, then verified against what the actor hashed before sending
+                        stats = dict(self.engine.update_weights(flat, message.version, checksum=message.checksum)
+                                     or {})
+                    except WeightMismatchError as err:
+                        raise TaskError(f"task {self.name}: the weights received for v{message.version} were "
+                                        f"refused (the engine holds v{self.version()}, it held v{before}): "
+                                        f"{err}") from err
+                    span.update(stats)
             sync.update(stats)
         return stats
 
@@ -332,6 +352,15 @@ class EngineRole(_Role):
             output = self.engine.generate(prompt_ids, params)
             span["tokens"] = output.num_tokens
         return output
+
+
+def _where(flat) -> dict[str, str]:
+    """{"from": "device" | "host"}: where the weights received lie (host: an actor offloaded since it published)."""
+    from workers.offload import on_device
+
+    leaf = next(iter(flat.values()), None)
+    on = leaf is not None and hasattr(leaf, "sharding") and on_device(leaf)
+    return {"from": "device" if on else "host"}
 
 
 def _compile_span(timeline: Timeline, compile_, **attrs) -> tuple[int, list[dict]]:

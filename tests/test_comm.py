@@ -100,3 +100,34 @@ def test_a_local_message_carries_no_arrays_and_is_received_only_where_it_was_sen
     channel.close()
     with pytest.raises(ChannelError, match="its slot holds nothing"):
         channel.receive(second)
+
+
+def test_a_local_message_survives_its_senders_offload_through_follow():
+    """An actor evicted between the TRAIN that published and the ROLLOUT that syncs: its offload frees the device
+    arrays the slot held, and `follow` points the slot at the host copies, so the engine receives the published
+    values (from host memory). A move for another version leaves the slot alone."""
+    import jax.numpy as jnp
+
+    from workers.offload import offload, on_device, onload
+
+    channel = LocalChannel(comm_group_name("exp", "evicted"))
+    live = {k: jnp.asarray(v) for k, v in _flat().items()}
+    message = channel.send(live, 4, "c4")
+    held = {}
+
+    def evict():
+        held["off"] = offload(live)  # deletes the device arrays the slot holds
+        return held["off"].tree
+
+    channel.follow(4, evict)
+    with channel.receiving(message) as got:
+        assert not any(on_device(v) for v in got.values())  # host copies, not a second set on the device
+        assert all(np.array_equal(np.asarray(got[k]), v) for k, v in _flat().items())
+    back = onload(held["off"])
+    channel.follow(3, lambda: back)  # not the published version: the slot keeps what it holds
+    with pytest.raises(ChannelError, match="freed by their sender"):
+        channel.receive(message)  # the onload freed the host copies the slot still points at
+    channel.follow(4, lambda: back)
+    assert all(np.array_equal(np.asarray(channel.receive(message)[k]), v) for k, v in _flat().items())
+    assert all(on_device(v) for v in channel.receive(message).values())
+    channel.close()

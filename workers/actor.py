@@ -367,6 +367,11 @@ class ActorWorker:
         flat = P.to_flat(self.state.params)
         return WeightSnapshot(flat, self.version, P.checksum(flat))
 
+    def params_flat(self) -> dict[str, Any]:
+        """The policy's params by flat name wherever they lie: on the mesh, or in host memory while offloaded
+        (the host copies `release_memory` made; valid until `resume_memory` brings them back and frees them)."""
+        return P.to_flat(self._host.tree[0].params if self._host is not None else self.state.params)
+
     # ---- memory ---------------------------------------------------------------------------------
 
     def release_memory(self) -> None:

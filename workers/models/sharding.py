@@ -247,6 +247,10 @@ def place(x, sharding, *, copy: bool):
 
     if not copy or not isinstance(x, jax.Array):
         return jax.device_put(x, sharding, may_alias=not copy)
+    from workers.offload import on_device
+
+    if not on_device(x) and not x.is_deleted():  # in host memory (an offloaded actor's published weights): a
+        return jax.device_put(x, sharding)  # transfer into new device buffers, which cannot alias the host ones
     if sharding not in _COPIES:
         _COPIES[sharding] = jax.jit(jnp.copy, out_shardings=sharding)
     if x.sharding.device_set == sharding.device_set:
