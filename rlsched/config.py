@@ -131,9 +131,10 @@ class ClusterConfig(_Section):
     memory_budget_gb: float | None = Field(None, gt=0)
     """Memory budget of each device, in GiB (a role on an n-device mesh holds its share on each); None = unlimited."""
     lease_timeout_s: float = Field(600.0, gt=0)
-    """Longest a task may hold one phase's lock, in seconds; a holder past it is fenced (its roles stopped) and
-    fails, and only then does the lock pass on. A task's first hold of each phase, where its programs compile,
-    is exempt."""
+    """Longest a task may hold one phase's lock, in seconds, its first hold included (programs compile before a
+    lock is asked for); a holder past it is fenced (its roles stopped; in a device group's process, that
+    process is ended and restarted, and the other tasks there rebuilt) and fails, and only then does the lock
+    pass on."""
     processes: Literal["auto", "per_role", "per_device_group"] = "auto"
     """Which processes hold the roles. `per_role`: each task's actor and engine in a process of its own (roles
     that time-share devices are then several processes on one device: CPU, and GPU with rlsched turning XLA's

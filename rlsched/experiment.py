@@ -200,9 +200,10 @@ def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo, scheduler):
         echo(f"roles held by {len(hosts.members)} device-group processes, one per host, joined into one JAX job "
              f"(coordinator {hosts.coordinator}; {members})")
         return dataclasses.replace(where, hosts={"engine": hosts, "actor": hosts})
-    # A host that dies is restarted by Ray while a task of it may still restart its roles (rlsched.hosts).
+    # A host that dies is restarted by Ray while a task of it may still restart its roles (rlsched.hosts), and
+    # once more for each task the scheduler may fence by ending the host (each fenced task fails: once each).
     sizes = dict(num_devices=cfg.num_devices, max_tasks=len(cfg.tasks),
-                 max_restarts=max(t.max_restarts for t in cfg.tasks))
+                 max_restarts=max(t.max_restarts for t in cfg.tasks) + len(cfg.tasks))
     group = {"engine": start_host(where, "engine", **sizes)}
     actors.append(group["engine"])
     if cfg.cluster.placement == "colocated":

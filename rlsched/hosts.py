@@ -18,7 +18,9 @@ Design decisions (and why):
   devices, while one task's host-side work (a memory probe, a checkpoint write) runs beside another's phase.
 - **Collateral is the price.** A role that kills its process (a segfault, an out-of-memory kill) ends every
   role of the host; every task there gets `RoleDied(shared=True)` naming the host. That is how a TPU host
-  behaves anyway; on CPU the default stays a process per role.
+  behaves anyway, and what a fence does on purpose: a role whose call outlives its lease cannot be stopped as a
+  thread, so the scheduler ends the host's process (rlsched.fencing) and the other tasks there are rebuilt, a
+  restart they did not cause and that their `max_restarts` does not count (rlsched.task).
 - **A dead host comes back** when a task there has `max_restarts`: Ray restarts the host's process (the actor's
   own `max_restarts`, the most any of its tasks allows), on the same bundle and devices, empty. Each task with
   restarts left builds its roles there again (rlsched.task: its actor from the last checkpoint, its engine fed
@@ -63,6 +65,9 @@ class RoleHost(JobMember):
         import ray
 
         self.roles: dict[str, Any] = {}
+        self._calls: dict[str, int] = {}  # role key -> its calls running now (a fence drops an idle role only)
+        self._dropped: set[str] = set()  # keys a fence dropped: a late call on one is refused, not run
+        self._calls_lock = threading.Lock()
         # Ray restarted this host after its process died (start_host's max_restarts): every role it held is gone.
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._guard: tuple[set, set] = (set(), set())  # run directories, and the subtrees every process writes
@@ -90,14 +95,35 @@ class RoleHost(JobMember):
         return guarded
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
-        role = self.roles.get(key)
-        if role is None and self.restarted:
+        with self._calls_lock:
+            role = self.roles.get(key)
+            if role is not None:
+                self._calls[key] = self._calls.get(key, 0) + 1
+        if role is None and method == "close" and (self.restarted or key in self._dropped):
+            return None  # a role that went with the old process, or that a fence dropped: nothing left to close
+        if role is None and self.restarted and key not in self._dropped:
             kind = key.rpartition("/")[2]
             raise RoleDied(f"the device group's host process holding its {kind} died before {method}(); Ray "
                            f"restarted it (pid {os.getpid()}) without its roles", kind, shared=True)
         if role is None:
             raise TaskError(f"{key} is not held by this host (it was dropped, or never started)")
-        return getattr(role, method)(*args, **kwargs)
+        try:
+            return getattr(role, method)(*args, **kwargs)
+        finally:
+            with self._calls_lock:
+                self._calls[key] -= 1
+
+    def drop_if_idle(self, key: str) -> bool:
+        """Fencing (rlsched.fencing): drop role `key` if none of its calls runs now, and refuse any later one; False
+        when one runs (a thread cannot be stopped: then only ending this process stops it)."""
+        with self._calls_lock:
+            if self._calls.get(key, 0):
+                return False
+            self._dropped.add(key)
+            dropped = self.roles.pop(key, None) is not None
+        if dropped:
+            gc.collect()  # device buffers go now, not at the next collection
+        return True
 
     def ticket(self) -> int:
         """The next SPMD turn of the device group (asked of the first host only)."""
@@ -174,11 +200,13 @@ class HostedRole:
 
     def __init__(self, host, key: str, kind: str):
         self._host, self.key, self.kind = host, key, kind
+        self.pid: int | None = None  # the host's process when the role was built there
 
     @classmethod
     def launch(cls, host, role_cls, spec, channel) -> HostedRole:
         role = cls(host, f"{spec.name}/{role_cls.kind}", role_cls.kind)
         role._get(host.start.remote(role.key, role_cls, spec, channel), "__init__")
+        role.pid = role._get(host.where.remote(), "__init__")["pid"]  # the process a fence would end
         return role
 
     def _get(self, ref, name: str):
@@ -205,10 +233,11 @@ class HostedRole:
         return self._host
 
     def fence_target(self):
-        """What the scheduler stops if it must fence this role's task: the role, dropped by its host."""
+        """What the scheduler stops if it must fence this role's task: the role, dropped by its host if it is idle,
+        else the host's process (`pid`), which Ray restarts for the other tasks there."""
         from rlsched.fencing import Target
 
-        return Target(self.kind, self._host, self.key)
+        return Target(self.kind, self._host, self.key, pid=self.pid)
 
     def terminate(self) -> None:
         """Free the role's arrays in the host (the host goes on for the other tasks)."""

@@ -3,9 +3,9 @@
 Design decisions:
 - Callers `await acquire(task, phase)`; nobody polls. Each request gets an asyncio future that the
   dispatcher resolves when the policy grants it, so a grant costs one actor round trip.
-- A grant is a **lease**. A holder loses it when it releases, when it overstays `lease_timeout_s`
-  (from its second hold of a phase on: the first compiles the task's programs, which takes what it takes),
-  or when the process holding it dies: every task registers a *lifeline* (an actor method that
+- A grant is a **lease**. A holder loses it when it releases, when it overstays `lease_timeout_s` (any hold,
+  the first too: programs compile before the lock is asked for, rlsched.task), or when the process holding it
+  dies: every task registers a *lifeline* (an actor method that
   never returns); Ray fails that call the moment the actor dies, and the scheduler marks the task
   failed and hands its lock to the next waiter. No heartbeats, no polling of liveness.
 - **Fenced before anything passes on** (rlsched.fencing). When the scheduler takes a lease away (it
@@ -22,6 +22,7 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -42,6 +43,9 @@ class Lease:
     waited_s: float  # time between request and grant
 
 
+LET_GO_S = 10.0  # how long a fenced holder's driver has to end its phase once its roles are stopped
+
+
 class LeaseLost(RuntimeError):
     """The task's lease was revoked (timeout or failure) or the task is marked failed."""
 
@@ -57,8 +61,10 @@ class Scheduler:
         self._failed: dict[str, str] = {}  # task -> cause
         self._fenced: dict[str, str] = {}  # task -> cause, for the tasks the scheduler itself stopped
         self._targets: dict[str, list] = {}  # task -> its roles to stop when fenced (rlsched.fencing.Target)
+        self._letting_go: dict[str, asyncio.Event] = {}  # fenced holder -> set when its driver has let go
+        self._ended: dict[tuple[Any, int], str] = {}  # (host, pid) of a device-group process ended to fence a task
+        # -> why: the other tasks there lost their roles to it (`collateral`)
         self._stop = stop
-        self._held_before: set[tuple[str, Phase]] = set()  # (task, phase) released once: compiled, leases expire
         self._watchdog: asyncio.Task | None = None
         self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
         self._evicting: dict[str, set[asyncio.Task]] = {}  # task -> offloads of its roles still in flight
@@ -89,9 +95,10 @@ class Scheduler:
 
     async def release(self, task: str, phase: str) -> None:
         if task in self._failed:
+            if task in self._letting_go:
+                self._letting_go[task].set()  # a fenced holder's driver let go: its lock can pass on now
             return  # its lease is already gone
         self.policy.release(task, Phase(phase), time.monotonic())
-        self._held_before.add((task, Phase(phase)))
         self._dispatch()
         self._count_queues()
 
@@ -108,7 +115,6 @@ class Scheduler:
             self.policy.forget(task)  # refuses a live one (PolicyError)
             for known in (self._failed, self._fenced, self._targets, self._drivers, self._evicting):
                 known.pop(task, None)
-            self._held_before = {(t, p) for t, p in self._held_before if t != task}
             for pool in self.measured.values():
                 pool.clear(task)
         moves = self.policy.register(task, group, engine_bytes, actor_bytes, priority=priority, weight=weight)
@@ -184,12 +190,16 @@ class Scheduler:
         else:
             future.set_result(lease)
 
-    async def fail(self, task: str, cause: str, *, fence: bool = False) -> None:
+    async def fail(self, task: str, cause: str, *, fence: bool = False, driver_alive: bool = True) -> None:
         """Mark a task failed: its queued request is refused (LeaseLost), and its lease and memory pass on.
         `fence`: the scheduler is taking them away from a task that may still run (its lease expired, its
         driver died, its eviction failed), so its roles are stopped first (rlsched.fencing); until they are,
-        its lock and bytes stay its own. A task that failed by itself has stopped its roles already."""
+        its lock and bytes stay its own, and a holder's lock waits (LET_GO_S at most) for its driver, which sees its
+        call fail, to end its phase (`driver_alive` False: the driver died, nothing to wait for). A task that failed
+        by itself has stopped its roles already."""
         if task in self._failed:
+            if task in self._letting_go:
+                self._letting_go[task].set()  # the fenced task's driver reports its failure: it has let go
             return
         self._failed[task] = cause
         for request_id, (future, _) in list(self._waiters.items()):
@@ -198,11 +208,23 @@ class Scheduler:
                 del self._waiters[request_id]
         if fence:
             self._fenced[task] = cause
+            # A holder whose driver lives sees its call fail once its roles are stopped, ends its phase and lets go;
+            # the lock waits for that (bounded), so no one's phase starts before the fenced one's has ended.
+            holding = driver_alive and self.policy.lease_of(task) is not None
+            if holding:
+                self._letting_go[task] = asyncio.Event()
             t0 = self.timeline.now()
-            problems = await self._stop(self._targets.get(task, []))
+            def ended(target) -> None:  # before the host's process is ended: its other tasks will ask
+                self._ended[target.handle, target.pid] = f"the device group's process was ended to fence task " \
+                                                         f"{task} ({cause})"
+
+            problems = await self._stop(self._targets.get(task, []), on_end=ended)
             self.timeline.add_span("fence", t0, self.timeline.now(), task=task, cause=cause)
             if problems:
                 self._failed[task] = self._fenced[task] = f"{cause}; fencing: {'; '.join(problems)}"
+            if holding:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._letting_go[task].wait(), LET_GO_S)
         self.policy.fail(task)
         self.ports.release(task)
         self._dispatch()
@@ -220,6 +242,11 @@ class Scheduler:
     def failed(self) -> dict[str, str]:
         return dict(self._failed)
 
+    def collateral(self, host: Any, pid: int) -> str | None:
+        """Why device-group host `host`'s process `pid` was ended by a fence of another task, or None (it died by
+        itself): a task that lost its roles there rebuilds them without counting it as a restart of its own."""
+        return self._ended.get((host, pid))
+
     def fenced(self) -> dict[str, str]:
         """The tasks the scheduler stopped itself, with why (their own error, if any, came after)."""
         return dict(self._fenced)
@@ -231,7 +258,7 @@ class Scheduler:
         try:
             await lifeline[0]
         except Exception as err:  # noqa: BLE001 - any way the holder dies is a death
-            await self.fail(task, f"its process died ({type(err).__name__})", fence=True)
+            await self.fail(task, f"its process died ({type(err).__name__})", fence=True, driver_alive=False)
 
     def _ensure_watchdog(self) -> None:
         if self._watchdog is None or self._watchdog.done():
@@ -244,8 +271,6 @@ class Scheduler:
             now = time.monotonic()
             for task in self.policy.expired(now, self.lease_timeout_s):
                 phase, since = self.policy.lease_of(task)
-                if (task, phase) not in self._held_before:
-                    continue  # its first hold of this phase: the programs compile in it, for as long as they take
                 await self.fail(task, f"lease expired after {now - since:.0f} s in phase {phase} "
                                       f"(cluster.lease_timeout_s={self.lease_timeout_s:g})", fence=True)
 
@@ -315,6 +340,12 @@ class SchedulerLocks:
 
         return ray.get(self.scheduler.failed.remote()).get(self.task)
 
+    def collateral(self, host, pid: int) -> str | None:
+        """Why device-group host `host`'s process `pid` was ended to fence another task, or None."""
+        import ray
+
+        return ray.get(self.scheduler.collateral.remote(host, pid))
+
     def take_port(self, role: str, host: str, skip: list[int]) -> int:
         """A coordinator port on `host` for this task's `role` group (the scheduler's allocator)."""
         import ray
@@ -356,6 +387,9 @@ class FreeLocks:
         pass
 
     def revoked(self) -> str | None:
+        return None
+
+    def collateral(self, host, pid: int) -> str | None:
         return None
 
     def take_port(self, role: str, host: str, skip: list[int]) -> int:

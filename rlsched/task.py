@@ -70,6 +70,7 @@ class TaskDriver:
         self._moving = threading.Lock()
         self._closed = False
         self.restarts: list[str] = []  # why each role restart happened ("step 4: its engine process died ...")
+        self._charged = 0  # restarts that count against max_restarts (not those a fence of another task caused)
         self._prepared: set[tuple[int, int]] = set()  # batch shapes the actor has compiled for
         self._loader_start: dict | None = None  # the data position before the first step (a restart without
                                                 # a checkpoint goes back to it)
@@ -187,25 +188,36 @@ class TaskDriver:
                 err.add_note("not restarted: the device group's processes span hosts and form one JAX job, which a "
                              "new process cannot rejoin; max_restarts restarts roles within one host")
             return False
-        revoked = self.locks.revoked() if limit else None
-        if revoked is not None:  # the scheduler stopped our roles itself: it took the task's lease for good
+        if self.locks.revoked() is not None:  # the scheduler stopped our roles itself: it took the task's lease
             return False
-        if len(self.restarts) >= limit:
+        collateral = self._collateral(died)
+        if collateral is None and self._charged >= limit:
             if limit:
                 err.add_note(f"after {limit} restart(s) (max_restarts={limit}): " + "; ".join(self.restarts))
             return False
-        self.restarts.append(f"step {n}: {died}")
+        self._charged += collateral is None
+        cause = f"{died}" if collateral is None else f"{collateral}: {died}"
+        self.restarts.append(f"step {n}: {cause}")
         what = " and ".join(map(str, lost))
-        self.echo(f"[{self.name}] step {n}: {died}; restarting its {what} "
-                  f"({len(self.restarts)} of max_restarts={limit})")
+        count = "not counted against max_restarts: this task did not cause it" if collateral else \
+            f"{self._charged} of max_restarts={limit}"
+        self.echo(f"[{self.name}] step {n}: {cause}; restarting its {what} ({count})")
         for role in lost:  # the actor first: where it goes back to decides where the engine's redo starts
-            with self.timeline.span("restart", role=str(role), step=n, cause=str(died)):
+            with self.timeline.span("restart", role=str(role), step=n, cause=cause, charged=collateral is None):
                 self._replace(role)
         if Role.ACTOR not in lost:
             self.host.loader.load_state(position)  # the step is redone with the same prompts, the same weights
         pids = ", ".join(f"{role} pid {self.places[str(role)]['pid']}" for role in lost)
         self.echo(f"[{self.name}] {what} restarted ({pids}); going on from step {self.step_done + 1}")
         return True
+
+    def _collateral(self, died: RoleDied) -> str | None:
+        """Why the device-group process behind `died` was ended to fence another task (rlsched.fencing), or None:
+        its own death, or one this task caused."""
+        if not died.shared:
+            return None
+        role = Role(died.role)
+        return self.locks.collateral(self.roles[role].handle, self.places[str(role)]["pid"])
 
     def _lost_with(self, died: RoleDied) -> list[Role]:
         """The roles of this task that died with `died`'s process, the actor first: its role alone, or every role
@@ -294,7 +306,8 @@ class TaskDriver:
                 "time/train_s": t["train", "end"], "time/step_s": t["start", "end"],
                 "time/lock_wait_s": t["ask_rollout", "rollout"] + t["ask_train", "train"],
                 "time/end_unix": time.time()})
-            metrics["fault/restarts"] = len(self.restarts)
+            metrics["fault/restarts"] = len(self.restarts)  # those a fence of another task caused included
+            metrics["fault/restarts_charged"] = self._charged
             self.record(n, metrics, train.value)
             self.checkpoint_if_due(n)
         return metrics
@@ -476,7 +489,8 @@ def _role_death(err: BaseException) -> RoleDied | None:
     while err is not None and not isinstance(err, RoleDied):
         inner = getattr(err, "cause", None) or err.__cause__
         err = inner if isinstance(inner, BaseException) and inner is not err else None
-    return err
+    inner = getattr(err, "cause", None)  # a RoleDied raised in a host comes wrapped by Ray (its traceback in str)
+    return inner if isinstance(inner, RoleDied) else err
 
 
 def _print_flushed(line: str) -> None:

@@ -5,6 +5,8 @@ through the command line as a user runs it."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,42 @@ def test_tasks_evicted_every_step_sync_what_their_actor_published(solo, tmp_path
         _assert_close(_metrics(run_dir, task), solo[task])
         if checkpoint_every:
             assert (run_dir / "tasks" / task / "checkpoints" / str(STEPS)).is_dir()
+
+
+def test_a_hung_task_is_fenced_by_ending_the_shared_process_and_the_other_is_rebuilt_uncharged(solo, tmp_path,
+                                                                                                   capsys):
+    """Both tasks' roles in one device-group process. addition's engine hangs in its third generate (a thread that
+    cannot be stopped); its lease expires after 15 s and the scheduler ends the process (Ray restarts it) before
+    the lock passes on. subtraction lost its roles with it and is rebuilt from its last checkpoint: with
+    `max_restarts: 0` (stricter than any budget: a restart it did not cause is not counted), it finishes with
+    what it computes alone. The trace never shows two holders of a phase, and it ends well before the stall."""
+    from rlsched.timeline import check_lock_exclusivity, read_trace
+
+    config = "configs/demo_multitask.yaml"
+    t0 = time.monotonic()
+    code = main(["train", str(ROOT / config), *_sets(config, ["addition", "subtraction"], tmp_path, tmp_path / "m"),
+                 "--set", "cluster.processes=per_device_group", "--set", "cluster.lease_timeout_s=15",
+                 "--set", "tasks.0.rollout.engine=fake",
+                 "--set", "tasks.0.rollout.engine_args={stall_on_call: 3, stall_seconds: 600}",
+                 "--set", "tasks.1.max_restarts=0", "--set", "tasks.1.checkpoint_every=1"])
+    seconds = time.monotonic() - t0
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert code == 1 and seconds < 150, out[-3000:]
+    assert re.search(r"error: task addition failed: lease expired after 1[56] s in phase rollout "
+                     r"\(cluster\.lease_timeout_s=15\)", out), out[-3000:]
+    assert "error: task subtraction failed" not in out, out[-3000:]
+    assert re.search(r"\[subtraction\] step \d: the device group's process was ended to fence task addition "
+                     r"\(lease expired .*; restarting its actor and engine \(not counted against max_restarts",
+                     out), out[-3000:]
+    run_dir = tmp_path / "demo-multitask"
+    rows = _metrics(run_dir, "subtraction")
+    assert rows[-1]["fault/restarts"] == 1 and rows[-1]["fault/restarts_charged"] == 0
+    _assert_close([{k: v for k, v in r.items() if not k.startswith("fault/")} for r in rows],
+                  [{k: v for k, v in r.items() if not k.startswith("fault/")} for r in solo["subtraction"]])
+    events = read_trace(run_dir / "timeline.json")
+    assert check_lock_exclusivity(events) == []
+    assert [e["task"] for e in events if e["kind"] == "span" and e["name"] == "fence"] == ["addition"]
+    restarts = [e for e in events if e["kind"] == "span" and e["name"] == "restart"]
+    assert {(e["task"], e["args"]["role"], e["args"]["charged"]) for e in restarts} == {("subtraction", "actor", False),
+                                                                          ("subtraction", "engine", False)}

@@ -57,7 +57,7 @@ class _Fence:
     def __init__(self, seconds=0.05, problems=()):
         self.seconds, self.problems, self.calls = seconds, list(problems), []
 
-    async def __call__(self, targets):
+    async def __call__(self, targets, on_end=None):
         start = time.monotonic()
         await asyncio.sleep(self.seconds)
         self.calls.append((list(targets), start, time.monotonic()))
@@ -69,13 +69,11 @@ def test_an_expired_lease_fences_its_holder_before_the_next_waiter_gets_the_lock
         fence = _Fence(seconds=0.3)
         s = _scheduler(lease_timeout_s=0.2, stop=fence)
         s.register_roles("a", ["a's engine", "a's actor"])
-        await s.acquire("a", "rollout")
-        await asyncio.sleep(0.5)  # a's first hold of rollout: its programs compile, its lease does not expire
-        assert s.failed() == {}
-        await s.release("a", "rollout")
         await s.acquire("a", "train")
+        await asyncio.sleep(0.1)  # within its lease
         await s.release("a", "train")
-        await s.acquire("a", "rollout")  # its second hold: this one expires
+        assert s.failed() == {}
+        await s.acquire("a", "rollout")  # its first hold of rollout expires like any (compiles are outside locks)
         lease_b = await asyncio.wait_for(s.acquire("b", "rollout"), 3)  # granted once a's lease expires ...
         assert lease_b.task == "b"
         [(targets, _, fenced_at)] = fence.calls  # ... and a's roles were stopped first
