@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--no-restarts", dest="restarts", action="store_false", help="skip the restart-cost runs")
     p.add_argument("--processes", default="auto", choices=["auto", "per_role", "per_device_group"],
-                   help="cluster.processes: a process per role (CPU's default) or one per device group")
+                   help="cluster.processes: one process per device group (auto, the default) or a process per role")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of every task, as `rlsched train --set` (e.g. grpo.prompts_per_step=4)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/startup"))

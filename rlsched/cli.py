@@ -161,14 +161,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
     settings = {"num_devices": args.num_devices, "placement": args.placement, "rollout_devices": args.rollout_devices,
                 "memory_budget_gb": args.memory_budget_gb, "policy": args.policy,
                 "starvation_limit": args.starvation_limit, "lease_timeout_s": args.lease_timeout_s,
-                "overcommit": args.overcommit}
+                "overcommit": args.overcommit, "processes": args.processes}
     fresh = daemon.read_info() is None
     info = daemon.up(settings, address=args.address)
     if fresh:
         s = info["settings"]
         print(f"scheduler running: pid {info['pid']}, Ray at {info['address']} (namespace {info['namespace']}); "
               f"{s['num_devices']} device(s) {s['placement']}, policy {s['policy']}, memory budget "
-              f"{'unlimited' if s['memory_budget_gb'] is None else str(s['memory_budget_gb']) + ' GiB'} per device")
+              f"{'unlimited' if s['memory_budget_gb'] is None else str(s['memory_budget_gb']) + ' GiB'} per device; "
+              f"roles in {s.get('processes', 'per_role')} processes")
         print(f"its log: {daemon.state_dir() / 'service.log'}; send tasks with `rlsched submit CONFIG`")
     return 0
 
@@ -294,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-gb", type=float, default=None, help="per device (default unlimited)")
     p.add_argument("--starvation-limit", type=int, default=8, help="passes before a waiting request goes first")
     p.add_argument("--lease-timeout-s", type=float, default=600.0, help="longest hold of one lock")
+    p.add_argument("--processes", default="auto", choices=["auto", "per_role", "per_device_group"],
+                   help="which processes hold the tasks' roles (cluster.processes; auto: one per device group)")
     p.add_argument("--overcommit", action="store_true",
                    help="admit any task that fits alone; evictions swap roles between tasks (as train does)")
     p.set_defaults(func=_cmd_up)

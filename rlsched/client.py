@@ -42,7 +42,7 @@ def service_config(paths: Sequence[str | Path], overrides: Sequence[str], tasks:
         if key in given.cluster.model_fields_set and mine != theirs:
             echo(f"note: cluster.{key} is {theirs!r} in the running scheduler (`rlsched up` set it); the config's "
                  f"{mine!r} does not apply")
-    forced = [f"cluster.{k}={json.dumps(settings.get(k))}" for k in SETTINGS_KEYS] + ["cluster.processes=per_role"]
+    forced = [f"cluster.{k}={json.dumps(settings[k])}" for k in SETTINGS_KEYS if k in settings]
     cfg = select_tasks(load_configs(paths, [*overrides, *forced]), tasks)
     update = {k: v for k, v in (("priority", priority), ("weight", weight)) if v is not None}
     if update:
@@ -120,6 +120,10 @@ def render_status(report: dict[str, Any]) -> str:
     lines.append(f"memory per device: {used / 2**30:.2f} GiB admitted"
                  + ("" if budget is None else f" of {budget / 2**30:.2f} GiB")
                  + f"; policy {report['settings']['policy']}")
+    for host in report.get("hosts", []):  # cluster.processes: per_device_group
+        lines.append(f"device-group process: {host['error']}" if "error" in host else
+                     f"device-group process pid {host['pid']}: {len(host['roles'])} role(s), "
+                     f"{host['device_bytes'] / 2**20:.1f} MiB on its devices")
     return "\n".join(lines)
 
 

@@ -137,9 +137,9 @@ def role_env(num_devices: int, resource: str, *, shares_devices: bool) -> dict[s
 
     - CPU: `num_devices` XLA host devices (the experiment's device pool; each role's mesh takes its devices
       from it). Harmless elsewhere: the flag only shapes the CPU backend.
-    - GPU, when roles of several processes share a device (colocated): no preallocation (JAX takes 75 % of
-      a GPU at start by default) and the platform allocator (JAX's pool keeps freed buffers, so an offload
-      would free nothing for the other process).
+    - GPU, when roles of several processes share a device (colocated, or several tasks' roles on one group):
+      no preallocation (JAX takes 75 % of a GPU at start by default) and the platform allocator (JAX's pool
+      keeps freed buffers, so an offload would free nothing for the other process).
     """
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(HOST_DEVICES_FLAG)]
     # exits.ENV: the role's process records how it ends (rlsched.exits), for the error its task ends with
@@ -147,6 +147,19 @@ def role_env(num_devices: int, resource: str, *, shares_devices: bool) -> dict[s
     if resource == "GPU" and shares_devices:
         env |= {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
     return env
+
+
+def own_process_resources(resource: str, devices: int) -> dict[str, Any]:
+    """The Ray resources of a role in a process of its own (`cluster.processes: per_role`) on a bundle of
+    `devices` devices of `resource`. GPU: a nominal share (1/100 of one GPU): roles time-share the device under
+    the locks, and Ray gives a fractional share exactly one device. TPU: the bundle's chips, whole: a chip opens
+    in one process, so a process that did not ask for them would not see them (the config refuses per_role
+    where two role processes would share one). CPU: nominal; the bundle reserves the cores, the pinning uses them."""
+    if resource == "GPU":
+        return {"num_gpus": 0.01}
+    if resource == "TPU":
+        return {"num_cpus": 0, "resources": {"TPU": devices}}
+    return {"num_cpus": 0.01}
 
 
 def enter_role_env(env: dict[str, str] | None) -> None:

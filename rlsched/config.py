@@ -136,11 +136,13 @@ class ClusterConfig(_Section):
     process is ended and restarted, and the other tasks there rebuilt) and fails, and only then does the lock
     pass on."""
     processes: Literal["auto", "per_role", "per_device_group"] = "auto"
-    """Which processes hold the roles. `per_role`: each task's actor and engine in a process of its own (roles
-    that time-share devices are then several processes on one device: CPU, and GPU with rlsched turning XLA's
-    preallocation off). `per_device_group`: one process per host for each device group, holding every task's
-    roles there and swapping them between device and host (what a TPU needs: a chip opens in one process).
-    `auto`: per_device_group on TPU and GPU, per_role on CPU (README "Sharded roles: meshes")."""
+    """Which processes hold the roles. `per_device_group`: one process per host for each device group, holding
+    every task's roles there and swapping them between device and host (what a TPU needs: a chip opens in one
+    process; on a GPU, memory freed in one process is free for the next task). An engine that needs a process of
+    its own (sglang_jax) gets one beside it. `per_role`: each task's actor and engine in a process of its own
+    (roles that time-share devices are then several processes on one device: CPU, and GPU with rlsched turning
+    XLA's preallocation off), so a role's crash ends its own process only. `auto`: per_device_group on every
+    platform (README "Which processes hold the roles")."""
     policy: Literal["fifo", "priority", "fair"] = "fifo"
     """Which waiting task a free lock goes to: `fifo` the one that asked first; `priority` the highest
     `tasks[i].priority`; `fair` the one with the least lock time on that phase per unit of `tasks[i].weight`
@@ -461,13 +463,6 @@ class ExperimentConfig(_Section):
                                   f" x grpo.num_generations {plan.num_generations}) do not split over {over}")
         if self.cluster.hosts > 1:
             self._hosts_fit()
-        if self.cluster.processes == "per_device_group":
-            for i, task in enumerate(self.tasks):
-                if task.rollout.engine in OWN_PROCESS_ENGINES:
-                    raise _FieldError(f"tasks.{i}.rollout.engine", task.rollout.engine,
-                                      f"{task.rollout.engine} runs in a process of its own, which "
-                                      "cluster.processes=per_device_group cannot give it; use cluster.processes="
-                                      "per_role (or auto) or rollout.engine=jax_sampler")
         if self.cluster.placement == "disaggregated" and given is not None and self._devices_needed() > given:
             e = max(range(len(self.tasks)), key=lambda i: _devices(self.tasks[i].rollout.mesh))
             a = max(range(len(self.tasks)), key=lambda i: _devices(self.tasks[i].actor.mesh))
@@ -544,6 +539,7 @@ class ExperimentConfig(_Section):
                          seed=t.resolved_seed(self.experiment.seed, i), dir=run_dir / "tasks" / t.name,
                          tracking=self.experiment.tracking, placement=self.cluster.placement,
                          num_devices=self.num_devices, hosts=self.cluster.hosts,
+                         shares_devices=self.cluster.placement == "colocated" or len(self.tasks) > 1,
                          checkpoint_offset=i * t.checkpoint_every // len(self.tasks),
                          compile_cache=cache)
                 for i, t in enumerate(self.tasks)]
@@ -580,6 +576,8 @@ class TaskSpec:
     num_devices: int  # the experiment's device pool (rlsched.meshes.role_devices picks each role's from it)
     processes: Literal["per_role", "per_device_group"] = "per_role"  # cluster.processes once the platform is known
     hosts: int = 1  # hosts of the device group (cluster.hosts); num_devices is then per host
+    shares_devices: bool = True  # roles of other tasks or of this one may use this task's devices (colocated, or
+    # several tasks on a group; a service's tasks come and go): processes sharing a GPU must free what they offload
     checkpoint_offset: int = 0  # staggers the tasks' saves (TaskConfig.checkpoint_every)
     compile_cache: str | None = None  # absolute directory of JAX's persistent compilation cache (None: off)
 

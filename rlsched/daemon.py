@@ -209,7 +209,7 @@ def serve(settings: dict[str, Any], address: str | None) -> int:
     service = ray.remote(Service).options(name=NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
                                           max_concurrency=16, max_restarts=0).remote(settings, str(where))
     try:
-        ray.get(service.info.remote(), timeout=READY_TIMEOUT_S)
+        settings = ray.get(service.info.remote(), timeout=READY_TIMEOUT_S)["settings"]  # as resolved (processes)
     except Exception as err:  # noqa: BLE001 - said in service.log, and `up` shows its end
         print(f"the service did not start: {type(err).__name__}: {err}", flush=True)
         with contextlib.suppress(Exception):

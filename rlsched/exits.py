@@ -169,7 +169,10 @@ def explain(err: BaseException) -> str | None:
 def death_cause(err: BaseException) -> str:
     """How it ended if known, else the first line of Ray's message (for RoleDied's text)."""
     text = str(err).strip()
-    return explain(err) or (text.splitlines()[0] if text else type(err).__name__)
+    explained = explain(err)
+    if explained is None and "The actor was restarted" in text:  # a call in flight when its process ended
+        return "its process ended while the call ran, and Ray restarted it without its roles"
+    return explained or (text.splitlines()[0] if text else type(err).__name__)
 
 
 class NodeGone(RuntimeError):

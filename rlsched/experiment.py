@@ -202,8 +202,11 @@ def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo, scheduler):
         return dataclasses.replace(where, hosts={"engine": hosts, "actor": hosts})
     # A host that dies is restarted by Ray while a task of it may still restart its roles (rlsched.hosts), and
     # once more for each task the scheduler may fence by ending the host (each fenced task fails: once each).
+    from workers.rollout import OWN_PROCESS_ENGINES
+
     sizes = dict(num_devices=cfg.num_devices, max_tasks=len(cfg.tasks),
-                 max_restarts=max(t.max_restarts for t in cfg.tasks) + len(cfg.tasks))
+                 max_restarts=max(t.max_restarts for t in cfg.tasks) + len(cfg.tasks),
+                 shares_devices=any(t.rollout.engine in OWN_PROCESS_ENGINES for t in cfg.tasks))
     group = {"engine": start_host(where, "engine", **sizes)}
     actors.append(group["engine"])
     if cfg.cluster.placement == "colocated":

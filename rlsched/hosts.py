@@ -41,6 +41,7 @@ import contextlib
 import gc
 import itertools
 import os
+import sys
 import threading
 from typing import Any
 
@@ -159,6 +160,17 @@ class RoleHost(JobMember):
         if self.roles.pop(key, None) is not None:
             gc.collect()  # device buffers go now, not at the next collection
 
+    def held(self) -> dict[str, Any]:
+        """This process's pid, the roles it holds and the bytes of its live arrays on its devices: what a task that
+        ended leaves here is nothing (`rlsched status`)."""
+        with self._calls_lock:
+            roles = sorted(self.roles)
+        if not roles and "jax" not in sys.modules:
+            return {"pid": os.getpid(), "roles": roles, "device_bytes": 0}  # nothing started JAX here yet
+        from workers.offload import device_bytes
+
+        return {"pid": os.getpid(), "roles": roles, "device_bytes": device_bytes()}
+
     def where(self) -> dict[str, Any]:
         """This process, the devices it sees and those each role's mesh uses (for tools and tests)."""
         import jax
@@ -168,11 +180,12 @@ class RoleHost(JobMember):
 
 
 def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle: int | None = None,
-               max_restarts: int = 0):
+               max_restarts: int = 0, shares_devices: bool = False):
     """Start the host of `kind`'s device group ("actor": train, "engine": rollout; one host for both when
     colocated) on its bundle of `placement` (rlsched.cluster.RolePlacement; `bundle` another host's), seeing
     the pool's devices. Ray restarts its process up to `max_restarts` times after a death (empty: the tasks
-    with restarts left build their roles there again)."""
+    with restarts left build their roles there again; -1: always). `shares_devices`: a role of another process
+    (an engine of its own process) uses these devices too."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -191,7 +204,9 @@ def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle
         options["num_cpus"] = 0.01  # nominal: the bundle reserves the core, the pinning uses it
     else:
         options["resources"] = {resource: devices}
-    env = role_env(num_devices, resource, shares_devices=False)
+    # Sharing: an engine of its own process (sglang-jax) beside this one on its devices (GPU: then this process must
+    # free what it offloads, not keep it in JAX's pool).
+    env = role_env(num_devices, resource, shares_devices=shares_devices)
     return ray.remote(RoleHost).options(**options).remote(placement.cores[kind], env)
 
 

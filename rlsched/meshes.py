@@ -153,11 +153,11 @@ def platform_kind(platform: str) -> str:
 
 
 def resolve_processes(setting: str, platform: str) -> str:
-    """`cluster.processes` once the platform is known: auto is per_device_group on an accelerator (one
-    process owns each device), per_role on CPU (a role's crash then ends its own process only)."""
-    if setting != "auto":
-        return setting
-    return "per_role" if platform_kind(platform) == "cpu" else "per_device_group"
+    """`cluster.processes` once the platform is known: auto is per_device_group on every platform, CPU included
+    (what the hardware needs is what everything runs: a TPU chip opens in one process, a GPU's freed memory stays
+    in the process that freed it); per_role only when asked for."""
+    platform_kind(platform)  # an unknown platform is named here
+    return "per_device_group" if setting == "auto" else setting
 
 
 def check_platform(platform: str, cfg: ExperimentConfig, processes: str) -> None:
@@ -168,7 +168,8 @@ def check_platform(platform: str, cfg: ExperimentConfig, processes: str) -> None
       train group): a TPU chip is opened by one process at a time.
     - gpu, per_role, a mesh of more than one device: roles that time-share a GPU each take a fraction of it
       from Ray, and Ray gives a fractional share exactly one device.
-    - per_device_group with an engine that needs a process of its own (sglang_jax).
+    - tpu, per_device_group, with an engine that needs a process of its own (sglang_jax): it would open chips
+      the group's process holds. On CPU and GPU it runs beside the group's process, in a process of its own.
     - gpu or tpu, per_role, with cluster.hosts > 1: a host's devices are held by one process for both roles.
     CPU runs everything: its devices are per-process host devices."""
     kind = platform_kind(platform)
@@ -178,10 +179,11 @@ def check_platform(platform: str, cfg: ExperimentConfig, processes: str) -> None
                           "hosts is one process per host; use cluster.processes=per_device_group (or auto)")
     if processes == "per_device_group":
         for i, task in enumerate(cfg.tasks):
-            if task.rollout.engine in OWN_PROCESS_ENGINES:
+            if task.rollout.engine in OWN_PROCESS_ENGINES and kind == "tpu":
                 raise ConfigError(f"tasks.{i}.rollout.engine: {task.rollout.engine} runs in a process of its own, but "
-                                  f"cluster.processes resolves to per_device_group on {kind}; use rollout.engine="
-                                  "jax_sampler, or cluster.processes=per_role where the platform allows it")
+                                  "on tpu the device group's process holds the chips (a chip opens in one process); "
+                                  "use rollout.engine=jax_sampler, or cluster.processes=per_role where no two role "
+                                  "processes share a chip (disaggregated, one task)")
         return
     shared = cfg.cluster.placement == "colocated" or len(cfg.tasks) > 1
     if kind == "tpu" and shared:

@@ -115,7 +115,7 @@ class RoleGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from rlsched.cluster import role_env
+        from rlsched.cluster import own_process_resources, role_env
 
         resource = placement.resource
         members = []
@@ -124,9 +124,9 @@ class RoleGroup:
                 "max_restarts": 0, "num_cpus": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(placement.placement_group,
                                                                         placement_group_bundle_index=bundle)}
-            options["num_gpus" if resource == "GPU" else "num_cpus"] = 0.01  # nominal, as a role's own process
+            options |= own_process_resources(resource, placement.bundle_devices[role_cls.kind])  # as a role's own
             # Each member sees its own host's devices; the mesh over all of them comes from the JAX job.
-            env = role_env(spec.num_devices, resource, shares_devices=spec.placement == "colocated")
+            env = role_env(spec.num_devices, resource, shares_devices=spec.shares_devices)
             members.append(ray.remote(RoleMember).options(**options).remote(placement.cores[role_cls.kind], env))
         group = cls(members, role_cls.kind, [{} for _ in members], hang_timeout_s=hang_timeout_s)
         try:

@@ -35,7 +35,7 @@ from typing import Any
 
 from rlsched import exits
 from rlsched import placement as pin
-from rlsched.cluster import RolePlacement, enter_role_env, init_ray, role_env
+from rlsched.cluster import RolePlacement, enter_role_env, init_ray, own_process_resources, role_env
 from rlsched.comm import WeightChannel, WeightMessage, make_channel
 from rlsched.config import TaskSpec
 from rlsched.errors import RoleDied, TaskError
@@ -414,7 +414,7 @@ class RemoteRole:
 def channel_for(spec: TaskSpec, placement: RolePlacement | None, kind: str | None = None) -> WeightChannel:
     """The task's comm channel: in memory when both roles share a process (this one, or a colocated group's
     host), else Ray's object store."""
-    local = (placement is None and not _own_process(spec)) or (placement is not None and placement.one_process)
+    local = not _own_process(spec) and (placement is None or placement.one_process)
     return make_channel(kind or ("local" if local else "object_store"), spec.comm_group)
 
 
@@ -431,7 +431,8 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
     `take_port(role, host, busy)` gives its coordinator port); or as a Ray actor of its own in `placement`."""
     from rlsched.rolegroup import RoleGroup, spans_hosts
 
-    if placement is not None and placement.hosts is not None:
+    own = cls is EngineRole and _own_process(spec)  # an engine that must have a process of its own (sglang-jax)
+    if placement is not None and placement.hosts is not None and not own:  # beside the group's process if `own`
         from rlsched.hosts import HostedGroupRole, HostedRole, HostGroup
 
         host = placement.hosts[cls.kind]
@@ -446,7 +447,7 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
                             "needs a Ray cluster: run without --in-process")
         return RoleGroup.launch(cls, spec, channel=channel, placement=placement, take_port=take_port,
                                 bundles=placement.host_bundles[: spec.role_hosts(cls.kind)])
-    if placement is None and not (cls is EngineRole and _own_process(spec)):
+    if placement is None and not own:
         return cls(spec, channel=channel)
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -459,13 +460,13 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
         init_ray()  # an in-process run whose engine needs a process of its own: the local Ray
     else:
         resource = placement.resource
-        options["num_gpus" if resource == "GPU" else "num_cpus"] = 0.01
+        options |= own_process_resources(resource, placement.bundle_devices[cls.kind])
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement.placement_group, placement_group_bundle_index=placement.bundles[cls.kind])
         cores = placement.cores[cls.kind]
     # A role on an rlsched mesh sees the pool and takes its devices from it (role_mesh); an engine that lays
     # itself out (sglang-jax fills its mesh with every device it sees) sees one: its own.
     on_mesh = cls is ActorRole or spec.config.rollout.engine == "jax_sampler"
-    env = role_env(spec.num_devices if on_mesh else 1, resource, shares_devices=spec.placement == "colocated")
+    env = role_env(spec.num_devices if on_mesh else 1, resource, shares_devices=spec.shares_devices)
     handle = ray.remote(cls).options(**options).remote(spec, channel=channel, cores=cores, env=env)
     return RemoteRole(handle, cls.kind)

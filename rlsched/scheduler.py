@@ -11,7 +11,10 @@ Design decisions:
 - **Fenced before anything passes on** (rlsched.fencing). When the scheduler takes a lease away (it
   expired, its driver died) or an eviction fails, the task's role processes are stopped and known gone
   before its lock and memory go to another task: never two holders of one phase, never memory counted
-  free that a live process still holds. An eviction that fails fails the evicted task, not the waiter.
+  free that a live process still holds. An eviction that fails fails the evicted task, not the waiter. A fenced
+  holder whose driver lives also gets to end its phase first (it sees its call fail and lets go; LET_GO_S at
+  most): its phase's span ends before the next holder's begins. A device group's process ended by a fence is
+  recorded (`collateral`): its other tasks rebuild their roles without counting a restart of their own.
 - **Evictions are ordered against the victim's own moves.** The victim's driver offloads its role on the
   scheduler's request, a round trip after the policy decided it; the victim's next grant (which may onload
   that role again) is handed over only once that offload is done.
@@ -51,12 +54,13 @@ class LeaseLost(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0, stop=None):
-        """`stop`: async (targets) -> problems, how a task's roles are stopped (default rlsched.fencing.stop)."""
+    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0, stop=None, let_go_s: float = LET_GO_S):
+        """`stop`: async (targets, on_end) -> problems, how a task's roles are stopped (default
+        rlsched.fencing.stop); `let_go_s`: how long a fenced holder's driver has to end its phase."""
         if stop is None:
             from rlsched.fencing import stop
         self.policy = policy
-        self.lease_timeout_s = lease_timeout_s
+        self.lease_timeout_s, self.let_go_s = lease_timeout_s, let_go_s
         self._waiters: dict[int, tuple[asyncio.Future, float]] = {}
         self._failed: dict[str, str] = {}  # task -> cause
         self._fenced: dict[str, str] = {}  # task -> cause, for the tasks the scheduler itself stopped
@@ -224,7 +228,7 @@ class Scheduler:
                 self._failed[task] = self._fenced[task] = f"{cause}; fencing: {'; '.join(problems)}"
             if holding:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._letting_go[task].wait(), LET_GO_S)
+                    await asyncio.wait_for(self._letting_go[task].wait(), self.let_go_s)
         self.policy.fail(task)
         self.ports.release(task)
         self._dispatch()

@@ -50,7 +50,9 @@ TERMINAL = (FINISHED, FAILED, CANCELLED)
 GiB = 2**30
 
 # What `rlsched up` fixes for every task the service runs: the config keys `submit` sets from it.
-SETTINGS_KEYS = ("num_devices", "placement", "memory_budget_gb", "policy", "starvation_limit", "lease_timeout_s")
+SETTINGS_KEYS = ("num_devices", "placement", "memory_budget_gb", "policy", "starvation_limit", "lease_timeout_s",
+                 "processes")
+MAX_TASKS = 16  # tasks a device group's process serves at once (its threads); more wait PENDING
 
 
 @dataclasses.dataclass
@@ -71,6 +73,7 @@ class TaskRecord:
     reward: float | None = None
     phase: str | None = None
     devices: dict[str, Any] = dataclasses.field(default_factory=dict)  # role -> {"pid", "devices"}
+    driver_pid: int | None = None  # the process running its step loop (its roles may share a device group's)
     submitted_at: float = dataclasses.field(default_factory=time.time)
     started_at: float | None = None
     ended_at: float | None = None
@@ -122,9 +125,42 @@ class Service:
         self.pg = cluster.make_placement_group("rlsched-service", settings["placement"], self.resource, self.devices)
         self.where = cluster.role_placement(self.pg, settings["placement"], visible_cores(), self.resource,
                                             self.devices)
+        from rlsched.meshes import resolve_processes
+
+        self.processes = self.settings["processes"] = resolve_processes(settings.get("processes") or "auto",
+                                                                        self.resource)
+        self.hosts: dict[str, Any] = {}  # role -> its device group's process, for the service's life
+        if self.processes == "per_device_group":
+            self.where = self._start_hosts()
         self._save()
         self._monitor = threading.Thread(target=self._watch, name="rlsched-service-monitor", daemon=True)
         self._monitor.start()
+
+    def _start_hosts(self):
+        """One process per device group (colocated: one) that holds every task's roles there for the service's
+        life (rlsched.hosts). Ray restarts it whenever it dies (a fence ends it on purpose): the tasks there with
+        restarts left, and those a fence of another task cost their roles, build them again in it."""
+        from rlsched.hosts import start_host
+
+        # Sharing: an engine of a process of its own (sglang-jax) may come with any submission.
+        sizes = dict(num_devices=self.settings["num_devices"], max_tasks=MAX_TASKS, max_restarts=-1,
+                     shares_devices=True)
+        self.hosts = {"engine": start_host(self.where, "engine", **sizes)}
+        self.hosts["actor"] = self.hosts["engine"] if self.settings["placement"] == "colocated" else \
+            start_host(self.where, "actor", **sizes)
+        return dataclasses.replace(self.where, hosts=self.hosts)
+
+    def _host_bytes(self) -> list[dict[str, Any]]:
+        """Each device group's process: its pid, the roles it holds and its device bytes (live arrays)."""
+        import ray
+
+        out = []
+        for host in {id(h): h for h in self.hosts.values()}.values():
+            try:
+                out.append(ray.get(host.held.remote(), timeout=30))
+            except Exception as err:  # noqa: BLE001 - a host restarting or gone: said, not raised
+                out.append({"error": f"{type(err).__name__}: {err}".splitlines()[0]})
+        return out
 
     # ---- what clients call ---------------------------------------------------------------------------
 
@@ -147,12 +183,12 @@ class Service:
                 answer = {"error": f"task(s) {', '.join(live)} already submitted and not ended; a task's name is its "
                                    "id in the service: cancel it, or rename the new one (tasks.N.name)"}
                 return self._requests.setdefault(request_id, answer)
-            if self.resource == "TPU":
-                return {"error": "the scheduler service runs a process per role, and tasks of different submissions "
-                                 "would open the same TPU chips from several processes (a chip opens in one); run "
-                                 "them with `rlsched train`, which holds a device group's roles in one process"}
+            if self.resource == "TPU" and self.processes == "per_role":
+                return {"error": "the scheduler service runs a process per role (rlsched up --processes per_role), "
+                                 "and tasks of different submissions would open the same TPU chips from several "
+                                 "processes (a chip opens in one); start it with --processes per_device_group"}
             try:
-                check_platform(self.resource, cfg, "per_role")
+                check_platform(self.resource, cfg, self.processes)
                 check_task_dirs(cfg, resume=resume)
             except (ConfigError, ValueError) as err:
                 return self._requests.setdefault(request_id, {"error": str(err)})
@@ -182,7 +218,7 @@ class Service:
             rows = [t.row() for t in self.tasks.values()]
         for row in rows:
             row["lock"] = _lock_of(row["name"], locks)
-        return {"tasks": rows, "locks": locks, "settings": self.settings,
+        return {"tasks": rows, "locks": locks, "settings": self.settings, "hosts": self._host_bytes(),
                 "used_bytes": self._used_bytes(), "budget_bytes": self._budget_bytes()}
 
     def logs(self, task: str, offset: int = 0) -> dict[str, Any]:
@@ -302,7 +338,7 @@ class Service:
         record = self.tasks[name]
         sub = self._subs[record.request]
         spec = next(s for s in sub.cfg.task_specs() if s.name == name)
-        spec = dc.replace(spec, processes="per_role")
+        spec = dc.replace(spec, processes=self.processes, shares_devices=True)  # tasks come and go beside it
         task = spec.config
         engine, actor = estimate_bytes(task)
         try:
@@ -358,6 +394,7 @@ class Service:
             for line in poll["lines"]:
                 self._say(name, line)
             record.step, record.phase, record.devices = poll["step"], poll["phase"], poll["roles"]
+            record.driver_pid = poll.get("pid", record.driver_pid)
             record.reward = poll.get("reward", record.reward)
         return poll
 

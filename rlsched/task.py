@@ -29,6 +29,7 @@ Design decisions (and why):
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from typing import Any
@@ -410,7 +411,7 @@ class TaskDriver:
         phase = (f"{self.where['phase']} ({self.where['resource']})" if self.where
                  else f"waiting for {self._waiting}" if self._waiting else None)
         times = self._step_seconds
-        return {"lines": drain() if drain else [], "state": state, "step": self.step_done,
+        return {"lines": drain() if drain else [], "state": state, "step": self.step_done, "pid": os.getpid(),
                 "steps": self.spec.config.steps, "phase": phase, **self._latest,
                 "mean_step_s": sum(times) / len(times) if times else None, "roles": self.places,
                 "restarts": list(self.restarts)}

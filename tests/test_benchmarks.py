@@ -32,6 +32,8 @@ SMALLEST = {
     "overhead": (["--steps", "3", "--warmup-steps", "1", "--repeats", "1", "--no-settle", *TINY_STEP],
                  "overhead_ms"),
     "checkpoint": (["--steps", "2", "--warmup-steps", "1", "--preset", "tiny", *TINY_STEP], "runs"),
+    "footprint": (["--steps", "2", "--repeats", "1", "--layouts", "per_device_group", "in_process", *TINY_STEP],
+                  "median"),
     "startup": (["--tasks", "1", "--steps", "2", "--repeats", "1", *TINY_STEP], "restart_s"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),

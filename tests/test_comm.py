@@ -108,6 +108,7 @@ def test_a_local_message_survives_its_senders_offload_through_follow():
     values (from host memory). A move for another version leaves the slot alone."""
     import jax.numpy as jnp
 
+    from workers.models.params import checksum
     from workers.offload import offload, on_device, onload
 
     channel = LocalChannel(comm_group_name("exp", "evicted"))
@@ -123,6 +124,7 @@ def test_a_local_message_survives_its_senders_offload_through_follow():
     with channel.receiving(message) as got:
         assert not any(on_device(v) for v in got.values())  # host copies, not a second set on the device
         assert all(np.array_equal(np.asarray(got[k]), v) for k, v in _flat().items())
+        assert checksum(got) == checksum(_flat())  # host-memory arrays hash (on the host) like any layout
     back = onload(held["off"])
     channel.follow(3, lambda: back)  # not the published version: the slot keeps what it holds
     with pytest.raises(ChannelError, match="freed by their sender"):

@@ -468,7 +468,7 @@ def test_a_mesh_across_hosts_takes_whole_hosts_and_keeps_tp_inside_one(tmp_path)
     }
     for why, (overrides, expected) in errors.items():
         assert expected in load_error(tmp_path, ADDITION, [*hosts, *overrides]), why
-    # one process per host holding every role (GPU's and TPU's default): a mesh over all the hosts, or one host
+    # one process per host holding every role (the default): a mesh over all the hosts, or one host
     for mesh in ("{dp: 2, fsdp: 2, tp: 2}", "{fsdp: 2, tp: 2}"):
         load_config(write(tmp_path, ADDITION), [*hosts, "cluster.processes=per_device_group",
                                                 f"tasks.0.actor.mesh={mesh}"])

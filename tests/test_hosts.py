@@ -27,6 +27,9 @@ SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     "actor.mesh={dp: 2, fsdp: 2, tp: 1}", "rollout.mesh.tp=1", "checkpoint_every=0", "grpo.prompts_per_step=16",
     "grpo.num_generations=8", "grpo.mini_batch_size=64", "rollout.max_batch_size=128", "data.max_operand=3")]
 TWO_HOSTS = ["cluster.hosts=2", "cluster.num_devices=2"]
+# A process per role: each task's actor is a group of its own across the hosts (rlsched.rolegroup); the device
+# group's processes across hosts (the default) are the tests at the end.
+ROLE_GROUPS = [*TWO_HOSTS, "cluster.processes=per_role"]
 ONE_HOST = ["cluster.num_devices=4"]
 # addition's steps: room after the Ctrl-C at step 1, which lands a step or two later on a fast machine
 STEPS = 8
@@ -126,7 +129,7 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path, 
     models = tmp_path / "models"
     # Memory for one task's engine and actor per device, not two: roles are evicted (offloaded, every member its
     # own shards) and brought back all along, and the numbers must not move.
-    two = _train(tmp_path / "two", models, (STEPS, 4), *TWO_HOSTS, _one_task_fits(), "--address", nodes)
+    two = _train(tmp_path / "two", models, (STEPS, 4), *ROLE_GROUPS, _one_task_fits(), "--address", nodes)
     assert "[addition] ok" in two.stdout and "[subtraction] ok" in two.stdout, two.stdout[-2000:]
     assert re.search(r"\[addition\] actor on 2 hosts, 4 devices", two.stdout)
     groups = _groups(tmp_path / "two")
@@ -148,7 +151,7 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path, 
 
     # Ctrl-C after step 1 saves the group's state (orbax, every member), --resume restores it in every member:
     # the steps after equal the uninterrupted run's.
-    stop = _args(tmp_path / "stopped", models, (STEPS, 4), *TWO_HOSTS, "tasks.0.checkpoint_every=1",
+    stop = _args(tmp_path / "stopped", models, (STEPS, 4), *ROLE_GROUPS, "tasks.0.checkpoint_every=1",
                  "--tasks", "addition", "--address", nodes)
     proc = subprocess.Popen(stop, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
@@ -160,7 +163,7 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path, 
         proc.kill()
     saved = len(_metrics(tmp_path / "stopped", "addition"))
     assert 1 <= saved < STEPS, saved  # stopped after the step in progress, well before the end
-    resumed = _train(tmp_path / "stopped", models, (STEPS, 4), *TWO_HOSTS, "tasks.0.checkpoint_every=1", "--tasks",
+    resumed = _train(tmp_path / "stopped", models, (STEPS, 4), *ROLE_GROUPS, "tasks.0.checkpoint_every=1", "--tasks",
                      "addition", "--address", nodes, "--resume")
     assert f"[addition] resumed after step {saved}" in resumed.stdout
     assert _numbers(_metrics(tmp_path / "stopped", "addition")) == _numbers(across)
@@ -173,7 +176,7 @@ def test_a_killed_member_fails_its_task_only(nodes, tmp_path):
     # subtraction's actor on one device of host 0: a task within one host beside a task across both
     one_device = ["tasks.1.actor.mesh={dp: 1, fsdp: 1, tp: 1}", "tasks.1.grpo.prompts_per_step=4",
                   "tasks.1.grpo.num_generations=4", "tasks.1.grpo.mini_batch_size=16"]
-    args = _args(tmp_path / "run", models, (200, 200), *TWO_HOSTS, *one_device, "--address", nodes)
+    args = _args(tmp_path / "run", models, (200, 200), *ROLE_GROUPS, *one_device, "--address", nodes)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     lines, members, killed_at, failed_after = [], None, None, None
     try:
@@ -205,7 +208,7 @@ def test_a_killed_member_fails_its_task_only(nodes, tmp_path):
     together = _metrics(tmp_path / "run", "subtraction")
     # subtraction was still running when the member died: the failure happened beside it, not after it
     assert together[-1]["time/end_unix"] > time.time() - (time.monotonic() - killed_at)
-    _train(tmp_path / "alone", models, (200, 200), *TWO_HOSTS, *one_device, "--tasks", "subtraction",
+    _train(tmp_path / "alone", models, (200, 200), *ROLE_GROUPS, *one_device, "--tasks", "subtraction",
            "--address", nodes)
     assert _numbers(together) == _numbers(_metrics(tmp_path / "alone", "subtraction"))
 

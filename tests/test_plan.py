@@ -96,11 +96,20 @@ def test_bundles_reserve_each_groups_accelerators():
     assert bundle_shapes("disaggregated", "CPU", disagg) == [{"CPU": 1}, {"CPU": 1}]  # a core; devices are XLA's
 
 
-def test_an_engine_with_a_process_of_its_own_cannot_be_held_by_a_group_process(tmp_path):
-    with pytest.raises(ConfigError, match="tasks.0.rollout.engine: sglang_jax runs in a process of its own, which "
-                                          "cluster.processes=per_device_group cannot give it"):
-        _demo_mesh(tmp_path, ["cluster.processes=per_device_group", "tasks.0.rollout.engine=sglang_jax",
-                              "tasks.0.rollout.mesh.tp=1"])
+def test_an_engine_with_a_process_of_its_own_runs_beside_the_group_process(tmp_path):
+    """sglang_jax under per_device_group: its engine is a process of its own beside the group's (which holds the
+    actor), so its weights go through the object store; a jax_sampler task of the same group keeps a local channel."""
+    from rlsched.cluster import RolePlacement
+    from rlsched.comm import LocalChannel, ObjectStoreChannel
+    from rlsched.roles import channel_for
+
+    cfg = _demo_mesh(tmp_path, ["cluster.processes=per_device_group", "tasks.0.rollout.engine=sglang_jax",
+                                "tasks.0.rollout.mesh.tp=1"])
+    where = RolePlacement(None, {"engine": 0, "actor": 0}, {"engine": [0], "actor": [0]},
+                          hosts={"engine": "host", "actor": "host"})
+    sglang, sampler = cfg.task_specs()
+    assert type(channel_for(sglang, where)) is ObjectStoreChannel
+    assert type(channel_for(sampler, where)) is LocalChannel
 
 
 # --- the platform rule ---------------------------------------------------------------------------------------
@@ -113,8 +122,10 @@ def test_platform_rule(tmp_path):
 
     colocated, disaggregated = _demo_mesh(tmp_path), _demo_mesh(tmp_path, ["cluster.placement=disaggregated"])
     one_task = _demo_mesh(tmp_path, ["cluster.placement=disaggregated", "--tasks", "addition"])
-    assert [resolve_processes("auto", p) for p in ("cpu", "CPU", "gpu", "cuda", "TPU")] == [
-        "per_role", "per_role", "per_device_group", "per_device_group", "per_device_group"]
+    # One execution model on every platform: what the demo and the tests run on CPU is what a GPU or TPU node runs.
+    assert [resolve_processes("auto", p) for p in ("cpu", "CPU", "gpu", "cuda", "TPU")] == ["per_device_group"] * 5
+    with pytest.raises(ConfigError, match="platform 'metal' is not one rlsched runs on"):
+        resolve_processes("auto", "metal")
     assert resolve_processes("per_role", "tpu") == "per_role"
     for cfg in (colocated, disaggregated, one_task):
         for platform in ("cpu", "gpu", "tpu"):
@@ -131,8 +142,10 @@ def test_platform_rule(tmp_path):
     sglang = _demo_mesh(tmp_path, [f"tasks.{i}.{k}" for i in (0, 1) for k in (
         "rollout.engine=sglang_jax", "rollout.mesh.tp=1")])
     with pytest.raises(ConfigError, match="tasks.0.rollout.engine: sglang_jax runs in a process of its own, but "
-                                          "cluster.processes resolves to per_device_group on tpu"):
+                                          "on tpu the device group's process holds the chips"):
         check_platform("tpu", sglang, "per_device_group")
+    for platform in ("cpu", "gpu"):  # there it runs in a process of its own beside the group's
+        check_platform(platform, sglang, "per_device_group")
     with pytest.raises(ConfigError, match="platform 'metal' is not one rlsched runs on"):
         check_platform("metal", colocated, "per_role")
     # A device group across hosts on an accelerator: one process per host holds both roles, never a process per role.

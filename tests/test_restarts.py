@@ -103,7 +103,8 @@ def test_chaos_three_tasks_survive_killed_engines_and_actors_and_compute_what_th
     engine after its step 3. With max_restarts 3 every task finishes; a dead engine's step is redone with the
     actor's live weights, a dead actor goes back to its last checkpoint (checkpoint_every 1); each task's
     metrics equal its uninterrupted run; the restarts are in the results, the metrics and the trace."""
-    cfg = _experiment(tmp_path / "chaos", tiny_model_dir, "chaos")
+    # A process per role: each kill ends one role (a device group's process is test_a_dead_device_group_host_...).
+    cfg = _experiment(tmp_path / "chaos", tiny_model_dir, "chaos", cluster={"processes": "per_role"})
     chaos = _Chaos(cfg, [("addition", "engine", 1), ("subtraction", "actor", 2), ("addition", "engine", 3)])
     lines = []
     results = run_experiment(cfg, echo=lines.append, on_started=chaos.start)
@@ -128,7 +129,7 @@ def test_chaos_three_tasks_survive_killed_engines_and_actors_and_compute_what_th
 def test_without_restarts_left_the_task_fails_with_every_cause(ray_session, tmp_path, tiny_model_dir):
     """max_restarts 1: the first death is survived, the second fails the task with both causes listed; the
     other tasks finish."""
-    cfg = _experiment(tmp_path, tiny_model_dir, "one-restart", max_restarts=1)
+    cfg = _experiment(tmp_path, tiny_model_dir, "one-restart", max_restarts=1, cluster={"processes": "per_role"})
     chaos = _Chaos(cfg, [("addition", "engine", 1), ("addition", "engine", 2)])
     results = run_experiment(cfg, echo=lambda *_: None, on_started=chaos.start)
     assert chaos.errors == [] and len(chaos.killed) == 2, (chaos.errors, chaos.killed)
@@ -141,7 +142,7 @@ def test_without_restarts_left_the_task_fails_with_every_cause(ray_session, tmp_
 
 def test_a_dead_device_group_host_comes_back_and_its_tasks_compute_what_they_do_alone(
         ray_session, tmp_path, tiny_model_dir, alone):
-    """cluster.processes: per_device_group (GPU's and TPU's default): one process holds every task's actor and
+    """cluster.processes: per_device_group (the default): one process holds every task's actor and
     engine. SIGKILL it after addition's step 2: Ray restarts it, addition and subtraction (max_restarts 1) build
     both their roles there again, each actor from its last checkpoint, and finish with the metrics of their
     uninterrupted runs; add2 (max_restarts 0) fails naming the host. Both roles' restarts are in the trace."""

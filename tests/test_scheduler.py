@@ -67,18 +67,30 @@ class _Fence:
 def test_an_expired_lease_fences_its_holder_before_the_next_waiter_gets_the_lock():
     async def scenario():
         fence = _Fence(seconds=0.3)
-        s = _scheduler(lease_timeout_s=0.2, stop=fence)
+        s = _scheduler(lease_timeout_s=0.2, stop=fence, let_go_s=5)
         s.register_roles("a", ["a's engine", "a's actor"])
         await s.acquire("a", "train")
         await asyncio.sleep(0.1)  # within its lease
         await s.release("a", "train")
         assert s.failed() == {}
         await s.acquire("a", "rollout")  # its first hold of rollout expires like any (compiles are outside locks)
+        let_go = []
+
+        async def driver_of_a():  # sees its call fail once its roles are stopped, ends its phase, releases
+            while not fence.calls:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            let_go.append(time.monotonic())
+            await s.release("a", "rollout")
+
+        a = asyncio.create_task(driver_of_a())
         lease_b = await asyncio.wait_for(s.acquire("b", "rollout"), 3)  # granted once a's lease expires ...
+        await a
         assert lease_b.task == "b"
         [(targets, _, fenced_at)] = fence.calls  # ... and a's roles were stopped first
         assert targets == ["a's engine", "a's actor"]
         assert s.grant_log[-1][1] == "b" and s.grant_log[-1][0] >= fenced_at  # granted after the fence ended
+        assert s.grant_log[-1][0] >= let_go[0]  # and after a's driver let go (its phase ended first)
         assert re.fullmatch(r"lease expired after 0 s in phase rollout \(cluster\.lease_timeout_s=0\.2\)",
                             s.failed()["a"]), s.failed()
         assert s.fenced() == s.failed()
@@ -90,7 +102,8 @@ def test_an_expired_lease_fences_its_holder_before_the_next_waiter_gets_the_lock
 
 def test_a_fence_that_cannot_confirm_the_stop_says_so_in_the_cause():
     async def scenario():
-        s = _scheduler(lease_timeout_s=0.1, stop=_Fence(problems=["engine: its process still answered 30 s after"]))
+        s = _scheduler(lease_timeout_s=0.1, stop=_Fence(problems=["engine: its process still answered 30 s after"]),
+                       let_go_s=0.1)  # its driver never lets go: the lock passes after let_go_s
         await s.acquire("a", "train")
         await s.release("a", "train")
         await s.acquire("a", "train")

@@ -22,7 +22,7 @@ CONFIG = str(ROOT / "configs" / "demo_multitask.yaml")
 SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     "checkpoint_every=0", "grpo.prompts_per_step=4", "grpo.num_generations=4", "grpo.mini_batch_size=8",
     "rollout.max_batch_size=16")]
-A_STEPS, B_STEPS = 60, 100
+A_STEPS, B_STEPS = 60, 300  # B's steps: enough that it is still starting or early when the test holds it
 
 
 def _cli(*args: str, home: Path, cwd: Path, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -68,10 +68,11 @@ class _Service:
             assert time.monotonic() < end, f"{task}: {row}"
             time.sleep(1)
 
-    def roles(self, task: str) -> list[int]:
-        """Wait until the task's roles are up; their processes' pids."""
-        row = self.wait(task, lambda r: len(r["devices"]) == 2)
-        return [role["pid"] for role in row["devices"].values()]
+    def driver(self, task: str) -> list[int]:
+        """The pid of the task's driver, as soon as the service knows it (its step loop: stopping it holds the task,
+        while its roles live in the device group's process with the other tasks')."""
+        row = self.wait(task, lambda r: r["driver_pid"], timeout=120)
+        return [row["driver_pid"]]
 
     def steps(self, experiment: str, task: str, steps: int) -> None:
         """Wait until the task has done `steps` steps (its metrics file, read directly: a command takes seconds)."""
@@ -166,14 +167,14 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     common = [CONFIG, *_sets(*models)]
     assert svc("submit", *common, "--set", f"tasks.0.steps={A_STEPS}", "--tasks", "addition").stdout.split() == [
         "addition"]
-    # SIGSTOP / SIGCONT of a task's role processes, as a user may: a step of these tiny tasks takes milliseconds and
+    # SIGSTOP / SIGCONT of a task's driver process, as a user may: a step of these tiny tasks takes milliseconds and
     # a command seconds, so the test holds a task mid-run while it sends the next commands.
-    a_roles = svc.roles("addition")
+    a_driver = svc.driver("addition")
     svc.steps("demo-multitask", "addition", 2)
-    _signal(a_roles, signal.SIGSTOP)  # A stays RUNNING, mid-run, while B and the third arrive
+    _signal(a_driver, signal.SIGSTOP)  # A stays RUNNING, mid-run, while B and the third arrive
     svc("submit", *common, "--set", f"tasks.1.steps={B_STEPS}", "--tasks", "subtraction")
-    b_roles = svc.roles("subtraction")
-    _signal(b_roles, signal.SIGSTOP)  # B too, in its first steps at most
+    b_driver = svc.driver("subtraction")
+    _signal(b_driver, signal.SIGSTOP)  # B too, in its first steps at most
     third = [*common, "--set", "experiment.name=third", "--set", "tasks.1.name=third", "--set", "tasks.1.steps=4000",
              "--tasks", "third", "--request-id", "third-1"]
     assert svc("submit", *third).stdout.split() == ["third"]
@@ -187,11 +188,11 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     text = svc("status").stdout
     assert "PENDING" in text and "addition" in text, text
 
-    _signal(a_roles + b_roles, signal.SIGCONT)
+    _signal(a_driver + b_driver, signal.SIGCONT)
     svc.steps("demo-multitask", "subtraction", 1)
-    _signal(b_roles, signal.SIGSTOP)  # mid-run when the cancel comes
+    _signal(b_driver, signal.SIGSTOP)  # mid-run when the cancel comes
     assert "RUNNING" in svc("cancel", "subtraction").stdout
-    _signal(b_roles, signal.SIGCONT)
+    _signal(b_driver, signal.SIGCONT)
     cancelled = svc.wait("subtraction", lambda r: r["state"] != "RUNNING")
     assert cancelled["state"] == "CANCELLED" and cancelled["step"] < B_STEPS, cancelled
     checkpoints = out / "runs" / "demo-multitask" / "tasks" / "subtraction" / "checkpoints"
@@ -232,6 +233,37 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     svc("down", "--force", timeout=120)
     svc.assert_all_gone()
     assert _cli("status", home=home, cwd=out, check=False).returncode == 1
+
+
+@pytest.mark.slow
+def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing_in_it(tmp_path, service):
+    """`rlsched up --num-devices 8` (auto: one process holds the device group, as on a GPU or TPU node): the two
+    demo_mesh tasks (actor fsdp 2 x tp 2, engine tp 2) submitted to it run in that one process, compute what they
+    compute alone, and once they have ended the process holds no role and no byte on its devices."""
+    svc, steps = service, 3
+    mesh = str(ROOT / "configs" / "demo_mesh.yaml")
+    sets = _sets(f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}",
+                 f"tasks.0.steps={steps}", f"tasks.1.steps={steps}", "tasks.0.checkpoint_every=0")
+    _cli("train", mesh, *sets, "--set", f"experiment.output_dir={tmp_path / 'solo'}", "--in-process",
+         home=svc.home, cwd=svc.cwd, timeout=600)
+    up = svc("up", "--num-devices", "8").stdout
+    assert "8 device(s) colocated" in up and "roles in per_device_group processes" in up, up
+    svc("submit", mesh, *sets)
+    rows = {t: svc.wait(t, lambda r: r["state"] in ("FINISHED", "FAILED", "CANCELLED"), timeout=600)
+            for t in ("addition", "subtraction")}
+    assert {r["state"] for r in rows.values()} == {"FINISHED"}, rows
+    pids = {p["pid"] for r in rows.values() for p in r["devices"].values()}
+    assert len(pids) == 1, rows  # every role of both tasks in the device group's one process
+    assert {tuple(p["devices"]) for r in rows.values() for p in r["devices"].values()} == {(0, 1, 2, 3), (0, 1)}
+    for task in ("addition", "subtraction"):
+        _same(_metrics(svc.cwd / "runs", "demo-mesh", task), _metrics(tmp_path / "solo", "demo-mesh", task))
+    report = json.loads(svc("status", "--json").stdout)
+    assert report["settings"]["processes"] == "per_device_group"
+    [host] = report["hosts"]
+    assert host["pid"] in pids and host["roles"] == [] and host["device_bytes"] == 0, host
+    assert "device-group process pid" in svc("status").stdout
+    svc("down", timeout=300)
+    svc.assert_all_gone()
 
 
 def test_a_task_across_hosts_is_refused_before_anything_is_sent():

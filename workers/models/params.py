@@ -108,13 +108,18 @@ def checksum(flat: Mapping[str, object]) -> str:
 
     Used to prove that an engine holds exactly the weights its actor published. Device arrays are hashed
     where they lie (`_digest_device`: each device reduces its own shard, then four bytes per tensor
-    cross): nothing is gathered to one device or copied to the host. Per tensor, the element bits are
+    cross): nothing is gathered to one device or copied to the host; arrays in host memory are hashed there.
+    Per tensor, the element bits are
     reduced one dimension at a time, innermost first, each weighted by an odd number that depends on the
     dimension and the position, mod 2**32: changing any one element always changes the result (odd
     weights are invertible), and a transposed or reordered tensor hashes differently (each dimension has
     its own weights). It detects corruption and mix-ups, not an adversary. One pass over the bytes.
     """
-    on_device = {k: v for k, v in flat.items() if isinstance(v, jax.Array)}
+    from workers.offload import on_device as in_device_memory
+
+    # Arrays in host memory (an offloaded actor's published weights) are hashed on the host: device programs
+    # cannot take them as they lie.
+    on_device = {k: v for k, v in flat.items() if isinstance(v, jax.Array) and in_device_memory(v)}
     sums = {k: int(v) for k, v in jax.device_get(_digest_device(on_device)).items()} if on_device else {}
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(flat):
