@@ -14,8 +14,10 @@ Design decisions (and why):
 - **Both roles of a task in one host talk through a local channel** (rlsched.comm.LocalChannel): weights go
   from the actor's mesh to the engine's device to device, and the message the driver forwards carries no
   arrays.
-- **A threaded actor.** Each task's driver blocks in its own call; the locks already order what touches the
-  devices, while one task's host-side work (a memory probe, a checkpoint write) runs beside another's phase.
+- **A threaded actor, one call per role at a time.** Each task's driver blocks in its own call; the locks already
+  order what touches the devices, while one task's host-side work (a memory probe, a checkpoint write) runs beside
+  another's phase. A role's own calls run one after another, as in a process of its own (an eviction's offload of
+  a role waits for the call of it in progress), which is what the drivers and the scheduler were built against.
 - **Collateral is the price.** A role that kills its process (a segfault, an out-of-memory kill) ends every
   role of the host; every task there gets `RoleDied(shared=True)` naming the host. That is how a TPU host
   behaves anyway, and what a fence does on purpose: a role whose call outlives its lease cannot be stopped as a
@@ -66,7 +68,8 @@ class RoleHost(JobMember):
         import ray
 
         self.roles: dict[str, Any] = {}
-        self._calls: dict[str, int] = {}  # role key -> its calls running now (a fence drops an idle role only)
+        self._calls: dict[str, int] = {}  # role key -> its calls running or waiting (a fence drops an idle role only)
+        self._turns_of: dict[str, threading.Lock] = {}  # role key -> held by the one call of it that runs
         self._dropped: set[str] = set()  # keys a fence dropped: a late call on one is refused, not run
         self._calls_lock = threading.Lock()
         # Ray restarted this host after its process died (start_host's max_restarts): every role it held is gone.
@@ -100,6 +103,7 @@ class RoleHost(JobMember):
             role = self.roles.get(key)
             if role is not None:
                 self._calls[key] = self._calls.get(key, 0) + 1
+                turn = self._turns_of.setdefault(key, threading.Lock())
         if role is None and method == "close" and (self.restarted or key in self._dropped):
             return None  # a role that went with the old process, or that a fence dropped: nothing left to close
         if role is None and self.restarted and key not in self._dropped:
@@ -109,7 +113,11 @@ class RoleHost(JobMember):
         if role is None:
             raise TaskError(f"{key} is not held by this host (it was dropped, or never started)")
         try:
-            return getattr(role, method)(*args, **kwargs)
+            # One call of a role at a time, as in a process of its own (a Ray actor runs one call after another):
+            # e.g. an eviction's offload of a role waits for the role's call in progress; roles of other tasks, and
+            # the other role of the same task, run beside it.
+            with turn:
+                return getattr(role, method)(*args, **kwargs)
         finally:
             with self._calls_lock:
                 self._calls[key] -= 1
