@@ -545,3 +545,23 @@ def test_data_reward_and_output_dir_are_checked_before_anything_starts(task_yaml
     assert out_dir == (f"error: experiment.output_dir: {blocked} is not a directory, so {blocked / 'runs'} cannot "
                        f"hold the run (got '{blocked / 'runs'}')")
     assert not (task_yaml.parent / "runs").exists()
+
+
+def test_per_role_processes_ask_for_what_their_platform_needs(tmp_path):
+    """per_role on a GPU: every process that shares one frees what it offloads (no preallocation, the platform
+    allocator), whenever roles share it: colocated, or several tasks on a group; on a TPU a role's process asks
+    Ray for its bundle's chips (a chip opens in one process, so one that did not ask would not see it)."""
+    from rlsched.cluster import own_process_resources, role_env
+
+    assert own_process_resources("GPU", 4) == {"num_gpus": 0.01}  # a share: roles time-share the device
+    assert own_process_resources("TPU", 4) == {"num_cpus": 0, "resources": {"TPU": 4}}
+    assert own_process_resources("CPU", 1) == {"num_cpus": 0.01}
+    colocated = _demo_mesh(tmp_path)
+    disaggregated = _demo_mesh(tmp_path, ["cluster.placement=disaggregated"])
+    alone = _demo_mesh(tmp_path, ["cluster.placement=disaggregated", "--tasks", "addition"])
+    assert [s.shares_devices for s in colocated.task_specs()] == [True, True]
+    assert [s.shares_devices for s in disaggregated.task_specs()] == [True, True]  # two actors on one train group
+    assert [s.shares_devices for s in alone.task_specs()] == [False]  # one actor, one engine: each alone
+    sharing = role_env(1, "GPU", shares_devices=True)
+    assert sharing["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and sharing["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in role_env(1, "GPU", shares_devices=False)
