@@ -188,7 +188,7 @@ def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo, scheduler):
     into one JAX job whose coordinator port comes from the scheduler's allocator (rlsched.hosts.HostGroup)."""
     import ray
 
-    from rlsched.hosts import start_host, start_host_group
+    from rlsched.hosts import start_group_hosts, start_host_group
 
     if cfg.cluster.hosts > 1:
         def take_port(kind: str, host: str, busy: list[int]) -> int:
@@ -207,15 +207,10 @@ def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo, scheduler):
     sizes = dict(num_devices=cfg.num_devices, max_tasks=len(cfg.tasks),
                  max_restarts=max(t.max_restarts for t in cfg.tasks) + len(cfg.tasks),
                  shares_devices=any(t.rollout.engine in OWN_PROCESS_ENGINES for t in cfg.tasks))
-    group = {"engine": start_host(where, "engine", **sizes)}
-    actors.append(group["engine"])
-    if cfg.cluster.placement == "colocated":
-        group["actor"] = group["engine"]
-    else:
-        group["actor"] = start_host(where, "actor", **sizes)
-        actors.append(group["actor"])
-    echo(f"roles held by {len(set(map(id, group.values())))} device-group process(es) "
-         "(cluster.processes: per_device_group)")
+    group = start_group_hosts(where, colocated=cfg.cluster.placement == "colocated", **sizes)
+    hosts = list({id(h): h for h in group.values()}.values())
+    actors += hosts
+    echo(f"roles held by {len(hosts)} device-group process(es) (cluster.processes: per_device_group)")
     return dataclasses.replace(where, hosts=group)
 
 

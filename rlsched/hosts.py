@@ -218,6 +218,13 @@ def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle
     return ray.remote(RoleHost).options(**options).remote(placement.cores[kind], env)
 
 
+def start_group_hosts(placement, *, colocated: bool, **sizes) -> dict[str, Any]:
+    """{role: its device group's host} on one host: one process for both roles when `colocated`, else one for the
+    rollout group and one for the train group (`start_host`'s arguments in `sizes`)."""
+    engine = start_host(placement, "engine", **sizes)
+    return {"engine": engine, "actor": engine if colocated else start_host(placement, "actor", **sizes)}
+
+
 class HostedRole:
     """A role held by a device-group host, called like a local one: each method is one blocking round trip."""
 

@@ -117,7 +117,7 @@ class Scheduler:
         ended before is forgotten first, with what the scheduler knew of it."""
         if task in self.policy.tasks():
             self.policy.forget(task)  # refuses a live one (PolicyError)
-            for known in (self._failed, self._fenced, self._targets, self._drivers, self._evicting):
+            for known in (self._failed, self._fenced, self._targets, self._drivers, self._evicting, self._letting_go):
                 known.pop(task, None)
             for pool in self.measured.values():
                 pool.clear(task)

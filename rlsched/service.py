@@ -52,7 +52,7 @@ GiB = 2**30
 # What `rlsched up` fixes for every task the service runs: the config keys `submit` sets from it.
 SETTINGS_KEYS = ("num_devices", "placement", "memory_budget_gb", "policy", "starvation_limit", "lease_timeout_s",
                  "processes")
-MAX_TASKS = 16  # tasks a device group's process serves at once (its threads); more wait PENDING
+MAX_TASKS = 16  # tasks a device group's process has threads for at once (4 each); more tasks' calls wait for one
 
 
 @dataclasses.dataclass
@@ -140,14 +140,12 @@ class Service:
         """One process per device group (colocated: one) that holds every task's roles there for the service's
         life (rlsched.hosts). Ray restarts it whenever it dies (a fence ends it on purpose): the tasks there with
         restarts left, and those a fence of another task cost their roles, build them again in it."""
-        from rlsched.hosts import start_host
+        from rlsched.hosts import start_group_hosts
 
         # Sharing: an engine of a process of its own (sglang-jax) may come with any submission.
-        sizes = dict(num_devices=self.settings["num_devices"], max_tasks=MAX_TASKS, max_restarts=-1,
-                     shares_devices=True)
-        self.hosts = {"engine": start_host(self.where, "engine", **sizes)}
-        self.hosts["actor"] = self.hosts["engine"] if self.settings["placement"] == "colocated" else \
-            start_host(self.where, "actor", **sizes)
+        self.hosts = start_group_hosts(self.where, colocated=self.settings["placement"] == "colocated",
+                                       num_devices=self.settings["num_devices"], max_tasks=MAX_TASKS, max_restarts=-1,
+                                       shares_devices=True)
         return dataclasses.replace(self.where, hosts=self.hosts)
 
     def _host_bytes(self) -> list[dict[str, Any]]:
