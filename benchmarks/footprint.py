@@ -51,20 +51,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def pss_of_tree(pid: int) -> int:
-    """Summed PSS (bytes) of process `pid` and all its descendants; processes that end meanwhile count 0."""
+# What each process of a run is, from its command line (Ray names an actor's process `ray::Class.method`).
+KINDS = (("ray::RoleHost", "device-group process"), ("ray::ActorRole", "role processes"),
+         ("ray::EngineRole", "role processes"), ("ray::TaskDriver", "task drivers"), ("ray::Scheduler", "scheduler"),
+         ("ray::IDLE", "Ray's idle workers"))
+
+
+def kind_of(proc, root_pid: int) -> str:
+    if proc.pid == root_pid:
+        return "the command"
+    line = " ".join(proc.cmdline())
+    return next((kind for prefix, kind in KINDS if line.startswith(prefix)), "Ray's daemons")  # GCS, raylet, agents
+
+
+def pss_of_tree(pid: int) -> dict[str, int]:
+    """PSS (bytes) of process `pid` and all its descendants, summed per kind of process (`kind_of`); processes
+    that end meanwhile count 0."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0
-    total = 0
+        return {}
+    kinds: dict[str, int] = {}
     for proc in procs:
         with contextlib.suppress(psutil.Error):  # gone, or a zombie
-            total += proc.memory_full_info().pss
-    return total
+            kind = kind_of(proc, pid)
+            kinds[kind] = kinds.get(kind, 0) + proc.memory_full_info().pss
+    return kinds
 
 
 def run_once(layout: str, root: Path, args) -> dict:
@@ -93,15 +108,18 @@ def run_once(layout: str, root: Path, args) -> dict:
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    peak = 0
+    peak, at_peak = 0, {}
     while proc.poll() is None:
-        peak = max(peak, pss_of_tree(proc.pid))
+        kinds = pss_of_tree(proc.pid)
+        if sum(kinds.values()) > peak:
+            peak, at_peak = sum(kinds.values()), kinds
         time.sleep(args.every)
     end = time.monotonic()
     reader.join(30)
     if proc.returncode != 0 or "first" not in marks or "last" not in marks:
         raise SystemExit(f"{layout}: the run failed (exit {proc.returncode}):\n" + "".join(lines[-40:]))
-    return {"pss_bytes": peak, "wall_s": end - t0, "start_s": marks["first"] - t0, "exit_s": end - marks["last"]}
+    return {"pss_bytes": peak, "wall_s": end - t0, "start_s": marks["first"] - t0, "exit_s": end - marks["last"],
+            "pss_at_peak": at_peak}
 
 
 def main(argv=None) -> dict:
@@ -117,7 +135,8 @@ def main(argv=None) -> dict:
                 r = runs[layout][-1]
                 print(f"repeat {i} {layout}: peak PSS {r['pss_bytes'] / 2**30:.2f} GiB, wall {r['wall_s']:.1f} s, "
                       f"start {r['start_s']:.1f} s, exit {r['exit_s']:.1f} s", flush=True)
-    median = {layout: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for layout, rs in runs.items()}
+    median = {layout: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "pss_at_peak"}
+              for layout, rs in runs.items()}
     base = median.get("in_process")
     def ratio(m: dict, k: str) -> str:
         return f" ({m[k] / base[k]:.2f} x)" if base and m is not base else ""
@@ -125,13 +144,19 @@ def main(argv=None) -> dict:
     rows = [f"| {layout} | {m['pss_bytes'] / 2**30:.2f} GiB{ratio(m, 'pss_bytes')} | {m['wall_s']:.1f} s"
             f"{ratio(m, 'wall_s')} | {m['start_s']:.1f} s{ratio(m, 'start_s')} | {m['exit_s']:.1f} s |"
             for layout, m in median.items()]
+    def parts(layout: str) -> str:  # the run nearest the median's peak, per kind of process
+        run = min(runs[layout], key=lambda r: abs(r["pss_bytes"] - median[layout]["pss_bytes"]))
+        return ", ".join(f"{kind} {b / 2**30:.2f}" for kind, b in
+                         sorted(run["pss_at_peak"].items(), key=lambda kv: -kv[1]))
+
     report = "\n".join([
         f"two-task demo (tiny Qwen3s, 16 x 16 samples, {args.steps} steps each), `rlsched train` in a process of its "
         f"own; medians of {args.repeats} alternated runs per layout",
         "", "| layout | peak summed PSS (every process) | wall | launch -> step 1 | last step -> exit |",
         "|---|---:|---:|---:|---:|", *rows, "",
         f"goals, a Ray run beside in_process: PSS <= {GOALS['pss']} x, wall <= {GOALS['wall']} x, start <= "
-        f"{GOALS['start']} x, exit <= 2 s",
+        f"{GOALS['start']} x, exit <= 2 s", "",
+        "peak PSS per kind of process (GiB):", *(f"- {layout}: {parts(layout)}" for layout in runs),
     ])
     results = dict(args={k: str(v) for k, v in vars(args).items()}, env=environment(), runs=runs, median=median,
                    goals=GOALS, timestamp=datetime.now(UTC).isoformat(timespec="seconds"))

@@ -123,7 +123,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     from rlsched.scheduler import Scheduler, SchedulerLocks
     from rlsched.task import TaskDriver
 
-    cluster.init_ray(address, log_to_driver=False)  # task lines are pulled (rlsched.progress); the rest is logged
+    connected = cluster.init_ray(address, log_to_driver=False)  # task lines are pulled (rlsched.progress)
     logs = cluster.worker_log_dir()
     if logs is not None:
         echo(f"what libraries print in role processes: {logs} (worker-*-<pid>.err; pids in summary.json)")
@@ -176,7 +176,8 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
                 with contextlib.suppress(Exception):  # one that is gone already must not keep the others
                     ray.kill(actor)
             remove_placement_group(pg)
-        write_run_outputs(cfg, events, results, state, echo=echo)
+        with cluster.shutting_down(connected):  # a Ray this run connected goes down while its outputs are written
+            write_run_outputs(cfg, events, results, state, echo=echo)
     if stop.signum is not None:
         raise Stopped(stop.signum, results, _stopped_message(results))
     return results
