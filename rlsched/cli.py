@@ -3,13 +3,16 @@
     rlsched demo                       the quickstart job (two tiny GRPO tasks under the scheduler)
     rlsched train CONFIG.yaml [--set a.b.c=value ...] [--resume]
     rlsched plan CONFIG.yaml [--set ...] [--json]   each role's mesh, devices and bytes per device (no Ray, no JAX)
+    rlsched check CONFIG.yaml [--devices N] [--model NAME | --model-config FILE]   everything checkable without a run
     rlsched timeline RUN_DIR           per-task table (phases, lock waits, switch cost, busy) + timeline.png
     rlsched bench [--tasks 1,2,3,4]    throughput of N concurrent tasks vs sequential vs the ideal bound
     rlsched simulate [--profile NAME]  project throughput to 1-64 tasks with the scheduler's own policy
     rlsched up [--policy fair] / submit CONFIG / status / logs TASK -f / cancel TASK / locks / down
                                        a long-lived scheduler that tasks join and leave (rlsched.service)
+    rlsched resume TASK [--fresh] / forget TASK    continue a cancelled or failed task as submitted / drop its record
     rlsched init-model --preset tiny DIR
-    rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
+    rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]   DIR: a model, run or checkpoint
+    rlsched export RUN_DIR [--task T] [--step N] OUT   a checkpoint as a Hugging Face model directory
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+from rlsched.errors import UsageError
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
@@ -43,11 +48,24 @@ def _encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from rlsched.export import find_checkpoint, is_checkpoint_source, load_model
     from workers.models import load_pretrained
     from workers.rollout import SamplingParams
     from workers.rollout.jax_sampler import JaxSampler
 
-    model, tok = load_pretrained(args.model_dir, dtype=args.dtype)
+    path = Path(args.model_dir)
+    if (path / "config.json").is_file():
+        model, tok = load_pretrained(path, dtype=args.dtype)
+        print(f"[loaded the model directory {path}]", file=sys.stderr)
+    elif is_checkpoint_source(path):
+        ckpt = find_checkpoint(path, task=args.task, step=args.step)
+        model, tok = load_model(ckpt, dtype=args.dtype)
+        print(f"[loaded {ckpt.describe()}; config and tokenizer from {ckpt.model_dir}]", file=sys.stderr)
+    else:
+        what = (f"model directory {path} does not exist" if not path.exists() else
+                f"{path} has no config.json and holds no run, task or checkpoint")
+        raise UsageError(f"{what}; DIR is a model directory (config.json, *.safetensors), a run directory "
+                         "(runs/<experiment>), a task's directory or a checkpoint (.../checkpoints/<step>)")
     ids = _encode_prompt(tok, args.prompt, args.chat)
     engine = JaxSampler(model, max_prompt_len=max(len(ids), 16), max_new_tokens=args.max_new_tokens)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
@@ -60,6 +78,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                   f"{s.logprobs.mean():.3f})")
         print(text)
     print(f"[{out.num_tokens} tokens in {out.generate_seconds:.2f}s, compile included]", file=sys.stderr)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # an export reads and writes files: it must never claim an accelerator
+    from rlsched.export import export
+
+    print(export(args.run_dir, args.out, task=args.task, step=args.step, overwrite=args.overwrite).describe())
     return 0
 
 
@@ -146,6 +172,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan.runnable else 1
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from rlsched.check import check
+
+    report = check(args.config, args.set, devices=args.devices, model=args.model, model_config=args.model_config)
+    print(report.render())
+    return 0 if report.ok else 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (got {text})")
+    return value
+
+
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from rlsched.timeline import report
 
@@ -156,7 +197,10 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from rlsched import daemon
+    from rlsched import daemon, security
+
+    if args.address is None and daemon.read_info() is None:  # the service's process checks it again as it starts
+        security.prepare_embedded_cluster(echo=lambda line: print(line, file=sys.stderr))
 
     settings = {"num_devices": args.num_devices, "placement": args.placement, "rollout_devices": args.rollout_devices,
                 "memory_budget_gb": args.memory_budget_gb, "policy": args.policy,
@@ -177,9 +221,21 @@ def _cmd_up(args: argparse.Namespace) -> int:
 def _cmd_submit(args: argparse.Namespace) -> int:
     from rlsched import client
 
+    configs, resume = list(args.config), args.resume
+    if isinstance(resume, str) and Path(resume).is_file():  # `submit --resume CONFIG`: the flag, then a config
+        configs, resume = [resume, *configs], True
+    if isinstance(resume, str):  # `submit --resume TASK`: `rlsched resume TASK`
+        given = [o for o, v in (("CONFIG", configs), ("--set", args.set), ("--tasks", args.tasks),
+                                ("--priority", args.priority), ("--weight", args.weight)) if v not in (None, [])]
+        if given:
+            raise UsageError(f"submit --resume {resume} continues task {resume} exactly as it was submitted; it takes "
+                             f"no {', '.join(given)} (to resume a config's tasks instead: submit CONFIG ... --resume)")
+        return _cmd_resume(argparse.Namespace(task=resume, fresh=False, request_id=args.request_id))
+    if not configs:
+        raise UsageError("submit needs a CONFIG (or --resume TASK to continue a cancelled or failed task)")
     tasks = [t for spec in args.tasks for t in spec.split(",") if t] if args.tasks else None
-    names = client.submit(args.config, overrides=args.set, tasks=tasks, priority=args.priority, weight=args.weight,
-                          resume=args.resume, request=args.request_id)
+    names = client.submit(configs, overrides=args.set, tasks=tasks, priority=args.priority, weight=args.weight,
+                          resume=resume, request=args.request_id)
     for name in names:
         print(name)
     print(f"submitted {len(names)} task(s); `rlsched status` shows them, `rlsched logs TASK -f` follows one",
@@ -209,6 +265,25 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
     answer = client.cancel(args.task, args.request_id)
     print(f"{args.task}: {answer['state']}" + (f" ({answer['note']})" if answer.get("note") else ""))
+    return 0
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from rlsched import client
+
+    answer = client.resume(args.task, fresh=args.fresh, request=args.request_id)
+    where = ("no checkpoint: starts again from step 0" if answer["after_step"] is None else
+             f"continues after step {answer['after_step']} of {answer['steps']}")
+    print(f"{args.task}: {where}, in {answer['run_dir']} ({answer['given']})")
+    print(f"`rlsched status` shows it, `rlsched logs {args.task} -f` follows it", file=sys.stderr)
+    return 0
+
+
+def _cmd_forget(args: argparse.Namespace) -> int:
+    from rlsched import client
+
+    answer = client.forget(args.task)
+    print(f"forgot {args.task} ({answer['state']}); its files stay in {answer['run_dir']}")
     return 0
 
 
@@ -258,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="two tiny GRPO tasks share this machine under the scheduler (the quickstart)")
     p.add_argument("--out", default="runs", help="output directory (default: runs)")
     p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow RAY_AUTH_MODE=disabled: a Ray cluster anyone reaching this machine may use")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("train", help="run the GRPO tasks of an experiment config")
@@ -270,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: an embedded local Ray)")
     p.add_argument("--in-process", action="store_true",
                    help="no Ray: run the tasks one after another in this process (debugging)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow RAY_AUTH_MODE=disabled: a Ray cluster anyone reaching this machine may use")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("plan", help="each role's mesh, devices and bytes per device, before anything starts")
@@ -278,6 +357,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
     p.set_defaults(func=_cmd_plan)
 
+    p = sub.add_parser("check", help="everything that can be checked without running: schema, devices, models, "
+                                     "tokenizers, data, rewards, meshes, memory (exit 2 if a check fails)")
+    p.add_argument("config", nargs="+", help="experiment YAML(s), as for train")
+    p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
+    p.add_argument("--devices", type=_positive_int, default=None,
+                   help="devices (per host) to check the meshes against (default: this machine's accelerators)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, metavar="NAME",
+                       help="where a model directory is absent: a published model's shapes, e.g. qwen3-1.7b "
+                            "(workers/models/published.py lists them)")
+    model.add_argument("--model-config", default=None, metavar="FILE",
+                       help="where a model directory is absent: its Hugging Face config.json")
+    p.set_defaults(func=_cmd_check)
+
     p = sub.add_parser("timeline", help="per-task time table of a run and its Gantt chart (timeline.png)")
     p.add_argument("run_dir", help="runs/<experiment>: a run of `rlsched train` or `rlsched demo`")
     p.add_argument("--no-png", action="store_true", help="print the table only")
@@ -285,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from rlsched.policy import ORDERS
 
-    p = sub.add_parser("up", help="start a long-lived scheduler service (and an embedded local Ray on 127.0.0.1)")
+    p = sub.add_parser("up", help="start a long-lived scheduler service (and an embedded local Ray, token "
+                                  "authentication on)")
     p.add_argument("--address", default=None, help="run it on an existing Ray cluster (default: an embedded one)")
     p.add_argument("--policy", default="fifo", choices=ORDERS, help="who gets a free lock (default fifo)")
     p.add_argument("--num-devices", type=int, default=None,
@@ -299,18 +393,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which processes hold the tasks' roles (cluster.processes; auto: one per device group)")
     p.add_argument("--overcommit", action="store_true",
                    help="admit any task that fits alone; evictions swap roles between tasks (as train does)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow RAY_AUTH_MODE=disabled: a Ray cluster anyone reaching this machine may use")
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("submit", help="send an experiment's tasks to the running scheduler; returns at once")
-    p.add_argument("config", nargs="+", help="experiment YAML(s), as for train")
+    p.add_argument("config", nargs="*", help="experiment YAML(s), as for train")
     p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
     p.add_argument("--tasks", action="append", metavar="NAME[,NAME]", help="send only these tasks")
     p.add_argument("--priority", type=int, default=None, help="every sent task's priority (policy priority)")
     p.add_argument("--weight", type=_positive_float, default=None, help="every sent task's weight (policy fair)")
-    p.add_argument("--resume", action="store_true", help="continue each task from its last checkpoint")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="TASK",
+                   help="continue each task from its last checkpoint; `--resume TASK` (no CONFIG): as `rlsched resume "
+                        "TASK`")
     p.add_argument("--request-id", default=None,
                    help="an id for this request: sent again with the same id, it changes nothing (safe retries)")
     p.set_defaults(func=_cmd_submit)
+
+    p = sub.add_parser("resume", help="continue a cancelled or failed task from its last checkpoint, with the config, "
+                                      "overrides and run directory it was submitted with (from any directory)")
+    p.add_argument("task")
+    p.add_argument("--fresh", action="store_true", help="if it has no checkpoint, run it again from step 0 "
+                                                        "(without: refused)")
+    p.add_argument("--request-id", default=None, help="an id for this request (safe retries, as for submit)")
+    p.set_defaults(func=_cmd_resume)
+
+    p = sub.add_parser("forget", help="drop an ended task's record from the scheduler (its files stay)")
+    p.add_argument("task")
+    p.set_defaults(func=_cmd_forget)
 
     p = sub.add_parser("status", help="one row per task of the running scheduler")
     p.add_argument("--json", action="store_true")
@@ -357,7 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_init_model)
 
     p = sub.add_parser("generate", help="print a completion of a prompt")
-    p.add_argument("model_dir")
+    p.add_argument("model_dir", metavar="DIR", help="a model directory, a run directory (runs/<experiment>: its last "
+                                                    "checkpoint), a task's directory or one checkpoint")
+    p.add_argument("--task", default=None, help="DIR is a run of several tasks: this one's checkpoint")
+    p.add_argument("--step", type=int, default=None, help="this checkpoint (default: the last)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -367,19 +480,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="override the stored dtype")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory (transformers "
+                                      "loads it)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="runs/<experiment> (or a task's directory, or one checkpoint)")
+    p.add_argument("out", metavar="OUT", help="the model directory to write")
+    p.add_argument("--task", default=None, help="which task (needed when the run has several)")
+    p.add_argument("--step", type=int, default=None, help="which checkpoint (default: the last)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    p.set_defaults(func=_cmd_export)
     return parser
 
 
-SERVICE_COMMANDS = ("up", "status", "logs", "cancel", "locks", "down")  # submit validates models: the full set
+# Quick commands (submit, which validates models, takes the full error handling of main)
+SERVICE_COMMANDS = ("up", "status", "logs", "cancel", "resume", "forget", "locks", "down")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `rlsched` entry point. A reader of stdout that goes away (`rlsched logs X | head`) ends the command
+    quietly with exit 0, as `head` expects of the writer of its pipe; any other broken pipe is an error."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe found by the last flush is the same case
+        return code
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        # Python flushes stdout once more at exit and would print "Exception ignored ... BrokenPipeError":
+        # point stdout at /dev/null first (the recipe in the documentation of Python's signal module).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no stdout descriptor at all
+        return False
+
+
+def _main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in PASSTHROUGH:  # their options belong to their own parsers, --help included
         return _cmd_passthrough(PASSTHROUGH[argv[0]])(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command line as given (a resume hint repeats it)
+    if getattr(args, "insecure", False):  # read where an embedded Ray starts (rlsched.security), here or in `up`'s
+        from rlsched.security import INSECURE_ENV  # service process, which inherits it
+
+        os.environ[INSECURE_ENV] = "1"
     from rlsched.daemon import NoService, ServiceError
 
     if args.command in SERVICE_COMMANDS:  # quick commands: no model code imported for their errors
@@ -396,10 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TaskError) as err:  # config errors (ConfigError, RunDirError) and refusals
             print(f"error: {err}", file=sys.stderr)
             return 2
-    from rlsched.errors import CheckpointError, ClusterTooSmall, ClusterUnreachable, TaskError
-    from workers.models import ModelConfigError, TokenizerError
+    from rlsched.errors import ClusterTooSmall, ClusterUnreachable, TaskError, is_input_error
     from workers.rewards import RewardError
-    from workers.rollout import RolloutInputError
 
     try:
         return args.func(args)
@@ -409,16 +562,43 @@ def main(argv: list[str] | None = None) -> int:
     except NoService as err:
         print(str(err), file=sys.stderr)
         return 1
-    except ServiceError as err:
+    except (ServiceError, ClusterUnreachable, ClusterTooSmall) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except (ClusterUnreachable, ClusterTooSmall) as err:
+    except (TaskError, RewardError) as err:  # a task failed (--in-process: its error reaches here): not the input
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except (ModelConfigError, TokenizerError, RolloutInputError, ValueError, TaskError, RewardError,
-            CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:
+        raise  # `main` decides: the reader of stdout went away (exit 0), or a real error
+    except Exception as err:
+        if is_input_error(err):  # a config, a file, a command line: what to fix, in one line
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return _internal_error(args)  # a bug: its traceback, kept
+
+
+def _internal_error(args: argparse.Namespace) -> int:
+    """The traceback of the exception being handled, on stderr and in a file of its own (exit 1): a bug in rlsched
+    or a library, not a mistake in the input, so it keeps its nature and where it came from."""
+    import time
+    import traceback
+
+    from rlsched.daemon import state_dir
+    from rlsched.security import open_private, private_dir
+
+    text = traceback.format_exc()
+    print(text, file=sys.stderr, end="")
+    try:
+        folder = private_dir(private_dir(state_dir()) / "crashes")
+        path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{args.command}-{os.getpid()}.txt"
+        with open_private(path) as f:
+            f.write(f"rlsched {' '.join(args.argv)}\n\n{text}")
+        print(f"rlsched: an internal error (not a mistake in your input); the traceback is kept in {path}",
+              file=sys.stderr)
+    except OSError as err:
+        print(f"rlsched: an internal error (not a mistake in your input); its traceback could not be kept ({err})",
+              file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

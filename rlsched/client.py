@@ -1,5 +1,5 @@
-"""The user's side of the scheduler service: what `rlsched submit / status / logs / cancel / locks` do before and
-after they talk to it (rlsched.service), and how their answers are shown.
+"""The user's side of the scheduler service: what `rlsched submit / status / logs / cancel / resume / forget / locks`
+do before and after they talk to it (rlsched.service), and how their answers are shown.
 
     names = submit(["configs/demo_multitask.yaml"], overrides=[], tasks=None, priority=None, weight=None)
     print(render_status(status()))
@@ -11,6 +11,8 @@ Design decisions (and why):
   config error is printed before anything is sent. A cluster key the config set otherwise is named.
 - **Paths resolve where `submit` ran.** The config's relative paths (output_dir, model and data paths) are
   made absolute against this directory, so the outputs land in its runs/<experiment>/ as `train` writes them.
+  The service keeps that config with the files, overrides and directory it came from: `resume TASK` sends
+  only the task's name, and works the same from any directory.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any
 
 from rlsched import daemon
 from rlsched.config import ConfigError, ExperimentConfig, load_configs, select_tasks, with_absolute_paths
-from rlsched.errors import TaskError
+from rlsched.errors import TaskError, UsageError
 from rlsched.service import SETTINGS_KEYS, TERMINAL
+from rlsched.units import format_bytes
 
 
 def service_config(paths: Sequence[str | Path], overrides: Sequence[str], tasks: Sequence[str] | None,
@@ -53,22 +56,49 @@ def service_config(paths: Sequence[str | Path], overrides: Sequence[str], tasks:
 
 def submit(paths: Sequence[str | Path], *, overrides: Sequence[str] = (), tasks: Sequence[str] | None = None,
            priority: int | None = None, weight: float | None = None, resume: bool = False, request: str | None = None,
-           echo=print) -> list[str]:
-    """Validate, send, return the task names (their ids in the service). TaskError if the service refused.
-    `request`: the request's id (default: a new one); a request repeated with its id changes nothing."""
+           echo=print, note=None) -> list[str]:
+    """Validate, send, return the task names (their ids in the service). UsageError if the service refused.
+    `request`: the request's id (default: a new one); a request repeated with its id changes nothing.
+    `note`: where the service's notes go (with `resume`: where each task continues from; default stderr)."""
+    import sys
+
     service, info = daemon.connect()
     cfg = service_config(paths, overrides, tasks, info["settings"], priority=priority, weight=weight, echo=echo)
+    origin = {"configs": [str(Path(p).absolute()) for p in paths], "overrides": list(overrides), "cwd": str(Path.cwd())}
     # A task directory that holds a run is refused by the service, after it has looked the request id up: a
     # retry of a submission it accepted finds the directories that submission made.
-    answer = daemon.call(service.submit, request or daemon.request_id(), cfg, resume)
+    answer = daemon.call(service.submit, request or daemon.request_id(), cfg, resume, origin)
     if "error" in answer:
-        raise TaskError(f"the scheduler refused the submission: {answer['error']}")
+        raise UsageError(f"the scheduler refused the submission: {answer['error']}")
+    for line in answer.get("notes", []):
+        (note or (lambda text: print(text, file=sys.stderr)))(line)
     return answer["tasks"]
 
 
-def status() -> dict[str, Any]:
+def resume(task: str, *, fresh: bool = False, request: str | None = None) -> dict[str, Any]:
+    """Continue a CANCELLED or FAILED task as it was submitted (rlsched.service.Service.resume); UsageError, with
+    the one-line reason, if it cannot be (it is live or finished, or it has no checkpoint and not `fresh`)."""
     service, _ = daemon.connect()
-    return daemon.call(service.status)
+    answer = daemon.call(service.resume, request or daemon.request_id(), task, fresh)
+    if "error" in answer:
+        raise UsageError(answer["error"])
+    return answer
+
+
+def forget(task: str, request: str | None = None) -> dict[str, Any]:
+    """Drop an ended task's record from the service (its files stay); UsageError for a live one."""
+    service, _ = daemon.connect()
+    answer = daemon.call(service.forget, request or daemon.request_id(), task)
+    if "error" in answer:
+        raise UsageError(answer["error"])
+    return answer
+
+
+def status() -> dict[str, Any]:
+    service, info = daemon.connect()
+    report = daemon.call(service.status)
+    report["auth"] = {"mode": info.get("auth"), "enforced": info.get("auth_enforced")}  # as checked at `up`
+    return report
 
 
 def cancel(task: str, request: str | None = None) -> dict[str, Any]:
@@ -117,13 +147,18 @@ def render_status(report: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     used, budget = report["used_bytes"], report["budget_bytes"]
-    lines.append(f"memory per device: {used / 2**30:.2f} GiB admitted"
-                 + ("" if budget is None else f" of {budget / 2**30:.2f} GiB")
+    shown = (used,) if budget is None else (used, budget)  # one unit for both, neither reading 0.00
+    lines.append(f"memory per device: {format_bytes(used, like=shown)} admitted"
+                 + ("" if budget is None else f" of {format_bytes(budget, like=shown)}")
                  + f"; policy {report['settings']['policy']}")
+    auth = report.get("auth") or {}
+    if auth.get("mode") is not None:
+        lines.append(f"Ray's token authentication: {auth['mode']}; at start a client without the token was "
+                     + {True: "refused", False: "LET IN", None: "neither let in nor refused"}[auth.get("enforced")])
     for host in report.get("hosts", []):  # cluster.processes: per_device_group
         lines.append(f"device-group process: {host['error']}" if "error" in host else
                      f"device-group process pid {host['pid']}: {len(host['roles'])} role(s), "
-                     f"{host['device_bytes'] / 2**20:.1f} MiB on its devices")
+                     f"{format_bytes(host['device_bytes'])} on its devices")
     return "\n".join(lines)
 
 

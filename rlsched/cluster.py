@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 from rlsched import exits
@@ -26,10 +27,10 @@ def init_ray(address: str | None = None, *, log_to_driver: bool = True, namespac
     """Connect to the Ray cluster at `address`, or start an embedded local one (no dashboard); True when this
     call started or joined one (False: this process was connected already, and whoever connected it ends it).
 
-    Ray's token authentication stays as Ray sets it: on for a new local cluster (Ray generates the token
-    into ~/.ray/auth_token, and only clients holding it can connect: Ray's servers listen on every
-    interface), and whatever a cluster the user brings has, its token read by Ray from RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token. `log_to_driver=False`: what worker processes print stays in Ray's
+    Ray's token authentication is on for a new local cluster, its token the user's alone (rlsched.security:
+    only clients holding it can connect, and Ray's servers listen on every interface); a cluster the user
+    brings keeps what it has, its token read by Ray from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token. `log_to_driver=False`: what worker processes print stays in Ray's
     log files (/tmp/ray/session_latest/logs), not on this process's terminal. `namespace`: Ray's namespace for
     named actors (rlsched.service). `probe=False`: the address is known good (a record rlsched wrote itself),
     so the reachability probe (`check_reachable`, a subprocess) is skipped."""
@@ -40,6 +41,10 @@ def init_ray(address: str | None = None, *, log_to_driver: bool = True, namespac
         return False
     if address is not None and probe:
         check_reachable(address)
+    if address is None:  # a cluster of our own: its token the user's alone, authentication never off unasked
+        from rlsched.security import prepare_embedded_cluster
+
+        prepare_embedded_cluster(echo=lambda line: print(line, file=sys.stderr, flush=True))
     # Ray's start-up chatter ("Started a local Ray instance", and a note that suggests turning token
     # authentication off, which rlsched never does) is not for a user: only Ray's errors show while it starts.
     loggers = [logging.getLogger(name) for name in _RAY_STARTUP_LOGGERS]

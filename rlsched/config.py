@@ -185,6 +185,10 @@ class DataSection(_Section):
     """Shuffle prompts each epoch (with the task seed)."""
     max_operand: int = Field(9, ge=1)
     """Largest operand of synthetic arithmetic problems (synthetic kinds only)."""
+    too_long: Literal["error", "skip", "truncate"] = "error"
+    """A prompt longer than grpo.max_prompt_len tokens: `error` fails the task naming it; `skip` draws the next
+    prompt in its place (metric data/skipped_too_long); `truncate` keeps its last max_prompt_len tokens, where
+    the question and the opened assistant turn are (metric data/truncated)."""
 
     @model_validator(mode="after")
     def _path_matches_kind(self) -> DataSection:
@@ -197,10 +201,38 @@ class DataSection(_Section):
 
 
 class RewardSection(_Section):
-    name: str
-    """Reward function in the data plane's registry (checked there, not here)."""
+    name: str | None = None
+    """A built-in reward (workers/rewards.py): addition, subtraction, gsm8k, gsm8k_flexible. Or give `function`."""
+    function: str | None = None
+    """Your own reward: `pkg.module:fn` (an importable module), or with `file` the function's name in that file.
+    Called as fn(completion: str, answer: str) -> float (README, "Your own reward")."""
+    file: str | None = None
+    """Python file that defines `function`; a relative path is relative to the config file's directory."""
+    batch: bool = False
+    """`function` scores a whole step at once: fn(completions: list[str], answers: list[str]) -> list[float]."""
     on_error: Literal["fail", "zero"] = "fail"
     """When the reward function raises: `fail` stops the task, `zero` scores the sample 0."""
+
+    @model_validator(mode="after")
+    def _one_reward(self) -> RewardSection:
+        # The function is imported by the preflight (rlsched.preflight), not here: a config loads without it.
+        if (self.name is None) == (self.function is None):
+            both = self.name is not None
+            raise _FieldError("name" if both else "function", self.name if both else None,
+                              ("give reward.name or reward.function, not both" if both else
+                               "give reward.name (a built-in: addition, subtraction, gsm8k, gsm8k_flexible) or "
+                               "reward.function (your own, 'pkg.module:fn' or a name in reward.file)"))
+        if self.name is not None and (self.file is not None or self.batch):
+            key = "file" if self.file is not None else "batch"
+            raise _FieldError(key, getattr(self, key), f"reward.{key} goes with reward.function, not a built-in name")
+        if self.function is not None:
+            if self.file is None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.function):
+                raise _FieldError("function", self.function, "must be 'pkg.module:fn' (an importable module), or "
+                                  "a function name with reward.file naming the Python file that defines it")
+            if self.file is not None and not self.function.isidentifier():
+                raise _FieldError("function", self.function, "with reward.file, the name of a function in that "
+                                  "file, e.g. 'exact'")
+        return self
 
 
 class MeshSection(_Section):
@@ -270,7 +302,7 @@ class GRPOSection(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus-sampling mass; 1 = off."""
     max_prompt_len: int = Field(256, ge=1)
-    """Longest prompt, in tokens (longer prompts are an error in the data plane)."""
+    """Longest prompt, in tokens (a longer one is handled as data.too_long says: an error by default)."""
     max_new_tokens: int = Field(256, ge=1)
     """Longest completion, in tokens."""
     beta: float = Field(0.0, ge=0)
@@ -393,6 +425,10 @@ class TaskConfig(_Section):
     checkpoint_async: bool = True
     """Write checkpoints in the background (the step waits only for the copy to host); false: the step waits
     for the files (benchmarks/checkpoint.py compares the two)."""
+    export_final: bool = False
+    """At the end of a run that did every step, write the last checkpoint as a Hugging Face model directory in
+    `runs/<experiment>/tasks/<task>/final/` (what `rlsched export` writes; transformers loads it). The last step
+    is then checkpointed even with checkpoint_every 0."""
     log_every: int = Field(1, ge=1)
     """GRPO steps between metric logs."""
     priority: int = 0
@@ -734,7 +770,8 @@ def read_raw(path: str | Path) -> dict:
     """The YAML mapping of a config file, before validation; syntax errors name file:line:col."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist" if not path.exists() else f"{path} is not a file")
+        what = "does not exist" if not path.exists() else "is a directory" if path.is_dir() else "is not a file"
+        raise ConfigError(f"config file {path} {what}; name an experiment YAML (see configs/)")
     try:
         raw = yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as e:
@@ -758,10 +795,26 @@ def _unshare(node: Any) -> Any:
     return node
 
 
-def validate(raw: dict, overrides: Sequence[str] = (), *, label: str = "config") -> ExperimentConfig:
-    """Apply `--set` overrides to a raw mapping and validate it; every problem is a `ConfigError`."""
+def _reward_files_absolute(raw: dict, task_dirs: Sequence[Path]) -> None:
+    """Each task's relative `reward.file` made absolute against its config file's directory (task_dirs[i]), so
+    any process, started anywhere, loads the same file."""
+    tasks = raw.get("tasks")
+    for i, task in enumerate(tasks if isinstance(tasks, list) else []):
+        reward = task.get("reward") if isinstance(task, dict) else None
+        file = reward.get("file") if isinstance(reward, dict) else None
+        if isinstance(file, str) and file:
+            base = task_dirs[i] if i < len(task_dirs) else Path.cwd()
+            reward["file"] = str((base / Path(file).expanduser()).absolute())  # an absolute path stays itself
+
+
+def validate(raw: dict, overrides: Sequence[str] = (), *, label: str = "config",
+             task_dirs: Sequence[Path] = ()) -> ExperimentConfig:
+    """Apply `--set` overrides to a raw mapping and validate it; every problem is a `ConfigError`.
+    `task_dirs[i]`: the directory of the file task i came from (a relative reward.file is relative to it; to the
+    working directory when not given)."""
     raw = _unshare(raw)
     overridden = {_apply_override(raw, o): o for o in overrides}
+    _reward_files_absolute(raw, [Path(d).absolute() for d in task_dirs])
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as e:
@@ -771,7 +824,10 @@ def validate(raw: dict, overrides: Sequence[str] = (), *, label: str = "config")
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Read, override and validate an experiment config; every problem is a `ConfigError`."""
-    return validate(read_raw(path), overrides, label=str(path))
+    raw = read_raw(path)
+    tasks = raw.get("tasks")
+    return validate(raw, overrides, label=str(path),
+                    task_dirs=[Path(path).parent] * (len(tasks) if isinstance(tasks, list) else 0))
 
 
 def load_configs(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> ExperimentConfig:
@@ -782,7 +838,8 @@ def load_configs(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> 
     raws = [read_raw(p) for p in paths]
     merged = dict(raws[0])
     merged["tasks"] = [t for raw in raws for t in (raw.get("tasks") or [])]
-    return validate(merged, overrides, label="+".join(str(p) for p in paths))
+    dirs = [Path(p).parent for p, raw in zip(paths, raws, strict=True) for _ in (raw.get("tasks") or [])]
+    return validate(merged, overrides, label="+".join(str(p) for p in paths), task_dirs=dirs)
 
 
 def dump_resolved(cfg: ExperimentConfig) -> str:

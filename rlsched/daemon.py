@@ -15,8 +15,14 @@ Design decisions (and why):
   the terminal (setsid), so closing the terminal ends nothing. That process is the Ray driver that started
   the embedded cluster (or joined `--address`); the service itself is a detached named actor in the
   "rlsched" namespace, which every other command reaches with one `ray.get_actor`.
-- **The embedded cluster listens on 127.0.0.1** and keeps Ray's token authentication as Ray turns it on
-  for a local cluster; clients are told to use it too (never the token itself: Ray reads it from its file).
+- **Only its owner gets in.** Ray's servers listen on every interface of the machine (the pinned Ray turns a
+  127.0.0.1 node address into the machine's own), so what keeps others out is Ray's token authentication:
+  on, with the token the owner's alone (rlsched.security), and checked at start by a client without the token
+  that must be refused; `status` says what was found. Off only with `--insecure`, and then every command
+  says so. Clients are told the mode (never the token itself: Ray reads it from its file).
+- **`down` stops only what `up` started.** The record holds the service process's pid, its start time and
+  its command line; when the process with that pid now is another one (after a crash or a reboot), nothing
+  is signalled and the record is cleared.
 - **`down` signals, the process cleans up.** SIGTERM: the service cancels pending tasks and stops running
   ones after they save their step, then the process kills the actor and shuts Ray down (which ends every
   process the embedded cluster started). SIGUSR1 (`--force`): the same without waiting for any task. A
@@ -67,13 +73,35 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def process_identity(pid: int) -> dict[str, Any] | None:
+    """What tells process `pid` apart from a later one given the same pid: its start time (clock ticks since
+    boot) and command line, from /proc; None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return {"start_ticks": int(stat.rsplit(") ", 1)[-1].split()[19]),  # field 22 of proc(5), after the name
+            "cmdline": [w.decode(errors="replace") for w in cmdline if w]}
+
+
 def read_info() -> dict[str, Any] | None:
-    """The running service's record, or None (none was started, or its process is gone)."""
+    """The running service's record, or None (none was started, or its process is gone). A record whose pid
+    now belongs to another process (the service died, its pid was given again) is cleared, with a line on stderr:
+    `down` must never signal that process."""
     path = state_dir() / "service.json"
     if not path.exists():
         return None
     info = json.loads(path.read_text())
-    return info if _alive(info["pid"]) else None
+    if not _alive(info["pid"]):
+        return None
+    recorded, now = info.get("identity"), process_identity(info["pid"])
+    if recorded is not None and now is not None and recorded != now:
+        print(f"the scheduler recorded in {path} (pid {info['pid']}) is gone; pid {info['pid']} is now another "
+              f"process ({' '.join(now['cmdline'])[:80]}), left alone; the record is cleared", file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return None
+    return info
 
 
 def up(settings: dict[str, Any], *, address: str | None = None, echo=print) -> dict[str, Any]:
@@ -84,8 +112,9 @@ def up(settings: dict[str, Any], *, address: str | None = None, echo=print) -> d
         echo(f"a scheduler is running already (pid {info['pid']}, Ray at {info['address']}); "
              "`rlsched status` shows its tasks, `rlsched down` stops it")
         return info
-    where = state_dir()
-    where.mkdir(parents=True, exist_ok=True)
+    from rlsched.security import private_dir
+
+    where = private_dir(state_dir())  # 0700: its records name configs, directories and commands
     (where / "service.json").unlink(missing_ok=True)  # a dead service's record
     if address is not None:
         from rlsched.cluster import check_reachable
@@ -124,6 +153,10 @@ def connect():
         raise NoService("no scheduler running; start one with `rlsched up`")
     if info.get("auth") == "token":  # before Ray is imported: it reads the mode once (the token from its own file)
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+    elif info.get("auth") == "disabled":  # the service was started with --insecure: every command says so
+        from rlsched.security import INSECURE_LINE
+
+        print(INSECURE_LINE, file=sys.stderr)
     import ray
 
     from rlsched.cluster import init_ray
@@ -195,10 +228,21 @@ def serve(settings: dict[str, Any], address: str | None) -> int:
     import ray
 
     from rlsched.cluster import init_ray
+    from rlsched.security import enforced, insecure_allowed
     from rlsched.service import Service
 
     where = state_dir()
     init_ray(address, log_to_driver=False, namespace=NAMESPACE)
+    mode = os.environ.get("RAY_AUTH_MODE", "").lower() or "disabled"  # what Ray settled on for this client
+    checked = enforced(ray.get_runtime_context().gcs_address)  # a client without the token must be refused
+    print(f"Ray's token authentication: {mode}; a client without the token was "
+          + {True: "refused", False: "let in", None: "not answered either way"}[checked], flush=True)
+    if checked is False and not insecure_allowed():
+        print("refused: the Ray cluster lets in clients without a token, and anyone who can reach it could run code "
+              "as you; start it with token authentication (RAY_AUTH_MODE=token), or pass --insecure to `rlsched up` "
+              "to run on it anyway", flush=True)
+        ray.shutdown()
+        return 1
     stop: dict[str, bool] = {}  # after Ray's start: it installs a SIGTERM handler of its own that ends the process
     signal.signal(signal.SIGTERM, lambda *_: stop.setdefault("force", False))
     signal.signal(signal.SIGUSR1, lambda *_: stop.update(force=True))
@@ -216,9 +260,10 @@ def serve(settings: dict[str, Any], address: str | None) -> int:
             ray.kill(service)
         ray.shutdown()
         return 1
-    info = {"pid": os.getpid(), "address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE,
+    info = {"pid": os.getpid(), "identity": process_identity(os.getpid()),
+            "address": ray.get_runtime_context().gcs_address, "namespace": NAMESPACE,
             "settings": settings, "started": time.time(), "started_ray": address is None,
-            "auth": "token" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else None}
+            "auth": mode, "auth_enforced": checked}
     write_atomic(where / "service.json", json.dumps(info, indent=1) + "\n")
     print(f"scheduler service ready: Ray at {info['address']}, settings {settings}", flush=True)
     code = 0

@@ -39,7 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlsched.errors import creation_error
 from rlsched.runfiles import write_atomic
+from rlsched.security import open_private, private_dir
 
 ENV = "RLSCHED_RECORD_EXIT"  # set in the environment of the role processes rlsched starts (cluster.role_env)
 CAUGHT = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -57,8 +59,7 @@ def watch(directory: Path | None = None) -> bool:
         return False
     if _open_files:
         return True  # watched already (a device-group host and the roles it holds share the process)
-    directory = directory or records_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = private_dir(directory or records_dir())  # 0700: nobody else can plant a link to be written through
     _prune(directory)
     pid = os.getpid()
     for old in directory.glob(f"{pid}.*"):  # a record of an earlier process with this pid
@@ -68,10 +69,10 @@ def watch(directory: Path | None = None) -> bool:
              "oom": None if counter is None else {"path": counter[0], "count": counter[1]}}
     write_atomic(directory / f"{pid}.json", json.dumps(start))
     for name in CAUGHT:
-        f = open(directory / f"{pid}.{name}", "w")  # noqa: SIM115 - kept open for the signal handler
+        f = open_private(directory / f"{pid}.{name}")  # kept open for the signal handler
         faulthandler.register(getattr(signal, name), file=f, all_threads=False, chain=True)
         _open_files.append(f)
-    f = open(directory / f"{pid}.fatal", "w")  # noqa: SIM115
+    f = open_private(directory / f"{pid}.fatal")
     faulthandler.enable(file=f, all_threads=True)
     _open_files.append(f)
     atexit.register(_exited, directory / f"{pid}.exited")
@@ -80,8 +81,8 @@ def watch(directory: Path | None = None) -> bool:
 
 def _exited(path: Path) -> None:
     """At interpreter shutdown (sys.exit, a SystemExit from a signal handler)."""
-    with contextlib.suppress(OSError):
-        path.write_text("exited")
+    with contextlib.suppress(OSError), open_private(path) as f:
+        f.write("exited")
 
 
 def oom_kill_counter(pid: int | str = "self") -> tuple[str, int] | None:
@@ -168,6 +169,9 @@ def explain(err: BaseException) -> str | None:
 
 def death_cause(err: BaseException) -> str:
     """How it ended if known, else the first line of Ray's message (for RoleDied's text)."""
+    created = creation_error(err)  # its constructor raised: that error, not the process's end, is the cause
+    if created is not None:
+        return f"its constructor raised {created}"
     text = str(err).strip()
     explained = explain(err)
     if explained is None and "The actor was restarted" in text:  # a call in flight when its process ended

@@ -27,8 +27,10 @@ from rlsched.meshes import check_platform, resolve_processes
 from rlsched.policy import GroupSpec, Policy
 from rlsched.preflight import preflight
 from rlsched.progress import LineBuffer, ProgressView
-from rlsched.runfiles import prepare_run_dir, write_atomic
+from rlsched.runfiles import prepare_run_dir, run_summary, write_atomic
+from rlsched.runlock import RunLock
 from rlsched.runlog import RunLog
+from rlsched.security import prepare_embedded_cluster
 from rlsched.stopping import Stopped, StopSignals
 from workers.models import sharding
 
@@ -50,14 +52,18 @@ def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str
         echo(line)
     if address is not None and not in_process:
         cluster.check_reachable(address)  # in seconds, before anything is written
-    run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
-    with RunLog(run_dir / "run.log", echo) as log:  # every line from here on is also in run.log, timed
-        for line in plans:
-            log.note(line)
-        log(f"run directory: {run_dir}")
-        if in_process:
-            return run_in_process(cfg, resume=resume, echo=log)
-        return run_experiment(cfg, resume=resume, address=address, echo=log, live=live)
+    if address is None and not in_process:  # an embedded Ray: authentication on (or --insecure), before any write
+        prepare_embedded_cluster(echo)
+    # The run directory is this process's until it ends: a second run on it, or an --overwrite of it, is refused.
+    with RunLock(cfg.run_dir, echo=echo, overwrite=overwrite):
+        run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
+        with RunLog(run_dir / "run.log", echo) as log:  # every line from here on is also in run.log, timed
+            for line in plans:
+                log.note(line)
+            log(f"run directory: {run_dir}")
+            if in_process:
+                return run_in_process(cfg, resume=resume, echo=log)
+            return run_experiment(cfg, resume=resume, address=address, echo=log, live=live)
 
 
 def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -> dict[str, list[dict[str, Any]]]:
@@ -322,10 +328,7 @@ def write_run_outputs(cfg: ExperimentConfig, events: list[dict], results: dict[s
         plot_gantt(events, run_dir / "timeline.png", title=cfg.experiment.name)
     except Exception as err:  # noqa: BLE001 - the trace and the metrics are what matter
         echo(f"timeline.png not drawn: {type(err).__name__}: {err}")
-    summary = {"experiment": cfg.experiment.name, "placement": cfg.cluster.placement,
-               "tasks": {name: {k: v for k, v in r.items() if k != "traceback"} for name, r in results.items()},
-               "timeline": summarize(events),
-               "scheduler": scheduler_state or {}}
+    summary = run_summary(cfg.experiment.name, cfg.cluster.placement, results, summarize(events), scheduler_state)
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     if cfg.experiment.tracking.wandb:
         _scheduler_run(cfg, events, summary, ok=all(r["status"] == "ok" for r in results.values()))

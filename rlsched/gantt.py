@@ -2,8 +2,10 @@
 
 One row per (task, resource) and one host row per task; lock holds (ROLLOUT / TRAIN) are outlined
 boxes with their finer spans filled inside, one colour per span name; lock waits are hatched on the
-host row; memory counters ("memory/<pool>", bytes by task) are stacked underneath on the same
-time axis. Readable for 1-4 tasks: rows are labelled, seconds run along x, a legend names colours.
+host row, beside the work done there outside the locks (reward; compile: a role's programs for new
+shapes, built before its lock is asked for, a colour and a legend entry of its own); memory counters
+("memory/<pool>", bytes by task) are stacked underneath on the same time axis. Readable for 1-4 tasks:
+rows are labelled, seconds run along x, a legend names colours.
 """
 
 from __future__ import annotations
@@ -12,17 +14,33 @@ import io
 from pathlib import Path
 from typing import Any
 
+from rlsched.errors import UsageError
 from rlsched.runfiles import write_atomic
 
 COLOURS = {
     "generate": "#4C72B0", "sync_weights": "#DD8452", "receive": "#DD8452", "swap": "#C44E52", "verify": "#937860",
     "train": "#55A868", "logprobs": "#8C8C8C", "update": "#55A868", "publish": "#8172B3", "onload": "#DA8BC3",
     "offload": "#CCB974", "reward": "#64B5CD", "lock_wait": "#FFFFFF",
+    "compile": "#E8A33D", "checkpoint": "#2F4B7C",
 }
 LOCK_EDGE = {"ROLLOUT": "#1F3A93", "TRAIN": "#1E7A34"}
 
 
 def plot_gantt(events: list[dict[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
+    """Draw the chart (`draw_gantt`) and write it to `path` as a PNG, atomically."""
+    fig = draw_gantt(events, title=title)  # first: it picks the file-only backend before pyplot is used
+    import matplotlib.pyplot as plt
+
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return write_atomic(path, png.getvalue())
+
+
+def draw_gantt(events: list[dict[str, Any]], *, title: str | None = None):
+    """The chart as a matplotlib Figure (the caller closes it): its first axes hold the rows and the legend."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a display
@@ -32,7 +50,7 @@ def plot_gantt(events: list[dict[str, Any]], path: str | Path, *, title: str | N
     spans = [e for e in events if e.get("kind") == "span"]
     counters = [e for e in events if e.get("kind") == "counter" and e["name"].startswith("memory/")]
     if not spans:
-        raise ValueError("no spans to draw: the timeline is empty")
+        raise UsageError("no spans to draw: the timeline is empty")
     t0, t1 = min(e["start"] for e in spans), max(e["end"] for e in spans)
     tasks = sorted({e["task"] for e in spans if e["task"] is not None})
     rows: list[tuple[str, str]] = []
@@ -89,8 +107,4 @@ def plot_gantt(events: list[dict[str, Any]], path: str | Path, *, title: str | N
         mem.grid(alpha=0.3)
     mems[-1].set_xlabel("seconds since the run started")
     fig.tight_layout()
-
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return write_atomic(path, png.getvalue())
+    return fig

@@ -26,6 +26,7 @@ from rlsched.errors import TaskError
 from workers import data as D
 from workers import rewards as R
 from workers.batch import TrainBatch, build_train_batch
+from workers.reward_loader import load_reward
 from workers.rollout.base import RolloutOutput, SamplingParams
 
 
@@ -38,6 +39,12 @@ def rollout_seed(task_seed: int, step: int) -> int:
 class Prompts:
     prompts: list[D.Prompt]  # the step's prompts, with their reference answers
     ids: list[np.ndarray]  # int32 (L_i,) token ids of each rendered prompt
+    skipped: int = 0  # prompts drawn and skipped as longer than grpo.max_prompt_len (data.too_long=skip)
+    truncated: int = 0  # prompts cut to grpo.max_prompt_len (data.too_long=truncate)
+
+    @property
+    def metrics(self) -> dict[str, int]:
+        return {"data/skipped_too_long": self.skipped, "data/truncated": self.truncated}
 
 
 def check_model_path(spec: TaskSpec) -> Path:
@@ -63,7 +70,9 @@ class HostWork:
         self.tokenizer = load_tokenizer(c.model.path)
         self.sampling = dict(n=g.num_generations, temperature=g.temperature, top_p=g.top_p,
                              max_new_tokens=g.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
-        R.get_reward(c.reward.name)  # fail at start, not at the first reward
+        # Loaded here, in the process that scores (the user's file or module too): fails at start, not at step 1.
+        r = c.reward
+        self.reward = load_reward(name=r.name, function=r.function, file=r.file, batch=r.batch)
         self.loader = D.PromptLoader(self._source(), g.prompts_per_step, seed=spec.seed, shuffle=c.data.shuffle)
 
     def _source(self):
@@ -75,20 +84,19 @@ class HostWork:
         return D.make_source(d.kind, path=d.path, question_field=d.question_field, answer_field=d.answer_field)
 
     def next_prompts(self) -> Prompts:
-        """The step's prompts, drawn and tokenized (before the ROLLOUT lock is asked for)."""
-        prompts = self.loader.next_batch()
-        return Prompts(prompts, self.encode(prompts))
-
-    def encode(self, prompts: list[D.Prompt]) -> list[np.ndarray]:
+        """The step's prompts, drawn and tokenized, too-long ones handled per data.too_long (before the ROLLOUT
+        lock is asked for)."""
         d, limit = self.spec.config.data, self.spec.config.grpo.max_prompt_len
-        out = []
-        for p in prompts:
-            ids = D.render_prompt(self.tokenizer, p.question, template=d.template, system_prompt=d.system_prompt)
-            if len(ids) > limit:
-                raise TaskError(f"task {self.spec.name}: prompt {p.uid} is {len(ids)} tokens, longer than "
-                                f"grpo.max_prompt_len={limit}; raise grpo.max_prompt_len or shorten the data")
-            out.append(np.asarray(ids, np.int32))
-        return out
+        try:
+            batch = D.next_fitting_batch(self.loader, self.render, limit, d.too_long)
+        except D.DataError as err:
+            raise TaskError(f"task {self.spec.name}: {err}") from None
+        return Prompts(batch.prompts, [np.asarray(ids, np.int32) for ids in batch.ids], batch.skipped,
+                       batch.truncated)
+
+    def render(self, prompt: D.Prompt) -> list[int]:
+        d = self.spec.config.data
+        return D.render_prompt(self.tokenizer, prompt.question, template=d.template, system_prompt=d.system_prompt)
 
     def sampling_params(self, step: int) -> SamplingParams:
         return SamplingParams(**self.sampling, seed=rollout_seed(self.spec.seed, step))
@@ -98,7 +106,8 @@ class HostWork:
         r = self.spec.config.reward
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in output.samples]
         answers = [prompts.prompts[s.prompt_index].answer for s in output.samples]
-        result = R.score(r.name, texts, answers, task=self.spec.name, on_error=r.on_error)
+        questions = [prompts.prompts[s.prompt_index].question for s in output.samples]
+        result = R.score(self.reward, texts, answers, task=self.spec.name, on_error=r.on_error, prompts=questions)
         if result.num_errors:
             self.echo(f"[{self.spec.name}] {result.num_errors} reward error(s) scored 0; first: {result.first_error}")
         return result.rewards, result.num_errors
@@ -132,5 +141,5 @@ def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int,
 def progress_line(task: str, step: int, steps: int, m: dict[str, Any]) -> str:
     return (f"[{task}] step {step:>4}/{steps}  reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}  "
             f"kl {m['kl']:.4f}  loss {m['loss']:+.4f}  len {m['response_len/mean']:.1f}  "
-            f"step {m['time/step_s']:.2f}s (rollout {m['time/rollout_s']:.2f} reward {m['time/reward_s']:.2f} "
-            f"train {m['time/train_s']:.2f})")
+            f"step {m['time/step_s']:.2f}s (compile {m['time/compile_s']:.2f} rollout {m['time/rollout_s']:.2f} "
+            f"reward {m['time/reward_s']:.2f} train {m['time/train_s']:.2f})")

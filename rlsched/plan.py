@@ -44,6 +44,7 @@ from typing import Any
 
 from rlsched.config import ConfigError, ExperimentConfig, TaskConfig
 from rlsched.meshes import ModelConfigs, check_meshes, read_model_config, role_devices
+from rlsched.units import format_bytes
 from workers.models import sharding
 from workers.models.config import ModelConfig
 
@@ -221,10 +222,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return format_bytes(n, digits=1)  # one decimal: the plan's table is read at a glance
 
 
 def _ranges(devices: list[int]) -> str:

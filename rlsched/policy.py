@@ -46,6 +46,8 @@ from collections import deque
 from enum import StrEnum
 from typing import Any
 
+from rlsched.units import format_bytes
+
 
 class PolicyError(Exception):
     """A caller broke the protocol (double request, release without lease, ...) or a config can't work."""
@@ -229,8 +231,10 @@ class Policy:
             pool = self._groups[group].pool_of(group, role)
             budget = self._budgets[pool]
             if budget is not None and n > budget:
-                raise PolicyError(f"task {task!r}: {role} needs {n} bytes but pool {pool!r} has a budget of only "
-                                  f"{budget} bytes; no amount of offloading can make it fit")
+                shown = (n, budget)
+                raise PolicyError(f"task {task!r}: {role} needs {format_bytes(n, like=shown)} but pool {pool!r} has "
+                                  f"a budget of only {format_bytes(budget, like=shown)}; no amount of offloading can "
+                                  "make it fit")
         state = _Task(task, group, nbytes, dict.fromkeys(Role, False), dict.fromkeys(Role, 0),
                       priority=int(priority), weight=float(weight))
         # A task arriving late starts level with the least served live task of its group, not at zero: a

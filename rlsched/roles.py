@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -364,10 +365,16 @@ def _where(flat) -> dict[str, str]:
 
 
 def _compile_span(timeline: Timeline, compile_, **attrs) -> tuple[int, list[dict]]:
+    """Run a role's prepare; a "compile" span when it compiled programs, or waited for another task's compile of
+    them in this process (`shared_wait_s`: workers.compiling.shared), so the trace puts that time on a compile."""
+    from workers.compiling import waits
+
     start = timeline.now()
-    compiled = compile_()
-    if compiled:
-        timeline.add_span("compile", start, timeline.now(), programs=compiled, **attrs)
+    with waits() as waited:
+        compiled = compile_()
+    if compiled or waited["seconds"]:
+        extra = {"shared_wait_s": waited["seconds"]} if waited["seconds"] else {}
+        timeline.add_span("compile", start, timeline.now(), programs=compiled, **extra, **attrs)
     return compiled, timeline.drain()
 
 
@@ -375,17 +382,46 @@ def _compile_span(timeline: Timeline, compile_, **attrs) -> tuple[int, list[dict
 
 
 class RemoteRole:
-    """A role in another process, called like a local one: each method is one blocking round trip."""
+    """A role in another process, called like a local one: each method is one blocking round trip.
 
-    def __init__(self, handle, kind: str):
+    `built`: the ref of the role's `build` call (its constructor, see `_built_by_call`), which runs in the
+    background from `spawn`; the first call waits for it, and raises its error as the role's own."""
+
+    def __init__(self, handle, kind: str, built=None):
         self._handle, self.kind = handle, kind
+        self._built, self._never_built = built, False
+
+    def _await_build(self) -> None:
+        import ray
+
+        if self._built is None:
+            return
+        ref, self._built = self._built, None
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError:  # the constructor raised: its error, whose `cause` is the role's own
+            self._never_built = True
+            raise
+        except ray.exceptions.RayActorError as err:
+            raise RoleDied(f"its {self.kind} process died while the role was built: {exits.death_cause(err)}",
+                           self.kind) from err
 
     def __getattr__(self, name: str):
         import ray
 
+        if name.startswith("_"):
+            raise AttributeError(name)
         method = getattr(self._handle, name)
 
         def call(*args, **kwargs):
+            if name == "close":  # a role whose constructor raised holds nothing: its error was told already
+                with contextlib.suppress(ray.exceptions.RayTaskError):
+                    self._await_build()
+                if self._never_built:
+                    return None
+            self._await_build()
+            if self._never_built:
+                raise TaskError(f"its {self.kind} was never built: its constructor raised (the error before this)")
             try:
                 return ray.get(method.remote(*args, **kwargs))
             except ray.exceptions.RayActorError as err:
@@ -468,5 +504,24 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
     # itself out (sglang-jax fills its mesh with every device it sees) sees one: its own.
     on_mesh = cls is ActorRole or spec.config.rollout.engine == "jax_sampler"
     env = role_env(spec.num_devices if on_mesh else 1, resource, shares_devices=spec.shares_devices)
-    handle = ray.remote(cls).options(**options).remote(spec, channel=channel, cores=cores, env=env)
-    return RemoteRole(handle, cls.kind)
+    handle = ray.remote(_built_by_call(cls)).options(**options).remote()
+    return RemoteRole(handle, cls.kind, built=handle.build.remote(spec, channel=channel, cores=cores, env=env))
+
+
+@functools.cache
+def _built_by_call(cls):
+    """`cls` as a Ray actor class whose constructor is a method, `build(*args, **kwargs)`.
+
+    Why: an exception a Ray actor's constructor raises reaches the caller only as text (an ActorDiedError whose
+    message holds Ray's ANSI-coloured `ray::ActorRole.__init__()` line and the traceback; the exception itself
+    is dropped), while one a method raises arrives as a RayTaskError whose `cause` is the original exception:
+    its own type and message, as a role built in a device group's host (rlsched.hosts) reports it. The process
+    starts with an empty constructor; `build` runs the role's, in the background (calls queue behind it)."""
+    def __init__(self):
+        pass
+
+    def build(self, *args, **kwargs) -> None:
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "build": build, "__module__": cls.__module__,
+                                       "__doc__": cls.__doc__})

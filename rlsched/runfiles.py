@@ -4,6 +4,7 @@
     runs/<experiment>/tasks/<task>/               metrics.jsonl, hparams.json, summary.json, checkpoints/
     runs/<experiment>/timeline.json|.png          Chrome trace and Gantt (rlsched.timeline, rlsched.gantt)
     runs/<experiment>/summary.json                per-task status, phase times, scheduler state
+    runs/<experiment>/run.lock                    the live run's pid, host and start time (rlsched.runlock)
 
 Design decisions (and why):
 - **One `write_atomic`** for every file a run or a benchmark leaves (text or bytes): a temporary file in
@@ -74,7 +75,9 @@ def prepare_run_dir(cfg: ExperimentConfig, *, resume: bool, overwrite: bool) -> 
     """Make `cfg.run_dir` ready for a run and write its resolved config.yaml.
 
     A directory that already holds a run is refused unless the run is resumed (kept) or overwritten
-    (removed first)."""
+    (its contents removed first, all but the lock file: the caller holds it, rlsched.runlock)."""
+    from rlsched.runlock import LOCK_NAME
+
     run_dir = cfg.run_dir
     has_run = (run_dir / "tasks").exists()
     if has_run and not (resume or overwrite):
@@ -82,6 +85,31 @@ def prepare_run_dir(cfg: ExperimentConfig, *, resume: bool, overwrite: bool) -> 
             f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
             f"or choose another name with --set experiment.name=...")
     if has_run and overwrite and not resume:
-        shutil.rmtree(run_dir)
+        for entry in run_dir.iterdir():
+            if entry.name == LOCK_NAME:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
     write_atomic(run_dir / "config.yaml", dump_resolved(cfg))
     return run_dir
+
+
+def run_summary(experiment: str, placement: str, results: Mapping[str, Mapping[str, Any]],
+                timeline: Mapping[str, Any], scheduler_state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What runs/<experiment>/summary.json holds: each task's result (status, steps or error; no traceback),
+    the timeline's summary and the scheduler's state.
+
+    The scheduler's policy calls every task that left its books `failed`, a task that finished included (it
+    is retired the same way); here each task's flag says its outcome instead: true only for a task whose
+    status is "failed". A task the scheduler knows without a result here (another submission's, beside it
+    in the service) keeps no flag: its outcome is not known from this run."""
+    scheduler = json_safe(scheduler_state or {})
+    for name, task in scheduler.get("snapshot", {}).get("tasks", {}).items():
+        task.pop("failed", None)
+        if name in results:
+            task["failed"] = results[name]["status"] == "failed"
+    return {"experiment": experiment, "placement": placement,
+            "tasks": {name: {k: v for k, v in r.items() if k != "traceback"} for name, r in results.items()},
+            "timeline": timeline, "scheduler": scheduler}

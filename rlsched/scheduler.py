@@ -25,6 +25,7 @@ Design decisions:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import time
@@ -46,6 +47,7 @@ class Lease:
     waited_s: float  # time between request and grant
 
 
+GRANT_LOG_LEN = 1000  # grants kept in Scheduler.grant_log
 LET_GO_S = 10.0  # how long a fenced holder's driver has to end its phase once its roles are stopped
 
 
@@ -72,7 +74,10 @@ class Scheduler:
         self._watchdog: asyncio.Task | None = None
         self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
         self._evicting: dict[str, set[asyncio.Task]] = {}  # task -> offloads of its roles still in flight
-        self.grant_log: list[tuple[float, str, str, str]] = []  # (time, task, phase, resource)
+        # The last grants, (time, task, phase, resource), for a look at what happened lately; bounded, as a service's
+        # scheduler lives for weeks. `grants` counts them all.
+        self.grant_log: collections.deque[tuple[float, str, str, str]] = collections.deque(maxlen=GRANT_LOG_LEN)
+        self.grants = 0
         from rlsched.ports import PortAllocator
 
         self.ports = PortAllocator()  # coordinator ports of role groups across hosts (rlsched.rolegroup)
@@ -154,6 +159,7 @@ class Scheduler:
             lease = Lease(grant.request_id, grant.task, grant.phase, grant.resource.id, tuple(grant.moves), now,
                           now - requested_at)
             self.grant_log.append((now, grant.task, str(grant.phase), grant.resource.id))
+            self.grants += 1
             # The policy counts an eviction done when it decides it, but the victim's driver does it later. A
             # grant to the victim waits for it: its own onload must come after, or the offload would land on
             # the state its phase is about to use.
@@ -294,7 +300,7 @@ class Scheduler:
     # ---- introspection ------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return {"failed": dict(self._failed), "grants": len(self.grant_log), "snapshot": self.policy.snapshot(),
+        return {"failed": dict(self._failed), "grants": self.grants, "snapshot": self.policy.snapshot(),
                 "measured": {name: pool.snapshot() for name, pool in self.measured.items()}}
 
 

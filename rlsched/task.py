@@ -37,6 +37,7 @@ from typing import Any
 from rlsched.cluster import RolePlacement
 from rlsched.config import TaskSpec
 from rlsched.errors import RoleDied, TaskError
+from rlsched.export import export_final
 from rlsched.hosts import HostedRole, HostGroup
 from rlsched.memory import MemoryPool, Residency
 from rlsched.phases import HostWork, check_model_path, progress_line, step_metrics
@@ -63,7 +64,10 @@ class TaskDriver:
         self.saved_step = 0  # the last step with a checkpoint (0: none)
         self._latest: dict[str, float] = {}  # the last step's reward and time, for `poll`
         self._step_seconds: list[float] = []
-        self._waiting: str | None = None  # the phase whose lock this task is waiting for
+        # What this task does now, as `poll` shows it: the phase's words and the lock held or waited for, set in
+        # one assignment so that a reader on another thread sees the two of one moment (rlsched status's columns)
+        self._doing: dict[str, Any] = {"phase": None, "lock": None}
+        self._resources: dict[str, str] = {}  # phase -> the lock's resource, once granted (named while waiting)
         self._stop = threading.Event()  # request_stop: end after the step in progress
         self.tracker = None
         self._initial_moves = list(initial_moves)  # offloads the policy decided at registration
@@ -171,6 +175,7 @@ class TaskDriver:
                 self.locks.fail(f"{type(err).__name__}: {err}")
             raise
         self.close()
+        self.export_final()  # after close: the last checkpoint's files are on disk
         return [history[k] for k in sorted(history)]
 
     # ---- restarts -------------------------------------------------------------------------------------
@@ -284,6 +289,7 @@ class TaskDriver:
         """One GRPO step; returns its metrics line."""
         t = _Clock()
         prompts = self.host.next_prompts()  # host work stays outside the locks
+        t.mark("compile_rollout")
         self.prepare(Role.ENGINE, prompts.ids, self.host.sampling_params(n))  # compile before the lock, not in it
         t.mark("ask_rollout")
         with self.hold(Phase.ROLLOUT):
@@ -293,6 +299,7 @@ class TaskDriver:
         with self.timeline.span("reward"):
             rewards, reward_errors = self.host.score(prompts, rollout.value)
         batch = self.host.train_batch(prompts, rollout.value)  # padding; the actor adds the advantages
+        t.mark("compile_train")
         if (batch.size, batch.tokens.shape[1]) not in self._prepared:  # the shapes alone say what it compiles
             self.prepare(Role.ACTOR, batch.size, batch.tokens.shape[1])
             self._prepared.add((batch.size, batch.tokens.shape[1]))
@@ -303,10 +310,13 @@ class TaskDriver:
             self.published = train.message
             t.mark("end")
             metrics = step_metrics(rollout.value, rewards, reward_errors, train.value, self.published.version, {
-                "time/rollout_s": t["rollout", "score"], "time/reward_s": t["score", "ask_train"],
+                "time/rollout_s": t["rollout", "score"], "time/reward_s": t["score", "compile_train"],
+                # the programs' compiles (a no-op round trip once the shapes were seen), apart from any phase
+                "time/compile_s": t["compile_rollout", "ask_rollout"] + t["compile_train", "ask_train"],
                 "time/train_s": t["train", "end"], "time/step_s": t["start", "end"],
                 "time/lock_wait_s": t["ask_rollout", "rollout"] + t["ask_train", "train"],
                 "time/end_unix": time.time()})
+            metrics.update(prompts.metrics)  # data/skipped_too_long, data/truncated (data.too_long)
             metrics["fault/restarts"] = len(self.restarts)  # those a fence of another task caused included
             metrics["fault/restarts_charged"] = self._charged
             self.record(n, metrics, train.value)
@@ -317,13 +327,19 @@ class TaskDriver:
     def hold(self, phase: Phase):
         """Hold `phase`'s lock; first perform the moves the grant asks of this task (onload, offload)."""
         asked = self.timeline.now()
-        self._waiting = str(phase)
+        self._doing = {"phase": f"waiting for {phase}",
+                       "lock": {"phase": str(phase), "resource": self._resources.get(str(phase)), "holds": False,
+                                "since": asked}}
         try:
             lease = self.locks.acquire(phase)
         finally:
-            self._waiting = None
+            self._doing = {"phase": None, "lock": None}
         self.where = {"phase": str(phase), "resource": lease.resource}
-        self.timeline.add_span("lock_wait", asked, self.timeline.now(), **self.where)
+        granted = self.timeline.now()
+        self._resources[str(phase)] = lease.resource
+        self._doing = {"phase": f"{phase} ({lease.resource})",
+                       "lock": {"phase": str(phase), "resource": lease.resource, "holds": True, "since": granted}}
+        self.timeline.add_span("lock_wait", asked, granted, **self.where)
         try:
             with self.timeline.span(str(phase).upper(), **self.where):
                 for m in lease.moves:
@@ -332,6 +348,7 @@ class TaskDriver:
                 yield lease
         finally:
             self.where = {}
+            self._doing = {"phase": None, "lock": None}
             self.locks.release(phase)
 
     def call(self, role: Role, method: str, *args) -> PhaseResult:
@@ -350,11 +367,14 @@ class TaskDriver:
         """Have `role` compile its next phase's programs for these shapes now, before the lock is asked for: no
         task compiles while it holds a lock, and tasks compile at once, each in its own role processes. A
         round trip that does nothing once the shapes were seen."""
+        self._doing = {"phase": "compiling", "lock": None}
         try:
             _, events = self.roles[role].prepare(*shapes)
         except BaseException as err:
             _annotate(err, f"in the {role}'s prepare()")
             raise
+        finally:
+            self._doing = {"phase": None, "lock": None}
         self.timeline.extend(events)
 
     def record(self, n: int, metrics: dict[str, Any], train: dict[str, float]) -> None:
@@ -370,12 +390,18 @@ class TaskDriver:
             self.echo(progress_line(self.name, n, self.spec.config.steps, metrics))
 
     def checkpoint_if_due(self, n: int) -> None:
-        """Save step `n` when `checkpoint_every` says so (staggered by the task's offset), at the last step, or
-        when the run is stopping."""
+        """Save step `n` when `checkpoint_every` says so (staggered by the task's offset), at the last step (with
+        `export_final`, whatever `checkpoint_every`), or when the run is stopping."""
         every = self.spec.config.checkpoint_every
         due = every and ((n + self.spec.checkpoint_offset) % every == 0 or n == self.spec.config.steps)
-        if due or self._stop.is_set():
+        if due or self._stop.is_set() or (n == self.spec.config.steps and self.spec.config.export_final):
             self._save(n)
+
+    def export_final(self) -> None:
+        """`export_final: true` and every step done: the last checkpoint as a Hugging Face model in
+        tasks/<task>/final/ (rlsched.export, in a child process: this driver never imports JAX)."""
+        if self.spec.config.export_final and self.step_done == self.spec.config.steps:
+            self.echo(export_final(self.spec.dir, self.step_done))
 
     def _save(self, n: int) -> None:
         """Checkpoint step `n` (the caller holds the TRAIN lock: the actor's state is resident while it is copied
@@ -401,18 +427,18 @@ class TaskDriver:
 
     def poll(self) -> dict[str, Any]:
         """For the command that shows the run (rlsched.progress): the lines echoed since the last poll and this
-        task's row: state, step/steps, last reward and step time, mean step time, phase held or waited for; and
-        which process holds each role on which device ids ("roles", for summary.json)."""
+        task's row: state, step/steps, last reward and step time, mean step time, phase ("compiling", the lock's
+        phase held, or "waiting for" it) and that lock ({phase, resource, holds, since: unix seconds}, or None), both
+        of one moment; and which process holds each role on which device ids ("roles", for summary.json)."""
         drain = getattr(self.echo, "drain", None)
         if self._closed:
             state = "stopped" if self._stop.is_set() and self.step_done < self.spec.config.steps else "ended"
         else:
             state = ("stopping" if self._stop.is_set() else "running") if self._started.is_set() else "starting"
-        phase = (f"{self.where['phase']} ({self.where['resource']})" if self.where
-                 else f"waiting for {self._waiting}" if self._waiting else None)
+        doing = self._doing  # the phase and the lock of one moment
         times = self._step_seconds
         return {"lines": drain() if drain else [], "state": state, "step": self.step_done, "pid": os.getpid(),
-                "steps": self.spec.config.steps, "phase": phase, **self._latest,
+                "steps": self.spec.config.steps, "phase": doing["phase"], "lock": doing["lock"], **self._latest,
                 "mean_step_s": sum(times) / len(times) if times else None, "roles": self.places,
                 "restarts": list(self.restarts)}
 

@@ -253,8 +253,9 @@ def overlaps(events: list[dict], a_task: str, a_phase: str, b_task: str, b_phase
 
 
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per task: wall, seconds holding each lock, lock wait, switch overhead, reward; per resource:
-    busy fraction (union of lock holds / the run's wall time)."""
+    """Per task: wall, seconds holding each lock, lock wait, switch overhead, reward, compile (its roles'
+    programs, compiled outside the locks: never inside a phase's time); per resource: busy fraction (union of
+    lock holds / the run's wall time)."""
     spans = _spans(events)
     if not spans:
         return {"wall_s": 0.0, "tasks": {}, "resources": {}}
@@ -271,6 +272,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             "wall_s": max(e["end"] for e in mine) - min(e["start"] for e in mine),
             "rollout_s": total(("ROLLOUT",)), "train_s": total(("TRAIN",)),
             "lock_wait_s": total(("lock_wait",)), "switch_s": total(SWITCH), "reward_s": total(("reward",)),
+            "compile_s": total(("compile",)),
             "steps": sum(1 for e in mine if e["name"] == "TRAIN"),
         }
     resources = {}
@@ -283,10 +285,11 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"run wall time {summary['wall_s']:.2f}s", "",
              f"{'task':<16} {'steps':>5} {'wall s':>8} {'ROLLOUT s':>10} {'TRAIN s':>8} {'lock wait s':>11} "
-             f"{'switch s':>9} {'reward s':>9}"]
+             f"{'switch s':>9} {'reward s':>9} {'compile s':>10}"]
     for task, t in summary["tasks"].items():
         lines.append(f"{task:<16} {t['steps']:>5} {t['wall_s']:>8.2f} {t['rollout_s']:>10.2f} {t['train_s']:>8.2f} "
-                     f"{t['lock_wait_s']:>11.2f} {t['switch_s']:>9.2f} {t['reward_s']:>9.2f}")
+                     f"{t['lock_wait_s']:>11.2f} {t['switch_s']:>9.2f} {t['reward_s']:>9.2f} "
+                     f"{t['compile_s']:>10.2f}")
     lines += ["", f"{'resource':<24} {'busy s':>8} {'busy':>6}"]
     for resource, r in summary["resources"].items():
         lines.append(f"{resource:<24} {r['busy_s']:>8.2f} {r['busy_fraction']:>6.0%}")

@@ -31,12 +31,14 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rlsched.errors import UsageError
 from rlsched.runfiles import json_safe, write_atomic
 
 if TYPE_CHECKING:
@@ -137,10 +139,23 @@ class JsonlTracker(_FinishOnExit):
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl. A last line cut short (its writer killed mid-line) is read as absent, with a
+    line on stderr: that step is redone on resume. A bad line before the last is an error naming it."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for n, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if n != lines[-1][0]:
+                raise UsageError(f"{path} line {n} is not JSON ({err.msg}); the file was changed by hand or "
+                                 "damaged: remove that line (and the steps after it) to resume") from None
+            print(f"{path}: its last line (line {n}) was cut short, e.g. by a kill mid-write; read as absent",
+                  file=sys.stderr)
+    return rows
 
 
 # --- W&B ------------------------------------------------------------------------------------------------------

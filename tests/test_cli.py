@@ -49,3 +49,40 @@ def test_demo_runs(ray_session, tmp_path, capsys):
         assert f"[demo] {task}: mean reward over the first 3 steps" in out
         assert len((tmp_path / "demo-multitask" / "tasks" / task / "metrics.jsonl").read_text().splitlines()) == 3
         assert (tmp_path / "models" / f"tiny-{task}" / "config.json").is_file()
+
+
+def test_errors_keep_their_nature(tmp_path, capsys, monkeypatch):
+    """Only input mistakes are one line and exit 2; a bug (here a plain ValueError from deep inside `plan`) shows
+    its traceback, exit 1, and is kept in a file that the last line names."""
+    from pathlib import Path
+
+    import rlsched.plan
+    from rlsched.config import ConfigError
+    from rlsched.errors import CheckpointError, TaskError, UsageError, is_input_error
+
+    assert is_input_error(ConfigError("x")) and is_input_error(UsageError("x")) and is_input_error(CheckpointError())
+    assert not is_input_error(ValueError("x")) and not is_input_error(KeyError("x"))
+    assert not is_input_error(TaskError("x")) and not is_input_error(UnicodeDecodeError("utf-8", b"", 0, 1, "x"))
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo_addition.yaml")
+    monkeypatch.setenv("RLSCHED_HOME", str(tmp_path / "home"))
+
+    def broken(*_args, **_kw):
+        raise ValueError("shapes (3,) and (4,) not aligned")  # what a bug deep in a library looks like
+
+    monkeypatch.setattr(rlsched.plan, "device_plan", broken)
+    assert main(["plan", config]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ValueError: shapes (3,) and (4,) not aligned" in err
+    kept = list((tmp_path / "home" / "crashes").glob("*-plan-*.txt"))
+    assert len(kept) == 1 and str(kept[0]) in err.splitlines()[-1]
+    assert "ValueError: shapes (3,) and (4,) not aligned" in kept[0].read_text()
+    assert oct(kept[0].stat().st_mode)[-3:] == "600"
+
+    def refused(*_args, **_kw):
+        raise TaskError("task addition failed: lease expired after 15 s")
+
+    monkeypatch.setattr(rlsched.plan, "device_plan", refused)
+    assert main(["plan", config]) == 1  # a task that failed: one line, not a config error
+    err = capsys.readouterr().err
+    assert err == "error: task addition failed: lease expired after 15 s\n"

@@ -21,6 +21,7 @@ from workers.data import (
     load_jsonl,
     load_parquet,
     make_source,
+    next_fitting_batch,
     render_prompt,
 )
 from workers.datasets import GSM8K_TEST, GSM8K_TRAIN
@@ -212,6 +213,61 @@ def test_loader_errors():
         PromptLoader.restore(_small(5), 2, {**state, "position": 5})
     with pytest.raises(DataError, match=r"loader state epoch must be an integer in \[0, inf\), got -1"):
         PromptLoader.restore(_small(5), 2, {**state, "epoch": -1})
+
+
+# ---------------------------------------------------------------- prompts longer than max_prompt_len
+
+
+def _by_length(*lengths: int) -> PromptLoader:
+    """An unshuffled loader, batches of 2, over prompts "a", "ab", ... of the given lengths (one token per byte)."""
+    prompts = [Prompt(f"d:{i}", "abcdefghij"[:n], "0") for i, n in enumerate(lengths)]
+    return PromptLoader(PromptDataset(prompts, name="d"), 2, seed=0, shuffle=False)
+
+
+def _bytes(prompt: Prompt) -> list[int]:
+    return list(prompt.question.encode())
+
+
+def test_too_long_error_names_the_prompt_its_length_the_limit_and_the_choices():
+    loader = _by_length(2, 6, 3)
+    with pytest.raises(DataError) as info:
+        next_fitting_batch(loader, _bytes, 4)  # "error" is the default
+    assert str(info.value) == ("prompt d:1 is 6 tokens, longer than grpo.max_prompt_len=4; raise grpo.max_prompt_len, "
+                               "shorten the data, or set data.too_long to 'skip' (drop such prompts) or 'truncate' "
+                               "(keep their last 4 tokens)")
+    with pytest.raises(DataError, match="data.too_long must be 'error', 'skip' or 'truncate', got 'drop'"):
+        next_fitting_batch(_by_length(2), _bytes, 4, "drop")
+
+
+def test_too_long_skip_draws_the_next_prompt_in_its_place_and_counts():
+    loader = _by_length(2, 6, 3, 8, 1)  # limit 4: prompts 1 (6 tokens) and 3 (8 tokens) do not fit
+    first = next_fitting_batch(loader, _bytes, 4, "skip")
+    # draws d:0 (fits), d:1 (skipped), d:2 (fits)
+    assert [p.uid for p in first.prompts] == ["d:0", "d:2"] and first.ids == [list(b"ab"), list(b"abc")]
+    assert (first.skipped, first.truncated) == (1, 0)
+    second = next_fitting_batch(loader, _bytes, 4, "skip")
+    # draws d:3 (skipped), d:4 (fits), then the next epoch's d:0 (fits)
+    assert [p.uid for p in second.prompts] == ["d:4", "d:0"] and (second.skipped, second.truncated) == (1, 0)
+    assert loader.state()["epoch"] == 1 and loader.state()["position"] == 1  # 3 + 3 draws over 5 prompts
+
+
+def test_too_long_truncate_keeps_the_tail_and_counts():
+    loader = _by_length(2, 6, 3, 8)
+    first = next_fitting_batch(loader, _bytes, 4, "truncate")
+    assert first.ids == [list(b"ab"), list(b"cdef")] and (first.skipped, first.truncated) == (0, 1)  # abcdef -> cdef
+    second = next_fitting_batch(loader, _bytes, 4, "truncate")
+    assert second.ids == [list(b"abc"), list(b"efgh")] and (second.skipped, second.truncated) == (0, 1)
+    assert [p.uid for p in first.prompts + second.prompts] == ["d:0", "d:1", "d:2", "d:3"]  # nothing dropped
+
+
+def test_too_long_skip_with_nothing_that_fits_is_an_error_not_a_hang():
+    with pytest.raises(DataError, match=r"data.too_long=skip skipped all 2 prompts: none fits in "
+                                        r"grpo.max_prompt_len=4 tokens \(the shortest has 5\); raise"):
+        next_fitting_batch(_by_length(5, 7), _bytes, 4, "skip")
+    # an infinite source: "3+5=" is 4 bytes, so with a limit of 3 none of its prompts ever fits
+    loader = PromptLoader(AdditionTask(seed=0), 2, seed=0)
+    with pytest.raises(DataError, match=r"skipped 1000 prompts in a row: none fits in grpo.max_prompt_len=3 tokens"):
+        next_fitting_batch(loader, _bytes, 3, "skip")
 
 
 # ---------------------------------------------------------------- templates

@@ -261,9 +261,15 @@ def test_a_dead_host_of_a_device_group_across_hosts_ends_every_task_there_naming
         deadline = time.monotonic() + 300
         for line in proc.stdout:
             lines.append(line)
-            hosts = re.search(r"one JAX job \(coordinator [\d.:]+; [\d.]+ pid (\d+), [\d.]+ pid (\d+)\)", line)
+            hosts = re.search(r"one JAX job \(coordinator ([\d.]+):(\d+); [\d.]+ pid (\d+), [\d.]+ pid (\d+)\)", line)
             if hosts:
-                pids = [int(p) for p in hosts.groups()]
+                pids = [int(p) for p in hosts.groups()[2:]]
+                # The coordinator (no authentication of its own) listens on its node's address alone, never on
+                # every interface.
+                listening = subprocess.run(["ss", "-Hltn", f"sport = :{hosts.group(2)}"], capture_output=True,
+                                           text=True, check=True).stdout.split()
+                node, port = hosts.group(1), hosts.group(2)  # gRPC may bind IPv6, at the v4-mapped address
+                assert listening and listening[3] in (f"{node}:{port}", f"[::ffff:{node}]:{port}"), listening
             if killed_at is None and pids and re.match(r"\[addition\] step +1/", line):
                 os.kill(pids[1], signal.SIGKILL)
                 killed_at = time.monotonic()

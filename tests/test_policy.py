@@ -193,7 +193,7 @@ def test_register_offloads_what_does_not_fit_and_rejects_impossible_roles():
     assert p.register("b", "g0", 5, 10) == [offload("b", ACTOR)]  # engine first: ROLLOUT comes first
     assert p.used_bytes("g0/shared") == 25
     assert p.register("c", "g0", 1, 1, resident=False) == []
-    with pytest.raises(PolicyError, match=r"task 'd': actor needs 26 bytes .* 'g0/shared' .* only 25 bytes"):
+    with pytest.raises(PolicyError, match=r"task 'd': actor needs 26 B .* 'g0/shared' .* only 25 B;"):
         p.register("d", "g0", 1, 26)
     with pytest.raises(PolicyError, match="already registered"):
         p.register("a", "g0", 1, 1)

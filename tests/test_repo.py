@@ -26,3 +26,11 @@ def test_quickstart_is_exactly_two_commands_and_ci_runs_the_second():
 def test_promised_layout_exists():
     for name in ("pyproject.toml", "rlsched", "workers", "configs", "benchmarks", "tests", "README.md", ".ci/run"):
         assert (ROOT / name).exists(), name
+
+
+def test_ci_runs_the_plain_install_stage_and_fails_with_it():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "bash .ci/plain_stage.sh" in ci and "plain=$?" in ci
+    assert any(line.startswith("[ ") and '"$plain" -eq 0' in line for line in ci)  # the last line: CI's exit status
+    installs = [line for line in (ROOT / ".ci" / "plain_stage.sh").read_text().splitlines() if "/venv/bin/pip" in line]
+    assert len(installs) == 1 and 'pip" install -q -e . 2>&1' in installs[0], installs  # `.` alone: no extras

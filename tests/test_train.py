@@ -77,7 +77,7 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model
         train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), echo=_silent)
 
 
-def test_resume_is_exact(tmp_path, tiny_model_dir):
+def test_resume_is_exact(tmp_path, tiny_model_dir, capsys):
     straight = tmp_path / "a"
     train(DEMO_CONFIG, overrides=_quick(straight, tiny_model_dir), echo=_silent)
 
@@ -85,7 +85,12 @@ def test_resume_is_exact(tmp_path, tiny_model_dir):
     cfg = load_config(DEMO_CONFIG, _quick(interrupted, tiny_model_dir))
     prepare_run_dir(cfg, resume=False, overwrite=False)
     _driver(cfg).run(until=3)  # crash after step 3: checkpoint 2 is the latest
+    metrics = interrupted / "demo-addition/tasks/addition/metrics.jsonl"
+    with metrics.open("a") as f:  # ... and the crash cut step 4's line short
+        f.write('{"step": 4, "reward/mean": 0.1')
+    capsys.readouterr()
     train(DEMO_CONFIG, overrides=_quick(interrupted, tiny_model_dir), resume=True, echo=_silent)
+    assert "its last line (line 4) was cut short" in capsys.readouterr().err
 
     def comparable(path):
         return [{k: v for k, v in m.items() if not k.startswith(("time/", "mem/"))} for m in read_metrics(path)]
@@ -175,8 +180,10 @@ GSM8K_RECIPE = DEMO_CONFIG.parent / "gsm8k_qwen3.yaml"
 
 def test_gsm8k_recipe_fails_clearly_without_weights(tmp_path, monkeypatch):
     monkeypatch.chdir(DEMO_CONFIG.parents[1])  # the recipe's data path is relative to the repo root
-    with pytest.raises(TaskError, match=r"model.path /models/Qwen3-1.7B does not exist. Point it at a local"):
+    with pytest.raises(ConfigError, match=r"tasks\.0\.model\.path: /models/Qwen3-1.7B does not exist; point it at a "
+                                          r"local Hugging Face model directory"):  # by the config check, before Ray
         train(GSM8K_RECIPE, overrides=[f"experiment.output_dir={tmp_path}"], echo=_silent)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_stale_or_unverified_engine_weights_are_refused(tmp_path, tiny_model_dir):

@@ -12,6 +12,8 @@ Within one process (a device group's, holding several tasks' roles) the same pro
 again: `shared(key, build)` keeps the executable under a key naming everything it depends on (architecture,
 settings, mesh, shapes), so the second task with that key takes the first one's executable. Tracing and lowering a
 program is ~0.2-0.4 s of Python per program on the demo's model, on the GIL the process's other roles share.
+A task that waited for another's build spent that time on a compile all the same: `waits()` tells its caller how
+long, so that the task's trace shows it as a compile (rlsched.roles), not as a gap before its lock.
 """
 
 from __future__ import annotations
@@ -21,13 +23,27 @@ import fcntl
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Hashable
+import time
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
 _EXECUTABLES: dict[Hashable, Any] = {}
 _BUILDING: dict[Hashable, threading.Lock] = {}
 _GUARD = threading.Lock()
+_WAITS = threading.local()  # .seconds: this thread's waits for another caller's build, while `waits()` counts
+
+
+@contextlib.contextmanager
+def waits() -> Iterator[dict[str, float]]:
+    """Inside: `shared` adds to the yielded {"seconds": s} the time this thread waited for a build another caller
+    was doing (the other's compile, shared). Outside one, waits are not counted."""
+    record = {"seconds": 0.0}
+    outer, _WAITS.record = getattr(_WAITS, "record", None), record
+    try:
+        yield record
+    finally:
+        _WAITS.record = outer
 
 
 def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
@@ -39,8 +55,12 @@ def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
         if key in _EXECUTABLES:
             return _EXECUTABLES[key], False
         lock = _BUILDING.setdefault(key, threading.Lock())
+    asked = time.perf_counter()
     with lock:
         if key in _EXECUTABLES:  # built while this caller waited
+            record = getattr(_WAITS, "record", None)
+            if record is not None:
+                record["seconds"] += time.perf_counter() - asked
             return _EXECUTABLES[key], False
         executable = build()
         with _GUARD:

@@ -17,6 +17,9 @@ Design decisions:
   exactly the batches the uninterrupted loader would have. A batch may span an epoch boundary, so a
   batch larger than the dataset works: it holds some prompts twice, from consecutive epochs (GRPO
   groups are per prompt instance, so that is just more samples of those prompts).
+- A prompt longer than grpo.max_prompt_len is an error, skipped or truncated (data.too_long), in
+  `next_fitting_batch`: a skipped prompt's place goes to the loader's next one, so batches keep their size
+  and a resumed run draws the same replacements.
 - Errors are `DataError` and name the file, line (or row) and field, and what was found instead.
 """
 
@@ -78,6 +81,8 @@ class PromptDataset:
 
 def _existing(path: str | Path) -> Path:
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"dataset file {str(path)!r} is a directory; the path must name a file (JSONL or parquet)")
     if not path.is_file():
         raise DataError(f"dataset file {str(path)!r} does not exist; the path must name an existing file")
     return path
@@ -246,13 +251,15 @@ class PromptLoader:
         return int(self._order[self.position])
 
     def next_batch(self) -> list[Prompt]:
-        batch = []
-        for _ in range(self.batch_size):
-            batch.append(self.source[self._index()])
-            self.position += 1
-            if self.source.size is not None and self.position == self.source.size:
-                self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        return batch
+        return [self.next_prompt() for _ in range(self.batch_size)]
+
+    def next_prompt(self) -> Prompt:
+        """One prompt, in the order batches take them (a skipped prompt's replacement is the next one)."""
+        prompt = self.source[self._index()]
+        self.position += 1
+        if self.source.size is not None and self.position == self.source.size:
+            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        return prompt
 
     def __iter__(self) -> Iterator[list[Prompt]]:
         while True:
@@ -282,6 +289,64 @@ class PromptLoader:
         loader = cls(source, batch_size, seed=int(state.get("seed", 0)))
         loader.load_state(state)
         return loader
+
+
+# ---------------------------------------------------------------- prompts longer than the limit
+
+TooLong = Literal["error", "skip", "truncate"]
+MAX_SKIPS_IN_A_ROW = 1000  # an infinite source that yields this many too-long prompts in a row yields no other
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedBatch:
+    prompts: list[Prompt]  # batch_size prompts, each within the limit (after truncation)
+    ids: list[list[int]]  # their token ids, len(ids[i]) <= limit
+    skipped: int  # prompts drawn and dropped as too long (too_long="skip"); their places went to the next ones
+    truncated: int  # prompts cut to their last `limit` tokens (too_long="truncate")
+
+
+def next_fitting_batch(loader: PromptLoader, encode: Callable[[Prompt], list[int]], limit: int,
+                       too_long: TooLong = "error") -> FittedBatch:
+    """The loader's next batch, encoded, with every prompt longer than `limit` tokens handled by `too_long`:
+
+    - "error": DataError naming the prompt, its length, the limit and the other choices;
+    - "skip": dropped, and the next prompt drawn in its place (the batch stays batch_size; resuming from the
+      loader's state draws the same replacements); DataError when no prompt of the source fits;
+    - "truncate": its last `limit` tokens kept. The tail, not the head: the end holds the question itself
+      (long prompts are mostly context before it) and, with a chat template, the opened assistant turn the
+      model answers in; cutting the head loses a system prompt or the start of the context instead.
+    """
+    if too_long not in ("error", "skip", "truncate"):
+        raise DataError(f"data.too_long must be 'error', 'skip' or 'truncate', got {too_long!r}")
+    prompts, ids, skipped, truncated = [], [], 0, 0
+    too_long_uids: set[str] = set()  # distinct prompts skipped: all of a finite source means none fits
+    in_a_row, shortest = 0, None
+    while len(prompts) < loader.batch_size:
+        prompt = loader.next_prompt()
+        tokens = list(encode(prompt))
+        if len(tokens) > limit:
+            if too_long == "error":
+                raise DataError(f"prompt {prompt.uid} is {len(tokens)} tokens, longer than grpo.max_prompt_len="
+                                f"{limit}; raise grpo.max_prompt_len, shorten the data, or set data.too_long to "
+                                f"'skip' (drop such prompts) or 'truncate' (keep their last {limit} tokens)")
+            if too_long == "truncate":
+                tokens, truncated = tokens[-limit:], truncated + 1
+            else:
+                skipped, in_a_row = skipped + 1, in_a_row + 1
+                too_long_uids.add(prompt.uid)
+                shortest = len(tokens) if shortest is None else min(shortest, len(tokens))
+                size = loader.source.size
+                if (size is not None and len(too_long_uids) >= size) or (size is None and
+                                                                          in_a_row >= MAX_SKIPS_IN_A_ROW):
+                    every = f"all {size} prompts" if size is not None else f"{in_a_row} prompts in a row"
+                    raise DataError(f"data.too_long=skip skipped {every}: none fits in grpo.max_prompt_len={limit} "
+                                    f"tokens (the shortest has {shortest}); raise grpo.max_prompt_len or set "
+                                    "data.too_long=truncate")
+                continue
+        in_a_row = 0
+        prompts.append(prompt)
+        ids.append(tokens)
+    return FittedBatch(prompts, ids, skipped, truncated)
 
 
 # ---------------------------------------------------------------- templating

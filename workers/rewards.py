@@ -18,6 +18,11 @@ Design decisions:
 - `score` runs a reward over a batch under an explicit error policy: "fail" raises `RewardError`
   naming the task, reward, sample and completion; "zero" scores the sample 0.0 and counts it, so one
   odd completion cannot kill a long multi-task run while the count still shows up in the metrics.
+  Either way the message ends with the file:line that raised, in the reward's own file where it has one.
+- A `Reward` is what `score` calls: a built-in (`builtin(name)`) or the user's own function
+  (workers.reward_loader). A batch reward (`batch=True`) is called once per step with every completion,
+  `fn(completions, answers) -> list[float]`: for rewards that pay per call (a judge model, a sandbox).
+  A batch that returns the wrong number of values is a bug in the function, refused whatever on_error says.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import dataclasses
 import math
 import numbers
 import re
+import traceback
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Literal
@@ -156,6 +162,23 @@ def subtraction(completion: str, answer: str) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reward:
+    """A reward function as `score` calls it."""
+
+    fn: Callable  # per sample: fn(completion, answer[, prompt=]) -> float; batch: fn(completions, answers[, prompts=])
+    label: str  # how messages name it: "'gsm8k'", or "'exact' (/home/me/rewards.py)"
+    batch: bool = False  # called once with every completion of the step, returning one number per completion
+    passes_prompt: bool = False  # fn declares `prompt` (`prompts` when batch): the question text is passed too
+    file: str | None = None  # the file fn is defined in: a raising frame there is the one an error names
+
+
+def builtin(name: str) -> Reward:
+    """The registered reward `name` (ValueError naming the known ones otherwise)."""
+    fn = get_reward(name)
+    return Reward(fn=fn, label=repr(name), file=getattr(getattr(fn, "__code__", None), "co_filename", None))
+
+
+@dataclasses.dataclass(frozen=True)
 class ScoreResult:
     rewards: np.ndarray  # float32 (N,), one per completion; 0.0 where the reward failed under on_error="zero"
     num_errors: int  # samples whose reward raised or returned a non-finite / non-number value
@@ -177,24 +200,85 @@ def _check_value(value: object) -> float:
     return out
 
 
-def score(reward_name: str, completions: Sequence[str], answers: Sequence[str], *, task: str,
-          on_error: Literal["fail", "zero"] = "fail") -> ScoreResult:
-    """Score completions[i] against answers[i] with the named reward under an error policy (see module doc)."""
+def raised_at(err: BaseException, file: str | None = None) -> str | None:
+    """'path:line' of the frame that raised `err`: the innermost frame in `file` when one is, else the innermost
+    frame of all (the reward's own line is more use to its author than one deep inside a library it called)."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return None
+    own = [f for f in frames if file is not None and f.filename == file]
+    frame = (own or frames)[-1]
+    return f"{frame.filename}:{frame.lineno}"
+
+
+def _failure(err: Exception, reward: Reward) -> str:
+    where = raised_at(err, reward.file)
+    return f"{type(err).__name__}: {err}" + (f" (at {where})" if where else "")
+
+
+def score(reward: str | Reward, completions: Sequence[str], answers: Sequence[str], *, task: str,
+          on_error: Literal["fail", "zero"] = "fail", prompts: Sequence[str] | None = None) -> ScoreResult:
+    """Score completions[i] against answers[i] (and prompts[i], the question, for a reward that asks for it)
+    with a reward (a `Reward`, or a built-in's name) under an error policy (see module doc)."""
     if on_error not in ("fail", "zero"):
         raise ValueError(f"on_error must be 'fail' or 'zero', got {on_error!r}")
-    if len(completions) != len(answers):
-        raise ValueError(f"task {task!r}: {len(completions)} completions but {len(answers)} answers")
-    fn = get_reward(reward_name)
-    rewards = np.zeros(len(completions), dtype=np.float32)
+    if len(completions) != len(answers) or (prompts is not None and len(prompts) != len(completions)):
+        given = "" if prompts is None else f" and {len(prompts)} prompts"
+        raise ValueError(f"task {task!r}: {len(completions)} completions but {len(answers)} answers{given}")
+    reward = builtin(reward) if isinstance(reward, str) else reward
+    if reward.passes_prompt and prompts is None:
+        raise ValueError(f"task {task!r}: reward {reward.label} takes the prompts, and none were given")
+    n = len(completions)
+    rewards = np.zeros(n, dtype=np.float32)
     num_errors, first_error = 0, None
+
+    def failed(i: int, err: Exception) -> None:
+        nonlocal num_errors, first_error
+        msg = (f"task {task!r}: reward {reward.label} failed on sample {i} (completion "
+               f"{_short_repr(completions[i])}): {_failure(err, reward)}")
+        if on_error == "fail":
+            raise RewardError(msg) from err
+        num_errors += 1
+        first_error = first_error or msg
+
+    if reward.batch:
+        values, error = _call_batch(reward, completions, answers, prompts, task=task, on_error=on_error)
+        if error is not None:  # the call raised, under on_error="zero": every sample scores 0
+            return ScoreResult(rewards=rewards, num_errors=n, first_error=error)
+        for i, value in enumerate(values):
+            try:
+                rewards[i] = _check_value(value)
+            except Exception as e:  # noqa: BLE001 - the policy decides
+                failed(i, e)
+        return ScoreResult(rewards=rewards, num_errors=num_errors, first_error=first_error)
     for i, (completion, answer) in enumerate(zip(completions, answers, strict=True)):
         try:
-            rewards[i] = _check_value(fn(completion, answer))
+            extra = {"prompt": prompts[i]} if reward.passes_prompt else {}
+            rewards[i] = _check_value(reward.fn(completion, answer, **extra))
         except Exception as e:  # noqa: BLE001 - any failure of user reward code is handled by the policy
-            msg = (f"task {task!r}: reward {reward_name!r} failed on sample {i} (completion "
-                   f"{_short_repr(completion)}): {type(e).__name__}: {e}")
-            if on_error == "fail":
-                raise RewardError(msg) from e
-            num_errors += 1
-            first_error = first_error or msg
+            failed(i, e)
     return ScoreResult(rewards=rewards, num_errors=num_errors, first_error=first_error)
+
+
+def _call_batch(reward: Reward, completions: Sequence[str], answers: Sequence[str], prompts: Sequence[str] | None,
+                *, task: str, on_error: str) -> tuple[Sequence, str | None]:
+    """A batch reward's values, checked to be one per completion; or, when it raised under on_error="zero",
+    ([], the message)."""
+    n = len(completions)
+    try:
+        extra = {"prompts": list(prompts)} if reward.passes_prompt else {}
+        values = reward.fn(list(completions), list(answers), **extra)
+    except Exception as e:  # noqa: BLE001 - the policy decides
+        msg = f"task {task!r}: reward {reward.label} failed on the batch of {n} samples: {_failure(e, reward)}"
+        if on_error == "fail":
+            raise RewardError(msg) from e
+        return [], msg
+    if isinstance(values, np.ndarray):
+        values = values.tolist() if values.ndim == 1 else values
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise RewardError(f"task {task!r}: batch reward {reward.label} returned {type(values).__name__}, not a list "
+                          f"of {n} numbers (one per completion, in order)")
+    if len(values) != n:
+        raise RewardError(f"task {task!r}: batch reward {reward.label} returned {len(values)} values for {n} "
+                          "completions; it must return one number per completion, in order")
+    return values, None

@@ -12,11 +12,25 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import shutil
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+
+class _NoTorchNotice(logging.Filter):
+    """Drops transformers' import-time notice "PyTorch was not found. Models won't be available ...": rlsched uses
+    its tokenizers only (the models are our JAX ones), so without torch (a plain install) the notice is noise on
+    every command. Every other record of transformers passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+# Before the import: transformers logs the notice while it is imported, on its root logger "transformers".
+logging.getLogger("transformers").addFilter(_NoTorchNotice())
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 PAD_TOKEN, BOS_CHAT, EOS_CHAT = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 BYTE_SPECIAL_TOKENS = (PAD_TOKEN, BOS_CHAT, EOS_CHAT)
