@@ -25,12 +25,14 @@ t0=$(date +%s)
 [ -x .venv312/bin/python ] || "$py" -m venv .venv312
 # pip's "Location ... is ignored" lines are this machine's index configuration, not our problem.
 quiet() { grep -v ' is ignored: ' || true; }
-# The dependencies first (rlsched's own and the `sglang` extra, read from pyproject.toml, markers kept), so
-# `.ci/run` can build this environment while the core suite runs; the project itself (an editable install
-# writes into the source tree) only after, by the `test` step.
-mapfile -t reqs < <("$py" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(p["dependencies"] + p["optional-dependencies"]["sglang"]))')
-.venv312/bin/pip install -q "${reqs[@]}" 'pytest>=8' 'hypothesis>=6.100' 2>&1 | quiet
+# The dependencies first (rlsched's own, the `sglang` extra, and pytest, pytest-timeout and hypothesis from the
+# `test` extra, read from pyproject.toml, markers kept), so `.ci/run` can build this environment while the core
+# suite runs; the project itself (an editable install writes into the source tree) only after, by the `test` step.
+# pytest-timeout is needed here as in the core: pyproject.toml's `timeout` option is its, and applies to both.
+mapfile -t reqs < <("$py" -c 'import re, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+runner = [r for r in p["optional-dependencies"]["test"] if re.match(r"(pytest|pytest-timeout|hypothesis)\b", r)]
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["sglang"] + runner))')
+.venv312/bin/pip install -q "${reqs[@]}" 2>&1 | quiet
 if [ "$mode" = prepare ]; then
   echo "sglang stage: dependencies ready in $(( $(date +%s) - t0 )) s"
   exit 0

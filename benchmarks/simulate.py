@@ -37,7 +37,8 @@ Design decisions (and why):
 Not modelled (on purpose): compile/warm-up steps (profiles are steady state; `measured_makespan`
 cuts the warm-up out of measured runs too), per-step jitter, host CPU contention between concurrent
 reward scorers (each task's driver is its own process), bandwidth shared by concurrent moves, the
-transient second parameter copy during a weight swap (FIELD_NOTES.md §2), failures and lease expiry.
+transient second parameter copy during a weight swap (docs/design.md, "What the design answers"), failures and
+lease expiry.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class PhaseProfile:
 
 # ---- published and example profiles ---------------------------------------------------------------------
 #
-# field_7b: FIELD_NOTES.md §1, one 7B task's run (4 GPUs, tp=4), seconds by phase over the whole run. The
+# field_7b: docs/performance.md "The simulator's field profiles", one 7B task's run (4 GPUs, tp=4), seconds by
+# phase over the whole run. The
 # notes give run totals, not the number of steps; we assume 10 steps (FIELD_STEPS) and divide. Speedup,
 # efficiency and busy fractions don't depend on that choice once there are a few steps; absolute steps/s do,
 # and 10 simulated steps add back up to the published run's 753 s. Their three phases map onto our two:

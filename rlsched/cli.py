@@ -4,6 +4,7 @@
     rlsched train CONFIG.yaml [--set a.b.c=value ...] [--resume]
     rlsched plan CONFIG.yaml [--set ...] [--json]   each role's mesh, devices and bytes per device (no Ray, no JAX)
     rlsched check CONFIG.yaml [--devices N] [--model NAME | --model-config FILE]   everything checkable without a run
+    rlsched config --reference [--out docs/config.md]   every config field: key, type, default, constraints, meaning
     rlsched timeline RUN_DIR           per-task table (phases, lock waits, switch cost, busy) + timeline.png
     rlsched bench [--tasks 1,2,3,4]    throughput of N concurrent tasks vs sequential vs the ideal bound
     rlsched simulate [--profile NAME]  project throughput to 1-64 tasks with the scheduler's own policy
@@ -143,8 +144,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"{err or 'interrupted'}; each task keeps its last checkpoint. Continue with:\n"
               f"  {_resume_command(args.argv)}", file=sys.stderr)
         return code
-    if args.in_process:
-        return 0
     failed = {name: r for name, r in results.items() if r["status"] != "ok"}
     for name, r in failed.items():
         print(f"error: task {name} failed: {r['error']}", file=sys.stderr)
@@ -178,6 +177,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
     report = check(args.config, args.set, devices=args.devices, model=args.model, model_config=args.model_config)
     print(report.render())
     return 0 if report.ok else 2
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from rlsched.config_reference import render_reference
+
+    text = render_reference()
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    from rlsched.runfiles import write_atomic
+
+    if Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a directory; name the Markdown file to write, e.g. docs/config.md")
+    print(f"wrote {write_atomic(args.out, text)}")
+    return 0
 
 
 def _positive_int(text: str) -> int:
@@ -370,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--model-config", default=None, metavar="FILE",
                        help="where a model directory is absent: its Hugging Face config.json")
     p.set_defaults(func=_cmd_check)
+
+    p = sub.add_parser("config", help="the config reference: every field's key, type, default, constraints and "
+                                      "meaning, as Markdown (docs/config.md)")
+    p.add_argument("--reference", action="store_true", required=True, help="print the reference (what there is to "
+                                                                            "print for now)")
+    p.add_argument("--out", default=None, metavar="FILE", help="write it to FILE (atomically) instead of stdout")
+    p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("timeline", help="per-task time table of a run and its Gantt chart (timeline.png)")
     p.add_argument("run_dir", help="runs/<experiment>: a run of `rlsched train` or `rlsched demo`")

@@ -101,6 +101,12 @@ def status() -> dict[str, Any]:
     return report
 
 
+def sizes() -> dict[str, Any]:
+    """The service's process id and how many records it keeps of each kind (Service.sizes)."""
+    service, _ = daemon.connect()
+    return daemon.call(service.sizes)
+
+
 def cancel(task: str, request: str | None = None) -> dict[str, Any]:
     service, _ = daemon.connect()
     answer = daemon.call(service.cancel, request or daemon.request_id(), task)
@@ -142,7 +148,7 @@ _COLUMNS = ("TASK", "STATE", "STEP", "REWARD", "PHASE", "LOCK", "DEVICES", "WHY"
 def render_status(report: dict[str, Any]) -> str:
     rows = [_row(t) for t in report["tasks"]]
     if not rows:
-        return "no tasks yet; `rlsched submit CONFIG` sends some"
+        return "\n".join(["no tasks yet; `rlsched submit CONFIG` sends some", *_service_lines(report)])
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(_COLUMNS)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -151,6 +157,16 @@ def render_status(report: dict[str, Any]) -> str:
     lines.append(f"memory per device: {format_bytes(used, like=shown)} admitted"
                  + ("" if budget is None else f" of {format_bytes(budget, like=shown)}")
                  + f"; policy {report['settings']['policy']}")
+    return "\n".join(lines + _service_lines(report))
+
+
+def _service_lines(report: dict[str, Any]) -> list[str]:
+    """The device group's processes, the service's own health and its authentication (as checked at `up`)."""
+    lines = []
+    if report.get("degraded"):
+        d = report["degraded"]
+        lines.append(f"service DEGRADED since {time.strftime('%H:%M:%S', time.localtime(d['since']))}: its monitor "
+                     f"failed {d['failures']} time(s) in a row ({d['cause']}); it retries (service.log has more)")
     auth = report.get("auth") or {}
     if auth.get("mode") is not None:
         lines.append(f"Ray's token authentication: {auth['mode']}; at start a client without the token was "
@@ -159,7 +175,7 @@ def render_status(report: dict[str, Any]) -> str:
         lines.append(f"device-group process: {host['error']}" if "error" in host else
                      f"device-group process pid {host['pid']}: {len(host['roles'])} role(s), "
                      f"{format_bytes(host['device_bytes'])} on its devices")
-    return "\n".join(lines)
+    return lines
 
 
 def _row(t: dict[str, Any]) -> list[str]:

@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from rlsched import exits
-from rlsched.placement import phase_cores
+from rlsched.placement import CoreShare
 from rlsched.policy import Phase
 
 GROUP = "g0"  # one device group per experiment for now: every task shares it
@@ -240,7 +240,7 @@ class RolePlacement:
 
     placement_group: Any  # ray.util.placement_group.PlacementGroup
     bundles: dict[str, int]  # role ("actor" / "engine") -> bundle index
-    cores: dict[str, list[int]]  # role -> cores its process is pinned to
+    cores: dict[str, CoreShare]  # role -> the share of its node's cores its process is pinned to
     resource: str = "CPU"  # the Ray resource a device is ("TPU", "GPU" or "CPU")
     bundle_devices: dict[str, int] = dataclasses.field(default_factory=lambda: dict(ONE_DEVICE_EACH))
     hosts: dict[str, Any] | None = None  # role -> its device group's host (rlsched.hosts), per_device_group only
@@ -313,13 +313,14 @@ def check_hosts(resource: str, need: float, hosts: int, per_host: int) -> None:
                               "add nodes with `ray start --address ...` or lower cluster.hosts")
 
 
-def role_placement(pg, placement: str, cores: list[int], resource: str,
-                   devices: dict[str, int] | None = None, *, hosts: int = 1) -> RolePlacement:
+def role_placement(pg, placement: str, resource: str, devices: dict[str, int] | None = None, *,
+                   hosts: int = 1) -> RolePlacement:
     """Disaggregated: the engine on the rollout bundle and cores, the actor on the train ones;
     colocated: both on the one bundle and every core. `hosts` > 1 (colocated): the engine and the actor's first
-    member on host 0's bundle, the actor's other members on the next hosts' (each host's cores alike)."""
+    member on host 0's bundle, the actor's other members on the next hosts'. Each process works out its cores
+    from its own node's (CoreShare)."""
     actor = 0 if placement == "colocated" else 1
     return RolePlacement(pg, {"engine": 0, "actor": actor},
-                         {"engine": phase_cores(placement, Phase.ROLLOUT, cores),
-                          "actor": phase_cores(placement, Phase.TRAIN, cores)}, resource,
+                         {"engine": CoreShare(placement, str(Phase.ROLLOUT)),
+                          "actor": CoreShare(placement, str(Phase.TRAIN))}, resource,
                          dict(devices or ONE_DEVICE_EACH), host_bundles=tuple(range(hosts)) if hosts > 1 else (actor,))

@@ -127,7 +127,7 @@ class ClusterConfig(_Section):
     hosts: int = Field(1, ge=1)
     """Hosts per device group. With more than one, `num_devices` is the devices of each host and a task's actor
     mesh may span hosts (a multiple of num_devices devices): it runs as one process per host joined into one JAX
-    job (README "Many hosts"). Its engine and every other mesh stay within one host."""
+    job (docs/hosts.md). Its engine and every other mesh stay within one host."""
     memory_budget_gb: float | None = Field(None, gt=0)
     """Memory budget of each device, in GiB (a role on an n-device mesh holds its share on each); None = unlimited."""
     lease_timeout_s: float = Field(600.0, gt=0)
@@ -135,6 +135,11 @@ class ClusterConfig(_Section):
     lock is asked for); a holder past it is fenced (its roles stopped; in a device group's process, that
     process is ended and restarted, and the other tasks there rebuilt) and fails, and only then does the lock
     pass on."""
+    call_timeout_s: float = Field(3600.0, gt=0)
+    """Longest wait for one call to a role in another process (building it, compiling, a phase's work), in
+    seconds: a call past it fails its task, naming the role and the call, instead of waiting forever on a process
+    that hangs outside any lock (inside a lock, `lease_timeout_s` fences it first). Raise it for compiles of very
+    large models."""
     processes: Literal["auto", "per_role", "per_device_group"] = "auto"
     """Which processes hold the roles. `per_device_group`: one process per host for each device group, holding
     every task's roles there and swapping them between device and host (what a TPU needs: a chip opens in one
@@ -142,7 +147,7 @@ class ClusterConfig(_Section):
     its own (sglang_jax) gets one beside it. `per_role`: each task's actor and engine in a process of its own
     (roles that time-share devices are then several processes on one device: CPU, and GPU with rlsched turning
     XLA's preallocation off), so a role's crash ends its own process only. `auto`: per_device_group on every
-    platform (README "Which processes hold the roles")."""
+    platform (docs/design.md, "Device groups and who owns a device")."""
     policy: Literal["fifo", "priority", "fair"] = "fifo"
     """Which waiting task a free lock goes to: `fifo` the one that asked first; `priority` the highest
     `tasks[i].priority`; `fair` the one with the least lock time on that phase per unit of `tasks[i].weight`
@@ -205,7 +210,7 @@ class RewardSection(_Section):
     """A built-in reward (workers/rewards.py): addition, subtraction, gsm8k, gsm8k_flexible. Or give `function`."""
     function: str | None = None
     """Your own reward: `pkg.module:fn` (an importable module), or with `file` the function's name in that file.
-    Called as fn(completion: str, answer: str) -> float (README, "Your own reward")."""
+    Called as fn(completion: str, answer: str) -> float (docs/rewards.md)."""
     file: str | None = None
     """Python file that defines `function`; a relative path is relative to the config file's directory."""
     batch: bool = False
@@ -577,7 +582,7 @@ class ExperimentConfig(_Section):
                          num_devices=self.num_devices, hosts=self.cluster.hosts,
                          shares_devices=self.cluster.placement == "colocated" or len(self.tasks) > 1,
                          checkpoint_offset=i * t.checkpoint_every // len(self.tasks),
-                         compile_cache=cache)
+                         compile_cache=cache, call_timeout_s=self.cluster.call_timeout_s)
                 for i, t in enumerate(self.tasks)]
 
 
@@ -616,6 +621,7 @@ class TaskSpec:
     # several tasks on a group; a service's tasks come and go): processes sharing a GPU must free what they offload
     checkpoint_offset: int = 0  # staggers the tasks' saves (TaskConfig.checkpoint_every)
     compile_cache: str | None = None  # absolute directory of JAX's persistent compilation cache (None: off)
+    call_timeout_s: float = 3600.0  # longest wait for one call to a role in another process (cluster.call_timeout_s)
 
     @property
     def name(self) -> str:

@@ -1,7 +1,7 @@
 """Run an experiment: check its config, prepare its run directory, run its tasks, write its outputs.
 
     from rlsched.experiment import train, run_experiment
-    results = train(["configs/demo_multitask.yaml"], in_process=False)   # what `rlsched train` does
+    results = train(["configs/demo_multitask.yaml"])   # what `rlsched train` does: {task: {"status": ...}}
     results = run_experiment(cfg)            # a validated config; embedded local Ray unless address= is given
 
 Under Ray (the default) every task runs concurrently: one scheduler actor over the pure policy, one
@@ -36,13 +36,15 @@ from workers.models import sharding
 
 
 def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str] = (), resume: bool = False,
-          overwrite: bool = False, tasks: Sequence[str] | None = None, in_process: bool = True,
-          address: str | None = None, echo=print, live: bool = False) -> dict[str, Any]:
-    """Validate, prepare runs/<experiment>/, run the tasks (`live`: a live table of the tasks, for a terminal).
+          overwrite: bool = False, tasks: Sequence[str] | None = None, in_process: bool = False,
+          address: str | None = None, echo=print, live: bool = False) -> dict[str, dict[str, Any]]:
+    """`rlsched train` as a function, with its defaults: validate, prepare runs/<experiment>/, run the tasks
+    (`live`: a live table of the tasks, for a terminal). Returns {task: {"status": "ok" | "failed" | ...,
+    "steps": ..., ...}} as the CLI reads it (a failed task says why in "error").
 
-    in_process=True runs the tasks one after another in this process and returns
-    {task: [metrics per step]}, raising the first task's error; otherwise they run concurrently under
-    the Ray scheduler and the result is {task: {"status": "ok" | "failed", ...}}.
+    By default the tasks run concurrently under the Ray scheduler. in_process=True (`--in-process`) runs them
+    one after another in this process, with always-free locks: each result also holds the task's per-step
+    metrics under "metrics", and the first task's error is raised, not reported.
     """
     paths = [configs] if isinstance(configs, str | Path) else list(configs)
     cfg = select_tasks(load_configs(paths, overrides), tasks)
@@ -62,7 +64,9 @@ def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str
                 log.note(line)
             log(f"run directory: {run_dir}")
             if in_process:
-                return run_in_process(cfg, resume=resume, echo=log)
+                steps = {t.name: t.steps for t in cfg.tasks}
+                return {name: {"task": name, "status": "ok", "steps": steps[name], "metrics": metrics}
+                        for name, metrics in run_in_process(cfg, resume=resume, echo=log).items()}
             return run_experiment(cfg, resume=resume, address=address, echo=log, live=live)
 
 
@@ -125,7 +129,6 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    from rlsched.placement import visible_cores
     from rlsched.scheduler import Scheduler, SchedulerLocks
     from rlsched.task import TaskDriver
 
@@ -146,7 +149,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
                                           hosts=cfg.cluster.hosts)
         actors: list = []  # everything this run started, ended in `finally` whatever happens
         try:
-            where = cluster.role_placement(pg, cfg.cluster.placement, visible_cores(), resource, devices,
+            where = cluster.role_placement(pg, cfg.cluster.placement, resource, devices,
                                            hosts=cfg.cluster.hosts)
             specs = [dataclasses.replace(s, processes=processes) for s in cfg.task_specs()]
             scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)

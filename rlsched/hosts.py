@@ -57,7 +57,7 @@ class RoleHost(JobMember):
     """The process that holds every role of one device group on this host (run as a threaded Ray actor). Across
     hosts (cluster.hosts > 1) the group's hosts first join one JAX job (`JobMember.join`, by `start_host_group`)."""
 
-    def __init__(self, cores: list[int] | None = None, env: dict[str, str] | None = None):
+    def __init__(self, cores: pin.CoreShare | list[int] | None = None, env: dict[str, str] | None = None):
         from rlsched import exits
         from rlsched.cluster import enter_role_env
 
@@ -228,13 +228,14 @@ def start_group_hosts(placement, *, colocated: bool, **sizes) -> dict[str, Any]:
 class HostedRole:
     """A role held by a device-group host, called like a local one: each method is one blocking round trip."""
 
-    def __init__(self, host, key: str, kind: str):
+    def __init__(self, host, key: str, kind: str, timeout_s: float | None = None):
         self._host, self.key, self.kind = host, key, kind
         self.pid: int | None = None  # the host's process when the role was built there
+        self._timeout_s = timeout_s  # cluster.call_timeout_s: no call waits longer
 
     @classmethod
     def launch(cls, host, role_cls, spec, channel) -> HostedRole:
-        role = cls(host, f"{spec.name}/{role_cls.kind}", role_cls.kind)
+        role = cls(host, f"{spec.name}/{role_cls.kind}", role_cls.kind, timeout_s=spec.call_timeout_s)
         role._get(host.start.remote(role.key, role_cls, spec, channel), "__init__")
         role.pid = role._get(host.where.remote(), "__init__")["pid"]  # the process a fence would end
         return role
@@ -243,7 +244,11 @@ class HostedRole:
         import ray
 
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=self._timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TaskError(f"its {self.kind}'s {name}() in the device group's process did not answer in "
+                            f"{self._timeout_s:g} s (cluster.call_timeout_s): that process may hang; raise the "
+                            "timeout if the call is a compile of a large model") from None
         except ray.exceptions.RayActorError as err:
             cause = death_cause(err)
             raise RoleDied(f"the device group's host process holding its {self.kind} died during {name}(): "

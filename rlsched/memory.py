@@ -6,34 +6,28 @@ Design decisions (and why):
   params / opt / ref / kv, and totals are sums of those entries, never a separate counter that drifts.
 - **Numbers come from the workers.** On CPU `memory_stats()` is None, so workers report the bytes of
   the live arrays they hold; this process's RSS is reported beside them (rlsched.memprobe, stdlib only).
-- **`Residency` is the only onload/offload path** (STYLE point 5): it calls the worker's move, updates
-  the pool and emits a timeline span, so accounting and timeline can't miss a move. With `keep=True`
-  the role stays on device at exit: the policy decides later whether to evict it (memory-aware).
-- A timeline is anything with a `span(name, **attrs)` context manager; `NullTimeline` is the no-op twin.
+- **`Residency` is the only onload/offload path** (docs/design.md, "The words": Residency): it calls the worker's
+  move, updates the pool and emits a timeline span, so accounting and timeline can't miss a move. A role stays where its
+  last move put it: the policy decides when to evict it (memory-aware).
+- A timeline is anything with a `span(name, **attrs)` context manager; rlsched.timeline's `NullTimeline`
+  records nothing.
 - Not thread-safe: a pool lives in one single-threaded owner (the scheduler actor or a task driver).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from rlsched.memprobe import process_rss_bytes
+from rlsched.timeline import NullTimeline
 
 KINDS = ("params", "opt", "ref", "kv")
 
 
 class Timeline(Protocol):
     def span(self, name: str, **attrs: Any) -> contextlib.AbstractContextManager[Any]: ...
-
-
-class NullTimeline:
-    """A timeline that records nothing (same API as the real one)."""
-
-    @contextlib.contextmanager
-    def span(self, name: str, **attrs: Any) -> Iterator[None]:
-        yield
 
 
 class MemoryPool:
@@ -96,15 +90,14 @@ class Residency:
     (an int, recorded as `kind`, or a {kind: bytes} mapping) under (task, role); `offload()` runs the
     worker's offload inside an "offload" span and clears them. Both are no-ops when the role is
     already where it is asked to be. `on_change(task, role, sizes)` (optional) hears every change,
-    e.g. to mirror it into the scheduler's pool. As a context manager it onloads at entry and, unless
-    `keep`, offloads at exit: memory-aware residency keeps roles on device and lets the policy evict.
+    e.g. to mirror it into the scheduler's pool.
     """
 
     def __init__(self, pool: MemoryPool, task: str, role: str, *, onload: Callable[[], int | Mapping[str, int]],
                  offload: Callable[[], None], timeline: Timeline | None = None, resident: bool = False,
-                 sizes: int | Mapping[str, int] | None = None, kind: str = "params", keep: bool = False,
+                 sizes: int | Mapping[str, int] | None = None, kind: str = "params",
                  on_change: Callable[[str, str, dict[str, int]], None] | None = None):
-        self.pool, self.task, self.role, self.kind, self.keep = pool, str(task), str(role), kind, keep
+        self.pool, self.task, self.role, self.kind = pool, str(task), str(role), kind
         self._onload, self._offload, self._on_change = onload, offload, on_change
         self.timeline = timeline or NullTimeline()
         self.resident = resident
@@ -170,22 +163,3 @@ class Residency:
         self.resident = False
         if self._on_change is not None:
             self._on_change(self.task, self.role, {})
-
-    def __enter__(self) -> Residency:
-        self.onload()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.keep:
-            self.offload()
-
-
-@contextlib.contextmanager
-def residency(pool: MemoryPool, task: str, role: str, *, onload: Callable[[], int | Mapping[str, int]],
-              offload: Callable[[], None], timeline: Timeline | None = None, keep: bool = False,
-              kind: str = "params") -> Iterator[int]:
-    """Keep `task`'s `role` on device for the body (it starts on host); yields the bytes resident.
-    A one-off `Residency`, for code that moves a role for one block only."""
-    with Residency(pool, task, role, onload=onload, offload=offload, timeline=timeline, keep=keep,
-                   kind=kind) as r:
-        yield r.nbytes

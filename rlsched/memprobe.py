@@ -3,7 +3,8 @@
 `memory_metrics()` -> `mem/process/rss_bytes`, `mem/device{i}/bytes_in_use`, `mem/device{i}/peak_bytes`
 (and `mem/device{i}/bytes_limit` where the backend knows it), for local JAX device i (its position in
 `jax.local_devices()`). `phase_memory(name, idx)` adds `phase/name` and `phase/idx`, so a run logs
-one row per phase and a swap that ever holds two parameter sets shows as a peak (FIELD_NOTES.md §2).
+one row per phase and a swap that ever holds two parameter sets shows as a peak (docs/design.md, "What the
+design answers").
 
 Design decisions:
 - Accelerators report their allocator's numbers (`device.memory_stats()`). On CPU that is None, so

@@ -9,6 +9,7 @@ disaggregated: the rollout pool is the first half of the devices, the train pool
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 from rlsched.policy import Phase
@@ -25,7 +26,20 @@ def phase_cores(placement: str, phase: Phase, cores: list[int]) -> list[int]:
     return cores[:half] if Phase(phase) is Phase.ROLLOUT else cores[half:]
 
 
-def pin_process(cores: list[int], *, xla_threads: int = 1) -> None:
+@dataclasses.dataclass(frozen=True)
+class CoreShare:
+    """The cores a role's process is pinned to, as a share of its own node's (phase_cores of that node's visible
+    cores), worked out in that process: core ids read on the launcher's node mean nothing on another node (an
+    actor's member on another host, a cluster given with --address), where the cores may number otherwise."""
+
+    placement: str  # "colocated" / "disaggregated"
+    phase: str  # "rollout" (the engine's) / "train" (the actor's)
+
+    def cores(self) -> list[int]:
+        return phase_cores(self.placement, Phase(self.phase), visible_cores())
+
+
+def pin_process(cores: list[int] | CoreShare, *, xla_threads: int = 1) -> None:
     """Pin every thread of this process (XLA's pools included) to `cores`.
 
     sched_setaffinity(pid) affects one thread on Linux, so each thread id is set in turn; threads
@@ -38,6 +52,8 @@ def pin_process(cores: list[int], *, xla_threads: int = 1) -> None:
     enough other visible cores, and only after that is every thread pinned to `cores` (the extra
     pool threads share them: the worker still runs on its own devices).
     """
+    if isinstance(cores, CoreShare):
+        cores = cores.cores()
     if xla_threads > len(cores):
         extra = [c for c in visible_cores() if c not in cores][: xla_threads - len(cores)]
         os.sched_setaffinity(0, [*cores, *extra])

@@ -27,7 +27,7 @@ Design decisions (and why):
   other role is idle too and may be evicted (colocated, engine + actor > budget: otherwise one task
   alone could never train); being just used, it is naturally the last candidate.
 - **Moves are decisions.** `grant` updates the accounting as if its moves were done; the holder
-  executes them (offloads first, its onload last) before working, through `memory.residency`.
+  executes them (offloads first, its onload last) before working, through `memory.Residency`.
 - **Failure frees memory.** `fail` drops a task's lease and queued request and forgets its memory:
   its process died or, on lease expiry, is being killed by the caller.
 

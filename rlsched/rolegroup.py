@@ -74,7 +74,7 @@ class JobMember:
 class RoleMember(JobMember):
     """One host's process of a role group (a Ray actor): joins the group's JAX job, then holds the role."""
 
-    def __init__(self, cores: list[int] | None = None, env: dict[str, str] | None = None):
+    def __init__(self, cores: pin.CoreShare | list[int] | None = None, env: dict[str, str] | None = None):
         from rlsched.cluster import enter_role_env
 
         enter_role_env(env)  # before anything reads it: JAX, and exits.watch
@@ -210,10 +210,6 @@ class RoleGroup:
     @property
     def handle(self):
         return self.members[0]
-
-    @property
-    def handles(self) -> list:
-        return list(self.members)
 
     def fence_target(self) -> list:
         """What the scheduler stops if it must fence this role's task: every member's process."""

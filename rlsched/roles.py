@@ -147,7 +147,7 @@ class ActorRole(_Role):
 
     kind = "actor"
 
-    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None,
+    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: pin.CoreShare | list[int] | None = None,
                  env: dict[str, str] | None = None):
         enter_role_env(env)  # before anything reads it: JAX, and exits.watch
         exits.watch()  # in a process of its own: a death is told by how it happened
@@ -272,7 +272,7 @@ class EngineRole(_Role):
 
     kind = "engine"
 
-    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: list[int] | None = None,
+    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: pin.CoreShare | list[int] | None = None,
                  env: dict[str, str] | None = None):
         enter_role_env(env)  # before anything reads it: JAX, and exits.watch
         from workers.rollout import XLA_CPU_THREADS, make_engine
@@ -387,9 +387,20 @@ class RemoteRole:
     `built`: the ref of the role's `build` call (its constructor, see `_built_by_call`), which runs in the
     background from `spawn`; the first call waits for it, and raises its error as the role's own."""
 
-    def __init__(self, handle, kind: str, built=None):
+    def __init__(self, handle, kind: str, built=None, timeout_s: float | None = None):
         self._handle, self.kind = handle, kind
         self._built, self._never_built = built, False
+        self._timeout_s = timeout_s  # cluster.call_timeout_s: no call waits longer
+
+    def _get(self, ref, name: str):
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self._timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TaskError(f"its {self.kind}'s {name}() did not answer in {self._timeout_s:g} s "
+                            "(cluster.call_timeout_s): its process may hang; raise the timeout if the call is a "
+                            "compile of a large model") from None
 
     def _await_build(self) -> None:
         import ray
@@ -398,7 +409,7 @@ class RemoteRole:
             return
         ref, self._built = self._built, None
         try:
-            ray.get(ref)
+            self._get(ref, "build")
         except ray.exceptions.RayTaskError:  # the constructor raised: its error, whose `cause` is the role's own
             self._never_built = True
             raise
@@ -423,7 +434,7 @@ class RemoteRole:
             if self._never_built:
                 raise TaskError(f"its {self.kind} was never built: its constructor raised (the error before this)")
             try:
-                return ray.get(method.remote(*args, **kwargs))
+                return self._get(method.remote(*args, **kwargs), name)
             except ray.exceptions.RayActorError as err:
                 cause = exits.death_cause(err)
                 raise RoleDied(f"its {self.kind} process died during {name}(): {cause}", self.kind) from err
@@ -505,7 +516,8 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
     on_mesh = cls is ActorRole or spec.config.rollout.engine == "jax_sampler"
     env = role_env(spec.num_devices if on_mesh else 1, resource, shares_devices=spec.shares_devices)
     handle = ray.remote(_built_by_call(cls)).options(**options).remote()
-    return RemoteRole(handle, cls.kind, built=handle.build.remote(spec, channel=channel, cores=cores, env=env))
+    return RemoteRole(handle, cls.kind, built=handle.build.remote(spec, channel=channel, cores=cores, env=env),
+                      timeout_s=spec.call_timeout_s)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ import dataclasses
 import time
 from typing import Any
 
-from rlsched.errors import cause_of
+from rlsched.errors import TaskError, cause_of
 from rlsched.memory import MemoryPool
 from rlsched.policy import Phase, Policy, Role
 
@@ -47,6 +47,7 @@ class Lease:
     waited_s: float  # time between request and grant
 
 
+ASK_TIMEOUT_S = 300.0  # longest wait for the scheduler's answer to a call that waits for no one (not acquire)
 GRANT_LOG_LEN = 1000  # grants kept in Scheduler.grant_log
 LET_GO_S = 10.0  # how long a fenced holder's driver has to end its phase once its roles are stopped
 
@@ -56,9 +57,11 @@ class LeaseLost(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0, stop=None, let_go_s: float = LET_GO_S):
+    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0, stop=None, let_go_s: float = LET_GO_S,
+                 grant_log_len: int = GRANT_LOG_LEN):
         """`stop`: async (targets, on_end) -> problems, how a task's roles are stopped (default
-        rlsched.fencing.stop); `let_go_s`: how long a fenced holder's driver has to end its phase."""
+        rlsched.fencing.stop); `let_go_s`: how long a fenced holder's driver has to end its phase; `grant_log_len`:
+        how many of the last grants `grant_log` keeps."""
         if stop is None:
             from rlsched.fencing import stop
         self.policy = policy
@@ -76,7 +79,7 @@ class Scheduler:
         self._evicting: dict[str, set[asyncio.Task]] = {}  # task -> offloads of its roles still in flight
         # The last grants, (time, task, phase, resource), for a look at what happened lately; bounded, as a service's
         # scheduler lives for weeks. `grants` counts them all.
-        self.grant_log: collections.deque[tuple[float, str, str, str]] = collections.deque(maxlen=GRANT_LOG_LEN)
+        self.grant_log: collections.deque[tuple[float, str, str, str]] = collections.deque(maxlen=grant_log_len)
         self.grants = 0
         from rlsched.ports import PortAllocator
 
@@ -211,6 +214,8 @@ class Scheduler:
             if task in self._letting_go:
                 self._letting_go[task].set()  # the fenced task's driver reports its failure: it has let go
             return
+        if task not in self.policy.tasks():  # retired (its driver's end, seen after): nothing of it is left to fail
+            return
         self._failed[task] = cause
         for request_id, (future, _) in list(self._waiters.items()):
             if not future.done() and self.policy.request_task(request_id) == task:
@@ -240,14 +245,37 @@ class Scheduler:
         self._dispatch()
 
     async def retire(self, task: str) -> None:
-        """`task` finished and its roles were stopped: the memory it held is free now (the policy
-        forgets it, the measured pools drop it) and it takes no more locks. Idempotent."""
-        if task not in self._failed:
+        """`task` finished and its roles were stopped: the memory it held is free now and it takes no more locks;
+        the policy's books, the measured pools and its roles' handles drop it, so a scheduler that outlives many
+        tasks does not grow with them. Why it failed stays (`failed`, `fenced`) until `forget_task`: whoever
+        reports the task's end asks after its driver has retired it. Idempotent."""
+        if task in self.policy.tasks():
             self.policy.fail(task)  # the policy's word for "gone": no lease, no request, no memory
+            self.policy.forget(task)
+        for known in (self._targets, self._drivers, self._evicting, self._letting_go):
+            known.pop(task, None)
         self.ports.release(task)
         for pool in self.measured.values():
             pool.clear(task)
         self._dispatch()
+
+    def forget_task(self, task: str) -> None:
+        """Drop what is left of a retired task (why it failed or was fenced), once its end has been reported."""
+        for known in (self._failed, self._fenced):
+            known.pop(task, None)
+
+    def events_since(self, since: float | None = None) -> list[dict]:
+        """The scheduler's timeline events that end at or after `since` (wall-clock seconds; all when None)."""
+        return self.timeline.events(since)
+
+    def forget_events_before(self, t: float) -> int:
+        """Drop timeline events that ended before `t` (no live run will ask for them); returns how many are kept."""
+        return self.timeline.forget_before(t)
+
+    def sizes(self) -> dict[str, int]:
+        """How much the scheduler keeps (a service's soak checks these stay flat)."""
+        return {"scheduler events": len(self.timeline.events()), "grant log": len(self.grant_log),
+                "policy tasks": len(self.policy.tasks()), "failed": len(self._failed), "targets": len(self._targets)}
 
     def failed(self) -> dict[str, str]:
         return dict(self._failed)
@@ -320,12 +348,22 @@ class SchedulerLocks:
         self.scheduler, self.task = scheduler, task
         self._released: list = []  # refs of releases sent, until their answers are checked
 
-    def _settle(self) -> None:
-        """Wait for every release sent; raise its error if one came back."""
+    def _ask(self, ref, what: str):
+        """The scheduler's answer to a call that never waits for others (all but `acquire`), within
+        ASK_TIMEOUT_S; a scheduler that does not answer is an error naming the call."""
         import ray
 
+        try:
+            return ray.get(ref, timeout=ASK_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise TaskError(f"task {self.task}: the scheduler did not answer {what} in "
+                            f"{ASK_TIMEOUT_S:.0f} s") from None
+
+    def _settle(self) -> None:
+        """Wait for every release sent; raise its error if one came back."""
+
         released, self._released = self._released, []
-        ray.get(released)
+        self._ask(released, "its lock releases")
 
     def acquire(self, phase: Phase) -> Lease:
         import ray
@@ -337,43 +375,37 @@ class SchedulerLocks:
         self._released.append(self.scheduler.release.remote(self.task, str(phase)))
 
     def fail(self, cause: str) -> None:
-        import ray
 
-        ray.get(self.scheduler.fail.remote(self.task, cause))
+        self._ask(self.scheduler.fail.remote(self.task, cause), "fail()")
 
     def report_memory(self, role: str, sizes: dict[str, int]) -> None:
         self.scheduler.report_memory.remote(self.task, role, sizes)  # accounting, not control: no wait
 
     def revoked(self) -> str | None:
         """Why the scheduler failed this task (it fenced it, e.g. its lease expired), or None."""
-        import ray
 
-        return ray.get(self.scheduler.failed.remote()).get(self.task)
+        return self._ask(self.scheduler.failed.remote(), "failed()").get(self.task)
 
     def collateral(self, host, pid: int) -> str | None:
         """Why device-group host `host`'s process `pid` was ended to fence another task, or None."""
-        import ray
 
-        return ray.get(self.scheduler.collateral.remote(host, pid))
+        return self._ask(self.scheduler.collateral.remote(host, pid), "collateral()")
 
     def take_port(self, role: str, host: str, skip: list[int]) -> int:
         """A coordinator port on `host` for this task's `role` group (the scheduler's allocator)."""
-        import ray
 
-        return ray.get(self.scheduler.take_port.remote(self.task, role, host, list(skip)))
+        return self._ask(self.scheduler.take_port.remote(self.task, role, host, list(skip)), "take_port()")
 
     def register_roles(self, targets: list) -> None:
         """What the scheduler stops if it must fence this task (rlsched.fencing)."""
-        import ray
 
-        ray.get(self.scheduler.register_roles.remote(self.task, targets))
+        self._ask(self.scheduler.register_roles.remote(self.task, targets), "register_roles()")
 
     def close(self) -> None:
         """The task's roles are stopped: tell the scheduler their memory is free."""
-        import ray
 
         self._settle()
-        ray.get(self.scheduler.retire.remote(self.task))
+        self._ask(self.scheduler.retire.remote(self.task), "retire()")
 
 
 class FreeLocks:
@@ -402,10 +434,7 @@ class FreeLocks:
     def collateral(self, host, pid: int) -> str | None:
         return None
 
-    def take_port(self, role: str, host: str, skip: list[int]) -> int:
-        from rlsched.ports import PortAllocator
-
-        return PortAllocator().take(f"{self.task}/{role}", host, skip)
+    take_port = None  # no role group here: roles.spawn refuses a mesh across hosts in-process before asking a port
 
     def register_roles(self, targets: list) -> None:
         pass

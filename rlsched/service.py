@@ -46,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from rlsched import cluster
+from rlsched.bounded import RecentAnswers, TailLines
 from rlsched.config import ConfigError, ExperimentConfig, dump_resolved
 from rlsched.runfiles import RunDirError, json_safe, task_dir, write_atomic
+from rlsched.runlock import RunLock
 from rlsched.submissions import Given, last_checkpoint, resume_notes
 from rlsched.units import format_bytes
 
@@ -59,6 +61,14 @@ GiB = 2**30
 # What `rlsched up` fixes for every task the service runs: the config keys `submit` sets from it.
 SETTINGS_KEYS = ("num_devices", "placement", "memory_budget_gb", "policy", "starvation_limit", "lease_timeout_s",
                  "processes")
+# Bounds of what the service keeps in memory (it lives for weeks; rlsched.bounded); settings["limits"] may lower
+# them (benchmarks/soak.py does, to reach them within a short soak).
+LIMITS = {
+    "requests": 1000,  # request ids answered, for a client that retries (within minutes)
+    "lines": 1000,  # lines per task for `rlsched logs` (all of them are in the run's run.log)
+    "finished": 100,  # finished tasks shown in `status`; older ones are in <state dir>/history.jsonl
+    "grants": 1000,  # the scheduler's log of its last grants
+}
 MAX_TASKS = 16  # tasks a device group's process has threads for at once (4 each); more tasks' calls wait for one
 
 
@@ -98,6 +108,7 @@ class _Submission:
     tasks: list[str]
     results: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     events: list[dict] = dataclasses.field(default_factory=list)
+    started: float = dataclasses.field(default_factory=time.time)  # wall clock: its timeline starts here
 
 
 class Service:
@@ -106,16 +117,18 @@ class Service:
     def __init__(self, settings: dict[str, Any], state_dir: str):
         import ray
 
-        from rlsched.placement import visible_cores
         from rlsched.policy import GroupSpec, Policy
         from rlsched.scheduler import Scheduler
 
         self.settings = dict(settings)
         self.state_dir = Path(state_dir)
+        self.limits = {**LIMITS, **(settings.get("limits") or {})}
         self._lock = threading.RLock()
         self.tasks: dict[str, TaskRecord] = {}
-        self._lines: dict[str, list[str]] = {}
-        self._requests: dict[str, dict[str, Any]] = {}  # request id -> its answer
+        self._lines: dict[str, TailLines] = {}  # task -> its last lines (all of them are in its run.log)
+        self._requests = RecentAnswers(self.limits["requests"])  # request id -> its answer
+        self._degraded: dict[str, Any] | None = None  # the monitor's last error, until a pass succeeds
+        self._dirs: dict[str, RunLock] = {}  # run directory -> the lock this service holds on it (rlsched.runlock)
         self._subs: dict[str, _Submission] = {}
         self._drivers: dict[str, Any] = {}  # running task -> driver handle
         self._runs: dict[Any, str] = {}  # driver.run ref -> task
@@ -127,12 +140,13 @@ class Service:
         spec = (GroupSpec.colocated(nbytes) if settings["placement"] == "colocated"
                 else GroupSpec.disaggregated(nbytes, nbytes))
         policy = Policy({cluster.GROUP: spec}, order=settings["policy"], starvation_limit=settings["starvation_limit"])
-        self.scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=settings["lease_timeout_s"])
+        self.scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=settings["lease_timeout_s"],
+                                                                  grant_log_len=self.limits["grants"])
         self.resource = cluster.device_resource()
         self.devices = cluster.group_devices(settings["placement"], settings["num_devices"],
                                              settings.get("rollout_devices") or settings["num_devices"] // 2 or 1)
         self.pg = cluster.make_placement_group("rlsched-service", settings["placement"], self.resource, self.devices)
-        self.where = cluster.role_placement(self.pg, settings["placement"], visible_cores(), self.resource,
+        self.where = cluster.role_placement(self.pg, settings["placement"], self.resource,
                                             self.devices)
         from rlsched.meshes import resolve_processes
 
@@ -202,6 +216,7 @@ class Service:
             try:
                 check_platform(self.resource, cfg, self.processes)
                 check_task_dirs(cfg, resume=resume)
+                self._hold_dir(cfg.run_dir)  # a `rlsched train` writing there is refused, and refused in turn
             except (ConfigError, ValueError) as err:
                 return self._requests.setdefault(request_id, {"error": str(err)})
             if not (cfg.run_dir / "config.yaml").exists():  # the experiment's first submission writes it
@@ -210,7 +225,7 @@ class Service:
             given = Given.of(cfg, **(origin or {}))
             for task in cfg.tasks:
                 self.tasks.pop(task.name, None)  # an ended task of that name: the new one replaces its record
-                self._lines[task.name] = []
+                self._lines[task.name] = TailLines(self.limits["lines"])
                 self.given[task.name] = given
             self._queue(request_id, cfg, [t.name for t in cfg.tasks], resume=resume)
             answer = self._requests[request_id] = {"tasks": [t.name for t in cfg.tasks], "notes": notes}
@@ -238,6 +253,10 @@ class Service:
                     error = f"task {task}'s config does not validate under this scheduler's settings: {err}"
             if error is not None:
                 return self._requests.setdefault(request_id, {"error": error})
+            try:
+                self._hold_dir(cfg.run_dir)
+            except ValueError as err:
+                return self._requests.setdefault(request_id, {"error": str(err)})
             spec = next(s for s in cfg.task_specs() if s.name == task)
             step = last_checkpoint(spec.checkpoint_dir)
             if step is None and not fresh:
@@ -276,19 +295,39 @@ class Service:
 
     def status(self) -> dict[str, Any]:
         """Every task's row (its phase and lock from one poll of its driver: status_rows), the hosts' and the
-        pools' bytes. The scheduler's own view of the locks is `locks` (`rlsched locks`)."""
+        pools' bytes, and the service's own health (`degraded`: the monitor's error, until it recovers). The
+        scheduler's own view of the locks is `locks` (`rlsched locks`)."""
         with self._lock:
             rows = status_rows([t.row() for t in self.tasks.values()], time.time())
+            degraded = None if self._degraded is None else dict(self._degraded)
         return {"tasks": rows, "settings": self.settings, "hosts": self._host_bytes(),
-                "used_bytes": self._used_bytes(), "budget_bytes": self._budget_bytes()}
+                "used_bytes": self._used_bytes(), "budget_bytes": self._budget_bytes(), "degraded": degraded}
+
+    def sizes(self) -> dict[str, Any]:
+        """How much the service keeps in memory, record by record (benchmarks/soak.py checks these stay flat),
+        and its process id."""
+        import os
+
+        import ray
+
+        with self._lock:
+            records = {"tasks": len(self.tasks), "log lines": sum(t.kept for t in self._lines.values()),
+                       "requests": len(self._requests), "submissions": len(self._subs),
+                       "submission events": sum(len(s.events) for s in self._subs.values()),
+                       "kept configs": len(self.given), "drivers": len(self._drivers), "run dirs held": len(self._dirs)}
+        records |= ray.get(self.scheduler.sizes.remote(), timeout=30)
+        return {"pid": os.getpid(), "records": records}
 
     def logs(self, task: str, offset: int = 0) -> dict[str, Any]:
         """The task's progress lines from `offset` on, and its state (a follower stops at a terminal one)."""
         with self._lock:
             if task not in self.tasks:
                 return {"error": self._unknown(task)}
-            lines = self._lines.get(task, [])
-            return {"lines": lines[offset:], "next": len(lines), "state": self.tasks[task].state}
+            kept = self._lines.get(task) or TailLines(self.limits["lines"])
+            lines, skipped = kept.read(offset)
+            if skipped:  # fell out of memory: all of them are in the run's run.log
+                lines = [f"({skipped} earlier line(s): see {Path(self.tasks[task].run_dir) / 'run.log'})", *lines]
+            return {"lines": lines, "next": len(kept), "state": self.tasks[task].state}
 
     def cancel(self, request_id: str, task: str) -> dict[str, Any]:
         """A RUNNING task stops at its next phase boundary after saving a checkpoint, then is CANCELLED; a
@@ -303,6 +342,9 @@ class Service:
                 answer = {"state": record.state, "note": f"task {task} had ended already ({record.state})"}
             elif record.state == PENDING:
                 self._end(task, CANCELLED, "cancelled before it started")
+                sub = self._subs.get(record.request)
+                if sub is not None and self._ended(sub):  # the last of its submission: its outputs, then it goes
+                    threading.Thread(target=self._complete, args=(record.request, sub), daemon=True).start()
                 answer = {"state": CANCELLED}
             else:
                 record.cancel_requested = True
@@ -424,27 +466,55 @@ class Service:
     # ---- the monitor -----------------------------------------------------------------------------------
 
     def _watch(self) -> None:
+        """The monitor, supervised: a pass that raises is logged with its traceback (service.log), `status` shows
+        the service as degraded with the cause, and the next pass comes after a pause that doubles up to 30 s;
+        the first pass that succeeds clears it. Without this, one error would end the thread, and no task
+        would ever be finished or admitted again while `status` still answered."""
+        import traceback
+
+        failures = 0
+        while True:
+            try:
+                self._tick()
+            except Exception as err:  # noqa: BLE001 - any error: logged, shown, and the loop goes on
+                failures += 1
+                cause = f"{type(err).__name__}: {err}".splitlines()[0]
+                with self._lock:
+                    since = self._degraded["since"] if self._degraded else time.time()
+                    self._degraded = {"since": since, "cause": cause, "failures": failures}
+                self._log(f"the monitor failed ({failures} in a row), retrying: {traceback.format_exc()}")
+                time.sleep(min(30.0, 0.5 * 2**failures))
+                continue
+            if failures:
+                with self._lock:
+                    self._degraded = None
+                self._log(f"the monitor recovered after {failures} failed pass(es)")
+                failures = 0
+
+    def _tick(self) -> None:
+        """One pass of the monitor: poll the running drivers, finish the tasks that ended, admit pending ones,
+        let go of run directories no live task uses."""
         import ray
 
-        while True:
-            with self._lock:
-                refs = list(self._runs)
-            if refs:
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
-            else:
-                done = []
-                time.sleep(0.5)
-            with self._lock:
-                running = [n for ref, n in self._runs.items() if ref not in done]
-            for name in running:
-                self._poll(name)
-            for ref in done:
-                self._finish(ref)
-            with self._lock:
-                if done and not self._closing.is_set():
-                    self._admit()
-                if done:
-                    self._save()
+        with self._lock:
+            refs = list(self._runs)
+        if refs:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+        else:
+            done = []
+            time.sleep(0.5)
+        with self._lock:
+            running = [n for ref, n in self._runs.items() if ref not in done]
+        for name in running:
+            self._poll(name)
+        for ref in done:
+            self._finish(ref)
+        with self._lock:
+            if done and not self._closing.is_set():
+                self._admit()
+            if done:
+                self._save()
+            self._release_idle_dirs()
 
     def _poll(self, name: str) -> dict[str, Any] | None:
         import ray
@@ -473,8 +543,9 @@ class Service:
 
         with self._lock:
             name = self._runs.pop(ref)
+            request = self.tasks[name].request
         last = self._poll(name)
-        sub = self._subs[self.tasks[name].request]
+        sub = self._subs[request]
         result = _result(name, ref, self.scheduler, sub.cfg)
         if last is not None:
             result["roles"] = last["roles"]
@@ -482,8 +553,12 @@ class Service:
                 result.update(status="stopped", steps=last["step"])
         with contextlib.suppress(Exception):
             sub.events += ray.get(self._drivers[name].events.remote(), timeout=60)
-        with contextlib.suppress(Exception):
+        try:
             ray.get(self.scheduler.retire.remote(name), timeout=60)
+            ray.get(self.scheduler.forget_task.remote(name), timeout=60)  # its cause is in `result` now
+        except Exception as err:  # noqa: BLE001 - said, not raised: the task's own end is recorded all the same
+            self._log(f"task {name}: the scheduler did not retire it ({type(err).__name__}: {err}); its memory may "
+                      "still count as held until it is submitted again")
         with self._lock:
             ray.kill(self._drivers.pop(name))  # its roles go with it
             sub.results[name] = result
@@ -499,20 +574,43 @@ class Service:
                 self._say(name, f"[{name}] `rlsched resume {name}` continues it from its last checkpoint, as it was "
                                 "submitted (once the cause is fixed)")
             del record  # (state set by _end)
-            if all(n in sub.results for n in sub.tasks):
-                self._write_outputs(sub)
+            complete = self._ended(sub)
+        if complete:  # outside the lock: drawing a long run's Gantt takes seconds, and status or cancel must not wait
+            self._complete(request, sub)
+
+    def _complete(self, request: str, sub: _Submission) -> None:
+        """Every task of `sub` ended: its run's outputs are written (if any task of it ran), then it is dropped."""
+        if sub.results:
+            self._write_outputs(sub)
+        with self._lock:
+            self._subs.pop(request, None)  # nothing more is asked of it
+
+    def _ended(self, sub: _Submission) -> bool:
+        """Whether every task of `sub` has ended (those cancelled before they started included) and no driver of
+        it is still being finished."""
+        records = [self.tasks.get(n) for n in sub.tasks]
+        return (all(r is None or r.state in TERMINAL for r in records)
+                and not any(n in sub.tasks for n in self._runs.values()))
 
     def _write_outputs(self, sub: _Submission) -> None:
         import ray
 
         from rlsched.experiment import write_run_outputs
 
-        try:
-            events = list(ray.get(self.scheduler.events.remote(), timeout=60)) + sub.events
+        def say(line: str) -> None:
+            with self._lock:
+                self._say(sub.tasks[0], line)
+
+        try:  # the scheduler's events of this submission's time only, then those no live submission needs go
+            events = list(ray.get(self.scheduler.events_since.remote(sub.started), timeout=60)) + sub.events
             state = ray.get(self.scheduler.state.remote(), timeout=60)
-            write_run_outputs(sub.cfg, events, sub.results, state, echo=lambda line: self._say(sub.tasks[0], line))
+            write_run_outputs(sub.cfg, events, sub.results, state, echo=say)
         except Exception as err:  # noqa: BLE001 - the tasks' own files are written; say what is missing
-            self._say(sub.tasks[0], f"the run's timeline and summary were not written: {type(err).__name__}: {err}")
+            say(f"the run's timeline and summary were not written: {type(err).__name__}: {err}")
+        with self._lock:
+            live = [s.started for s in self._subs.values() if s is not sub]
+        with contextlib.suppress(Exception):
+            ray.get(self.scheduler.forget_events_before.remote(min(live, default=time.time())), timeout=60)
 
     # ---- records -------------------------------------------------------------------------------------
 
@@ -527,7 +625,7 @@ class Service:
             self.tasks[task.name] = TaskRecord(task.name, cfg.experiment.name, request_id, str(cfg.run_dir),
                                                task.steps, priority=task.priority, weight=task.weight,
                                                needs_bytes=self._needs(engine, actor))
-            self._lines.setdefault(task.name, [])
+            self._lines.setdefault(task.name, TailLines(self.limits["lines"]))
             self._say(task.name, f"[{task.name}] submitted ({cfg.experiment.name}, {task.steps} steps"
                                  + (", resuming from its last checkpoint" if resume else "") + ")")
         self._subs[request_id] = _Submission(cfg, resume, list(names))
@@ -566,10 +664,47 @@ class Service:
         record = self.tasks[name]
         record.state, record.reason, record.ended_at, record.phase, record.lock = state, reason, time.time(), None, None
         self._say(name, f"[{name}] {state}" + (f": {reason}" if reason else ""))
+        if state == FINISHED:
+            self._retire_old_finished()
+
+    def _retire_old_finished(self) -> None:
+        """Keep the newest limits["finished"] finished tasks in `status`; older ones move to `history.jsonl` in the
+        state directory, one row each (a service that ran thousands of tasks keeps no more of them in memory).
+        CANCELLED and FAILED tasks stay until forgotten: they may be resumed."""
+        finished = sorted((t for t in self.tasks.values() if t.state == FINISHED), key=lambda t: t.ended_at or 0)
+        old = finished[:max(len(finished) - self.limits["finished"], 0)]
+        if not old:
+            return
+        with open(self.state_dir / "history.jsonl", "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(t.row()) + "\n" for t in old)
+        for record in old:
+            del self.tasks[record.name]
+            self._lines.pop(record.name, None)
+
+    def _hold_dir(self, run_dir: Path) -> None:
+        """This service holds `run_dir`'s lock (rlsched.runlock) while a task of it may write there: a `rlsched
+        train` on it is refused, and one that holds it refuses this submission (RunDirLocked)."""
+        key = str(run_dir)
+        if key not in self._dirs:
+            self._dirs[key] = RunLock(run_dir, echo=lambda line: self._log(line), command="rlsched up (the scheduler "
+                                      "service)", stop="`rlsched cancel TASK` for its tasks there").acquire()
+
+    def _release_idle_dirs(self) -> None:
+        """Let go of the run directories no live task and no submission awaiting its outputs uses."""
+        used = {t.run_dir for t in self.tasks.values() if t.state not in TERMINAL}
+        used |= {str(s.cfg.run_dir) for s in self._subs.values()}
+        for key in [k for k in self._dirs if k not in used]:
+            self._dirs.pop(key).release()
+
+    def _log(self, line: str) -> None:
+        """A line of the service's own (not a task's) in service.log, timed."""
+        with contextlib.suppress(OSError), open(self.state_dir / "service.log", "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} service: {line}\n")
 
     def _say(self, name: str, line: str) -> None:
         """A task's line: kept for `logs`, and appended, timed, to its experiment's run.log."""
-        self._lines.setdefault(name, []).append(line)
+        if name in self.tasks:  # a task forgotten meanwhile keeps no lines (its run.log has them)
+            self._lines.setdefault(name, TailLines(self.limits["lines"])).append(line)
         record = self.tasks.get(name)
         if record is not None:
             with contextlib.suppress(OSError), open(Path(record.run_dir) / "run.log", "a", encoding="utf-8") as f:
@@ -595,7 +730,7 @@ class Service:
         for row in saved["tasks"]:
             record = TaskRecord(**{k: v for k, v in row.items() if k in fields})
             self.tasks[record.name] = record
-            self._lines[record.name] = []
+            self._lines[record.name] = TailLines(self.limits["lines"])
             if record.state not in TERMINAL:
                 self._end(record.name, FAILED, f"the scheduler service stopped while the task was {record.state} "
                                                f"(its process died); `rlsched resume {record.name}` continues it "

@@ -1,6 +1,6 @@
 """One task: its lifecycle (start, resume, close) and its one step loop.
 
-`TaskDriver.step` reads as DESIGN.md's "One step of one task": draw prompts -> compile the engine's
+`TaskDriver.step` reads as docs/design.md's "One step of one task": draw prompts -> compile the engine's
 programs for them if new (outside any lock) -> hold ROLLOUT (onload the engine if asked; sync + verify +
 generate) -> score rewards and pad the batch on the host -> compile the actor's programs for it if new ->
 hold TRAIN (onload the actor if asked; advantages, updates, publish v+1; the metrics line; a checkpoint

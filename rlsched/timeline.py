@@ -88,8 +88,17 @@ class Timeline:
                              "ts": self.now() if ts is None else float(ts),
                              "values": {str(k): float(v) for k, v in values.items()}})
 
-    def events(self) -> list[dict[str, Any]]:
-        return list(self._events)
+    def events(self, since: float | None = None) -> list[dict[str, Any]]:
+        """The events recorded, or those that end at or after `since` (wall-clock seconds)."""
+        if since is None:
+            return list(self._events)
+        return [e for e in self._events if e.get("end", e.get("ts", 0.0)) >= since]
+
+    def forget_before(self, t: float) -> int:
+        """Drop the events that ended before `t` (a long-lived process keeps only what a live run may still ask
+        for); returns how many are kept."""
+        self._events = [e for e in self._events if e.get("end", e.get("ts", 0.0)) >= t]
+        return len(self._events)
 
     def drain(self) -> list[dict[str, Any]]:
         out, self._events = self._events, []

@@ -6,8 +6,8 @@ scheduler (`make_trackers`), each with a directory of its own.
 
 Design decisions:
 - One W&B run per task, never a shared or global one: practitioners saw two tasks' W&B runs mixed
-  into one (FIELD_NOTES.md §1). `WandbTracker` logs through its own run object (`run.log`), never
-  the global `wandb.log`; runs are created with `reinit="create_new"` so several coexist in one
+  into one (docs/design.md, "What the design answers"). `WandbTracker` logs through its own run object
+  (`run.log`), never the global `wandb.log`; runs are created with `reinit="create_new"` so several coexist in one
   process; each run writes under its own directory; console capture is off, because in a process
   that hosts several tasks a printed line cannot be attributed to one of them.
 - Offline by default: the explicit mode, else `WANDB_MODE`, else "offline"; `wandb sync` uploads later.

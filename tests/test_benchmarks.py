@@ -34,6 +34,7 @@ SMALLEST = {
     "checkpoint": (["--steps", "2", "--warmup-steps", "1", "--preset", "tiny", *TINY_STEP], "runs"),
     "footprint": (["--steps", "2", "--repeats", "1", "--layouts", "per_device_group", "in_process", *TINY_STEP],
                   "median"),
+    "soak": (["--cycles", "3"], "flat"),  # tests/test_soak.py runs it for 2 minutes and checks its verdict
     "startup": (["--tasks", "1", "--steps", "2", "--repeats", "1", *TINY_STEP], "restart_s"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),

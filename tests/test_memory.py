@@ -1,4 +1,4 @@
-"""MemoryPool accounting and the residency context manager, with a hand-written fake timeline."""
+"""MemoryPool accounting and Residency, the one way a role moves, with a hand-written fake timeline."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from rlsched.memory import MemoryPool, NullTimeline, residency
+from rlsched.memory import MemoryPool, Residency
 from rlsched.memprobe import process_rss_bytes
+from rlsched.timeline import NullTimeline
 
 
 class FakeTimeline:
@@ -78,12 +79,15 @@ def test_snapshot_is_json_safe_and_rss_is_positive():
     assert snap["rss_bytes"] > 0 and process_rss_bytes() > 1 << 20  # a Python process is > 1 MiB
 
 
-def test_residency_onloads_on_enter_and_offloads_on_exit_inside_spans():
+def test_onload_and_offload_move_the_role_inside_their_spans_and_account_for_it():
     pool, timeline = MemoryPool("g0/shared"), FakeTimeline()
     worker = FakeWorker(300, timeline)
-    with residency(pool, "a", "engine", onload=worker.onload, offload=worker.offload, timeline=timeline) as nbytes:
-        assert nbytes == 300 and worker.on_device
-        assert pool.total(task="a", role="engine", kind="params") == 300
+    r = Residency(pool, "a", "engine", onload=worker.onload, offload=worker.offload, timeline=timeline)
+    assert r.onload() == 300 and worker.on_device
+    assert pool.total(task="a", role="engine", kind="params") == 300
+    assert r.onload() == 300 and worker.calls == ["onload"]  # already there: no second move
+    r.offload()
+    r.offload()  # already on host: no second move
     assert worker.calls == ["onload", "offload"] and not worker.on_device
     assert pool.total() == 0
     attrs = {"task": "a", "role": "engine", "pool": "g0/shared"}
@@ -92,15 +96,14 @@ def test_residency_onloads_on_enter_and_offloads_on_exit_inside_spans():
                                ("begin", "offload", freed), ("end", "offload", freed)]
 
 
-def test_residency_keep_leaves_the_role_resident_and_accounted():
+def test_an_onload_replaces_what_was_reported_before_and_records_bytes_by_kind():
     pool, worker = MemoryPool(), FakeWorker(300)
-    with residency(pool, "a", "actor", onload=lambda: {"params": 100, "opt": 200}, offload=worker.offload, keep=True):
-        pass
-    assert worker.calls == [] and pool.by("kind") == {"params": 100, "opt": 200}
-    # the next onload replaces the entries instead of adding to them (the role was already counted)
-    with residency(pool, "a", "actor", onload=lambda: {"params": 100}, offload=worker.offload):
-        assert pool.total() == 100
-    assert pool.total() == 0
+    r = Residency(pool, "a", "actor", onload=lambda: {"params": 100, "opt": 200}, offload=worker.offload,
+                  resident=True, sizes=50)  # created on device: counted at once
+    assert pool.by("kind") == {"params": 50}
+    r.offload()
+    r.onload()
+    assert pool.by("kind") == {"params": 100, "opt": 200}  # replaced, not added to the 50 of before
 
 
 def test_failed_onload_leaves_the_pool_unchanged():
@@ -111,37 +114,32 @@ def test_failed_onload_leaves_the_pool_unchanged():
     def broken():
         raise RuntimeError("device OOM")
 
-    with pytest.raises(RuntimeError, match="device OOM"), residency(pool, "a", "engine", onload=broken,
-                                                                     offload=lambda: offloads.append(1)):
-        pytest.fail("the body must not run")
+    r = Residency(pool, "a", "engine", onload=broken, offload=lambda: offloads.append(1))
+    with pytest.raises(RuntimeError, match="device OOM"):
+        r.onload()
     assert pool.snapshot()["entries"] == [{"task": "b", "role": "engine", "kind": "params", "bytes": 5}]
-    assert offloads == []
-    with pytest.raises(ValueError, match="returned -3"), residency(pool, "a", "engine", onload=lambda: -3,
-                                                                    offload=lambda: None):
-        pass
+    assert offloads == [] and not r.resident
+    with pytest.raises(ValueError, match="returned -3"):
+        Residency(pool, "a", "engine", onload=lambda: -3, offload=lambda: None).onload()
     assert pool.total() == 5
 
 
-def test_an_error_in_the_body_still_offloads_but_a_failed_offload_keeps_the_bytes():
+def test_a_failed_offload_keeps_the_bytes():
     pool, worker = MemoryPool(), FakeWorker(10)
-    with pytest.raises(KeyError), residency(pool, "a", "engine", onload=worker.onload, offload=worker.offload):
-        raise KeyError("generate failed")
-    assert worker.calls == ["onload", "offload"] and pool.total() == 0
 
     def stuck():
         raise RuntimeError("offload failed")
 
-    with pytest.raises(RuntimeError, match="offload failed"), residency(pool, "a", "engine", onload=worker.onload,
-                                                                        offload=stuck, timeline=NullTimeline()):
-        pass
-    assert pool.total(task="a") == 10  # the bytes are presumably still on the device
+    r = Residency(pool, "a", "engine", onload=worker.onload, offload=stuck, timeline=NullTimeline())
+    r.onload()
+    with pytest.raises(RuntimeError, match="offload failed"):
+        r.offload()
+    assert pool.total(task="a") == 10 and r.resident  # the bytes are presumably still on the device
 
 
 def test_a_replaced_worker_is_put_where_the_dead_one_was_and_a_lost_one_holds_nothing():
     """A role's process died: its bytes are gone (`lost`), and its replacement, created on device, takes the
     moves and is moved to host at once if the dead one was there, so the pool says what the policy counts."""
-    from rlsched.memory import Residency
-
     pool, changes = MemoryPool("g0"), []
     dead, fresh = FakeWorker(100), FakeWorker(120)
     dead.on_device = True

@@ -81,7 +81,6 @@ def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(
     from rlsched import cluster
     from rlsched.comm import make_channel
     from rlsched.config import validate
-    from rlsched.placement import visible_cores
     from rlsched.roles import ActorRole, EngineRole, spawn
 
     raw = yaml.safe_load((ROOT / "configs/demo_mesh.yaml").read_text())
@@ -92,7 +91,7 @@ def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(
     spec = validate(raw).task_specs()[0]
     resource = cluster.device_resource()
     pg = cluster.make_placement_group("mesh-env", "disaggregated", resource)
-    where = cluster.role_placement(pg, "disaggregated", visible_cores(), resource)
+    where = cluster.role_placement(pg, "disaggregated", resource)
     channel = make_channel("object_store", spec.comm_group)
     roles = {cls.kind: spawn(cls, spec, channel=channel, placement=where) for cls in (ActorRole, EngineRole)}
 
@@ -127,7 +126,6 @@ def test_a_device_group_host_holds_its_groups_roles_and_its_death_is_named(ray_s
     from rlsched.config import validate
     from rlsched.errors import RoleDied
     from rlsched.hosts import HostedRole, start_host
-    from rlsched.placement import visible_cores
     from rlsched.roles import ActorRole, EngineRole, spawn
 
     raw = yaml.safe_load((ROOT / "configs/demo_mesh.yaml").read_text())
@@ -139,7 +137,7 @@ def test_a_device_group_host_holds_its_groups_roles_and_its_death_is_named(ray_s
     devices = cluster.group_devices("disaggregated", 8, 2)
     assert devices == {"engine": 2, "actor": 6}
     pg = cluster.make_placement_group("mesh-host", "disaggregated", "CPU", devices)
-    where = cluster.role_placement(pg, "disaggregated", visible_cores(), "CPU", devices)
+    where = cluster.role_placement(pg, "disaggregated", "CPU", devices)
     hosts = {k: start_host(where, k, num_devices=8, max_tasks=1) for k in ("engine", "actor")}
     import dataclasses
 

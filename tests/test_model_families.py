@@ -246,7 +246,8 @@ def test_a_tiny_model_of_each_family_learns_addition(preset, tmp_path):
 
     history = train(DEMO_CONFIG, overrides=[f"experiment.output_dir={tmp_path}", f"tasks.0.model.path={tmp_path / 'm'}",
                                             f"tasks.0.model.init_preset={preset}", "tasks.0.steps=40",
-                                            "tasks.0.checkpoint_every=0"], echo=lambda *_: None)["addition"]
+                                            "tasks.0.checkpoint_every=0"], in_process=True,
+                    echo=lambda *_: None)["addition"]["metrics"]
     rewards = [m["reward/mean"] for m in history]
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
     assert last > first + 0.15, f"no clear learning: first 10 steps {first:.3f}, last 10 {last:.3f}"

@@ -48,8 +48,9 @@ GUARD = JOIN + textwrap.dedent("""
         except multihost.RunFileWriteError as err:
             seen[name] = "refused: " + str(err)
 
-    # Through the helper: every process calls it, one writes.
-    multihost.primary_only(lambda: (task / "metrics.jsonl").write_text(f"written by {index}\\n"))
+    # Guarded: every process reaches it, one writes.
+    if multihost.is_primary():
+        (task / "metrics.jsonl").write_text(f"written by {index}\\n")
     # Each process's own shard of the task's checkpoints: every process writes by design.
     attempt("shard", lambda: (task / "checkpoints" / f"shard.{index}").write_text(str(index)))
     # Forgotten guards, each kind of write: appending to a run file, a real worker writing a model, a rename.
@@ -121,7 +122,7 @@ def test_only_process_0_writes_run_files_and_a_forgotten_guard_fails_naming_the_
     first, second = _job(tmp_path, GUARD, run)
 
     assert not first["guarded"] and second["guarded"]
-    assert (run / "tasks" / "t" / "metrics.jsonl").read_text() == "written by 0\n"  # the helper: process 0 alone
+    assert (run / "tasks" / "t" / "metrics.jsonl").read_text() == "written by 0\n"  # guarded: process 0 alone
     for name in ("append", "model", "rename", "mkdir", "rmtree"):
         assert first[name] == "ok", (name, first[name])
         assert second[name].startswith("refused: process 1 of a role across hosts wrote "), (name, second[name])

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,19 @@ def test_phase_cores_split_the_devices_when_disaggregated():
     assert phase_cores("disaggregated", "rollout", [0, 1, 2, 3]) == [0, 1]
     assert phase_cores("disaggregated", "train", [0, 1, 2, 3]) == [2, 3]
     assert phase_cores("colocated", "train", [0, 1]) == [0, 1]
+
+
+def test_a_core_share_is_worked_out_where_it_pins_from_that_process_cores():
+    """A role on another node (or in another cgroup) gets its share of its own cores, not the launcher's core ids:
+    the share travels (pickled, as Ray sends it) and is resolved in the process that pins."""
+    import pickle
+
+    from rlsched.placement import CoreShare, visible_cores
+
+    share = CoreShare("disaggregated", "train")
+    assert share.cores() == phase_cores("disaggregated", "train", visible_cores())
+    code = ("import os, pickle, sys; os.sched_setaffinity(0, {0}); "
+            "print(pickle.loads(bytes.fromhex(sys.argv[1])).cores())")
+    here = subprocess.run([sys.executable, "-c", code, pickle.dumps(share).hex()], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parents[1])
+    assert here.stdout.strip() == "[0]"  # one core there: all of it, though the launcher would say [1]

@@ -40,7 +40,7 @@ def tiny_real_tokenizer(tmp_path_factory):
 def test_a_gsm8k_recipe_runs_two_steps(tmp_path, tiny_real_tokenizer, recipe, preset):
     overrides = [f"experiment.output_dir={tmp_path}", f"tasks.0.model.path={tiny_real_tokenizer(preset)}",
                  *(f"tasks.0.{s}" for s in SMALL)]
-    history = train(CONFIGS / recipe, overrides=overrides, echo=lambda *_: None)["gsm8k"]
+    history = train(CONFIGS / recipe, overrides=overrides, in_process=True, echo=lambda *_: None)["gsm8k"]["metrics"]
     assert len(history) == 2
     for m in history:  # GSM8K prompts went through the chat template and came back scored
         assert m["tokens/generated"] > 0 and 0.0 <= m["reward/mean"] <= 1.0, m
@@ -55,6 +55,6 @@ def test_the_four_task_demo_runs_two_steps(tmp_path):
         sets += [f"tasks.{i}.{k}" for k in ("steps=2", "grpo.prompts_per_step=4", "grpo.num_generations=4",
                                             "grpo.mini_batch_size=8", "rollout.max_batch_size=16")]
         sets += [f"tasks.{i}.model.path={tmp_path / 'models' / str(i)}"]
-    results = train(CONFIGS / "demo_4tasks.yaml", overrides=sets, echo=lambda *_: None)
+    results = train(CONFIGS / "demo_4tasks.yaml", overrides=sets, in_process=True, echo=lambda *_: None)
     assert sorted(results) == ["add-a", "add-b", "sub-a", "sub-b"]
-    assert all(len(history) == 2 for history in results.values())
+    assert all(r["status"] == "ok" and len(r["metrics"]) == 2 for r in results.values())

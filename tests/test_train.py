@@ -49,19 +49,48 @@ def _driver(cfg, **kw) -> TaskDriver:
     return TaskDriver(spec, FreeLocks(spec.name), echo=_silent, **kw)
 
 
+def test_train_has_the_cli_defaults():
+    """`rlsched.experiment.train(configs)` is `rlsched train configs`: the same defaults (under Ray, not in-process),
+    and both return {task: {"status": ...}} (checked in-process below and, through the CLI, under Ray)."""
+    import inspect
+
+    from rlsched.cli import build_parser
+
+    cli = vars(build_parser().parse_args(["train", "a.yaml"]))
+    defaults = {k: v.default for k, v in inspect.signature(train).parameters.items() if v.default is not v.empty}
+    assert defaults["in_process"] is False
+    for name in ("resume", "overwrite", "in_process", "address", "tasks"):
+        assert defaults[name] == cli[name], name
+    assert tuple(cli["set"]) == tuple(defaults["overrides"])
+
+
+def test_in_process_a_mesh_across_hosts_is_refused_before_any_port_is_asked():
+    """Always-free locks have no port allocator (`FreeLocks.take_port` is None): a role group across hosts
+    needs a Ray cluster, and spawn says so naming the way out."""
+    import dataclasses
+
+    from rlsched.roles import ActorRole, spawn
+
+    spec = dataclasses.replace(load_config(DEMO_CONFIG, ["tasks.0.actor.mesh.dp=2"]).task_specs()[0], hosts=2,
+                               num_devices=1)  # the actor's 2 devices span 2 hosts of 1 device each
+    with pytest.raises(TaskError, match=r"spans hosts .* needs a Ray cluster: run without --in-process"):
+        spawn(ActorRole, spec, channel=None, placement=None, take_port=FreeLocks(spec.name).take_port)
+
+
 @pytest.mark.slow
 def test_demo_learns_addition(tmp_path):
     """A random tiny Qwen3 (HF init, std 0.02) learns: the field saw ~0 -> ~0.4 in ~30 steps of 16 x 16."""
     history = train(DEMO_CONFIG, overrides=[f"experiment.output_dir={tmp_path}",
                                             f"tasks.0.model.path={tmp_path / 'model'}", "tasks.0.steps=40"],
-                    echo=_silent)["addition"]
+                    in_process=True, echo=_silent)["addition"]["metrics"]
     rewards = [m["reward/mean"] for m in history]
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
     assert last > first + 0.15, f"no clear learning: first 10 steps {first:.3f}, last 10 {last:.3f}"
 
 
 def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model_dir):
-    train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), echo=_silent)
+    result = train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), in_process=True, echo=_silent)["addition"]
+    assert (result["status"], result["steps"], len(result["metrics"])) == ("ok", 4, 4)  # the CLI's shape, and metrics
     run = tmp_path / "demo-addition"
     resolved = load_config(run / "config.yaml")
     assert resolved.tasks[0].grpo.prompts_per_step == 4 and resolved.tasks[0].optim.lr == 3e-3
@@ -74,12 +103,12 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model
         assert m["rollout/weight_version"] == m["step"] - 1  # sampled with the weights of the step before
     assert sorted(p.name for p in (run / "tasks/addition/checkpoints").iterdir()) == ["2", "4"]
     with pytest.raises(RunDirError, match="already holds a run; pass --resume"):
-        train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), echo=_silent)
+        train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), in_process=True, echo=_silent)
 
 
 def test_resume_is_exact(tmp_path, tiny_model_dir, capsys):
     straight = tmp_path / "a"
-    train(DEMO_CONFIG, overrides=_quick(straight, tiny_model_dir), echo=_silent)
+    train(DEMO_CONFIG, overrides=_quick(straight, tiny_model_dir), in_process=True, echo=_silent)
 
     interrupted = tmp_path / "b"
     cfg = load_config(DEMO_CONFIG, _quick(interrupted, tiny_model_dir))
@@ -89,7 +118,7 @@ def test_resume_is_exact(tmp_path, tiny_model_dir, capsys):
     with metrics.open("a") as f:  # ... and the crash cut step 4's line short
         f.write('{"step": 4, "reward/mean": 0.1')
     capsys.readouterr()
-    train(DEMO_CONFIG, overrides=_quick(interrupted, tiny_model_dir), resume=True, echo=_silent)
+    train(DEMO_CONFIG, overrides=_quick(interrupted, tiny_model_dir), resume=True, in_process=True, echo=_silent)
     assert "its last line (line 4) was cut short" in capsys.readouterr().err
 
     def comparable(path):
@@ -130,7 +159,8 @@ def test_missing_and_empty_data_files_are_named(tmp_path, tiny_model_dir):
 
 def test_prompt_longer_than_max_prompt_len_is_named(tmp_path, tiny_model_dir):
     with pytest.raises(TaskError, match=r"prompt addition:s\d+:0 is \d tokens, longer than grpo.max_prompt_len=2"):
-        train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir, "tasks.0.grpo.max_prompt_len=2"), echo=_silent)
+        train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir, "tasks.0.grpo.max_prompt_len=2"), in_process=True,
+              echo=_silent)
     assert not list((tmp_path / "demo-addition/tasks/addition/checkpoints").iterdir())
 
 
@@ -142,10 +172,10 @@ def _always_raises(completion: str, answer: str) -> float:
 def test_raising_reward_fails_the_task_or_scores_zero_by_policy(tmp_path, tiny_model_dir):
     over = _quick(tmp_path, tiny_model_dir, "tasks.0.reward.name=test_always_raises")
     with pytest.raises(R.RewardError, match=r"task 'addition': reward 'test_always_raises' failed on sample 0"):
-        train(DEMO_CONFIG, overrides=over, echo=_silent)
+        train(DEMO_CONFIG, overrides=over, in_process=True, echo=_silent)
     over = [*over, "tasks.0.reward.on_error=zero", "experiment.name=zero"]
     echoed = []
-    history = train(DEMO_CONFIG, overrides=over, echo=echoed.append)["addition"]
+    history = train(DEMO_CONFIG, overrides=over, in_process=True, echo=echoed.append)["addition"]["metrics"]
     assert all(m["reward/errors"] == 16 and m["reward/mean"] == 0.0 for m in history)
     assert any("16 reward error(s) scored 0" in line and "ZeroDivisionError" in line for line in echoed)
 

@@ -398,6 +398,3 @@ class ActorWorker:
 
     def model(self) -> Qwen3ForCausalLM:
         return nnx.merge(self.graphdef, self.state.params)
-
-    def params_finite(self) -> bool:
-        return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(self.state.params))

@@ -31,6 +31,7 @@ from typing import Any
 _EXECUTABLES: dict[Hashable, Any] = {}
 _BUILDING: dict[Hashable, threading.Lock] = {}
 _GUARD = threading.Lock()
+BUILD_WAIT_S = 3600.0  # longest wait for another caller's build of the same program (a compile that hangs)
 _WAITS = threading.local()  # .seconds: this thread's waits for another caller's build, while `waits()` counts
 
 
@@ -56,7 +57,11 @@ def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
             return _EXECUTABLES[key], False
         lock = _BUILDING.setdefault(key, threading.Lock())
     asked = time.perf_counter()
-    with lock:
+    if not lock.acquire(timeout=BUILD_WAIT_S):
+        raise TimeoutError(f"the build of program {key!r} by another role of this process did not finish in "
+                           f"{BUILD_WAIT_S:.0f} s (a compile that hangs)")
+    with contextlib.ExitStack() as held:
+        held.callback(lock.release)
         if key in _EXECUTABLES:  # built while this caller waited
             record = getattr(_WAITS, "record", None)
             if record is not None:
@@ -81,7 +86,17 @@ def compile_once(lowered):
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process compiles this very program
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:  # waits while another process compiles this very program (then finds it in the cache)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:  # that process hangs: the lock only saves a second compile
+                    print(f"rlsched: another process has compiled program {key} for {BUILD_WAIT_S:.0f} s "
+                          f"(lock {lock}); compiling it here without waiting", flush=True)
+                    break
+                time.sleep(0.05)
         return lowered.compile()
     finally:
         with contextlib.suppress(OSError):

@@ -10,7 +10,7 @@ Design decisions (and why):
   So a host value that feeds a program is built on every process from the same numpy (`global_array`), and
   every process can read a program's result (`host_value`, a gather every member takes part in).
 - **One writer, and a guard.** What leaves the role (files, metrics, log lines) is written by process 0 through
-  `is_primary` / `primary_only`. Every other process of a role group runs under `guard_run_files`: a Python
+  `is_primary`. Every other process of a role group runs under `guard_run_files`: a Python
   write under the run's directories (open for writing, rename, remove, mkdir, rmtree) raises `RunFileWriteError`
   naming the file, except in the subtrees every process writes by design (orbax saves each process's shards
   under the task's checkpoints; each process keeps its own compiled programs). So a forgotten `is_primary`
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +40,6 @@ def process_index() -> int:
 def is_primary() -> bool:
     """Whether this process writes what the role writes once (process 0 of its JAX job)."""
     return jax.process_index() == 0
-
-
-def primary_only(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` on process 0 (its value), nothing on the others (None): the one way a role writes
-    what it writes once."""
-    return fn(*args, **kwargs) if is_primary() else None
 
 
 class RunFileWriteError(RuntimeError):
@@ -106,8 +100,7 @@ def _audit(event: str, args: tuple) -> None:
         if _under(full, _GUARD.get("roots", ())) and not _under(full, shared):
             raise RunFileWriteError(
                 f"process {jax.process_index()} of a role across hosts wrote {full} ({event}): run files are "
-                "written once, by process 0; guard the write with workers.multihost.is_primary() or "
-                "primary_only()")
+                "written once, by process 0; guard the write with workers.multihost.is_primary()")
 
 
 def spans_processes(sharding) -> bool:

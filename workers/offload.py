@@ -89,11 +89,6 @@ def _from_shards(host: Any, sharding: Any) -> Any:
         host.shape, sharding, [jax.device_put(data, device) for device, data in host.data])
 
 
-def host_tree_numpy(off: Offloaded) -> Any:
-    """The offloaded values as numpy (for inspection and tests)."""
-    return jax.tree.map(np.asarray, off.tree)
-
-
 def on_device(x: jax.Array) -> bool:
     """Whether `x` occupies device memory (not a deleted array, not a host-memory array)."""
     if x.is_deleted():

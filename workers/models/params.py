@@ -175,8 +175,3 @@ def _digest_device(flat: dict) -> dict:
 
 def num_bytes(flat: Mapping[str, object]) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in flat.values())
-
-
-def host_copy(flat: Mapping[str, object]) -> dict[str, np.ndarray]:
-    """Host numpy arrays of a flat dict, one leaf at a time (a sharded leaf is gathered on its own)."""
-    return {k: np.asarray(v) for k, v in flat.items()}

@@ -1,0 +1,101 @@
+"""A service left running for weeks: nothing stalls unseen, and a run directory it writes into is its own.
+
+Each command is a process of its own against a service with a private RLSCHED_HOME. An exception is injected into
+the live service's monitor loop (through Ray's `__ray_call__`, from a process that holds the cluster's token):
+`status` says the service is degraded and why, the loop recovers, and the task it was running finishes whole.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from test_service import _metrics, _Service
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "demo_addition.yaml")
+STEPS = 300  # long enough to be running when the fault is injected (a step takes ~50 ms here)
+
+# Run in a process of its own (this one may already be connected to another Ray): the live service's monitor
+# pass raises FAILS times, then runs as before.
+INJECT = textwrap.dedent("""
+    from rlsched import daemon  # before Ray is imported: connect() tells Ray the cluster's auth mode
+
+    FAILS = 3
+
+    def inject(service):
+        original, failed = service._tick, []
+
+        def broken():
+            if len(failed) < FAILS:
+                failed.append(1)
+                raise RuntimeError("injected: the monitor's pass failed")
+            return original()
+
+        service._tick = broken
+        return "injected"
+
+    handle, _ = daemon.connect()
+    import ray
+
+    print(ray.get(handle.__ray_call__.remote(inject), timeout=60))
+""")
+
+
+@pytest.fixture
+def service(tmp_path):
+    (tmp_path / "work").mkdir()
+    svc = _Service(tmp_path / "home", tmp_path / "work")
+    yield svc
+    svc.clean_up()
+
+
+@pytest.mark.slow
+def test_a_failing_monitor_is_shown_degraded_recovers_and_loses_no_task(tmp_path, service):
+    svc = service
+    svc("up")
+    svc.processes()
+    sets = [w for s in (f"tasks.0.model.path={tmp_path / 'model'}", "tasks.0.rollout.engine=fake",
+                        f"tasks.0.steps={STEPS}", "tasks.0.grpo.prompts_per_step=2", "tasks.0.grpo.num_generations=2",
+                        "tasks.0.grpo.mini_batch_size=4") for w in ("--set", s)]
+    svc("submit", CONFIG, *sets)
+    svc.wait("addition", lambda r: r["step"] >= 1, timeout=300)
+
+    # The run directory is the service's while its task runs: a `train` into it is refused, naming who holds it.
+    clash = svc("train", CONFIG, *sets, check=False, timeout=120)
+    assert clash.returncode == 2, (clash.stdout, clash.stderr)
+    assert "is in use by a live run" in clash.stderr and "rlsched up (the scheduler service)" in clash.stderr
+    assert "`rlsched cancel TASK`" in clash.stderr
+
+    injected = subprocess.run([sys.executable, "-c", INJECT], capture_output=True, text=True, timeout=120,
+                              env={**__import__("os").environ, "RLSCHED_HOME": str(svc.home)})
+    assert injected.stdout.strip() == "injected", injected.stderr[-2000:]
+    seen, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline:  # degraded within a pass, then well again within 0.5 + 1 + 2 + 4 s
+        shown = svc("status").stdout
+        seen.append("service DEGRADED" in shown)
+        if seen == [True]:  # a task submitted while the monitor fails waits, and is not lost
+            svc("submit", CONFIG, *sets, "--set", "experiment.name=later", "--set", "tasks.0.steps=3",
+                "--set", "tasks.0.name=addition-later")
+        if any(seen) and not seen[-1]:
+            break
+        time.sleep(0.3)
+    assert any(seen), "status never showed the service degraded"
+    assert not seen[-1], "the service did not recover"
+    degraded = json.loads(svc("status", "--json").stdout)["degraded"]
+    assert degraded is None
+    log = (svc.home / "service.log").read_text()
+    assert "injected: the monitor's pass failed" in log and "the monitor recovered after 3 failed pass(es)" in log
+
+    for experiment, task, steps in (("demo-addition", "addition", STEPS), ("later", "addition-later", 3)):
+        row = svc.wait(task, lambda r: r["state"] in ("FINISHED", "FAILED", "CANCELLED"), timeout=600)
+        assert row["state"] == "FINISHED", row
+        assert [m["step"] for m in _metrics(svc.cwd / "runs", experiment, task)] == list(range(1, steps + 1))
+        assert (svc.cwd / "runs" / experiment / "summary.json").is_file()
+    svc("down")
+    svc.assert_all_gone()
