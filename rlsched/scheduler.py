@@ -75,6 +75,7 @@ class Scheduler:
         # -> why: the other tasks there lost their roles to it (`collateral`)
         self._stop = stop
         self._watchdog: asyncio.Task | None = None
+        self.watchdog_errors, self.watchdog_error = 0, None  # the lease watchdog's failed passes, and the last one
         self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
         self._evicting: dict[str, set[asyncio.Task]] = {}  # task -> offloads of its roles still in flight
         # The last grants, (time, task, phase, resource), for a look at what happened lately; bounded, as a service's
@@ -303,14 +304,27 @@ class Scheduler:
             self._watchdog = asyncio.get_running_loop().create_task(self._expire_leases())
 
     async def _expire_leases(self) -> None:
+        """The lease watchdog, supervised: a pass that raises is printed with its traceback (the scheduler's
+        worker log) and kept for `state()`, and the next pass runs as usual: one error must not stop every lease
+        from ever expiring again."""
+        import traceback
+
         period = min(1.0, self.lease_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
-            now = time.monotonic()
-            for task in self.policy.expired(now, self.lease_timeout_s):
-                phase, since = self.policy.lease_of(task)
-                await self.fail(task, f"lease expired after {now - since:.0f} s in phase {phase} "
-                                      f"(cluster.lease_timeout_s={self.lease_timeout_s:g})", fence=True)
+            try:
+                now = time.monotonic()
+                for task in self.policy.expired(now, self.lease_timeout_s):
+                    phase, since = self.policy.lease_of(task)
+                    await self.fail(task, f"lease expired after {now - since:.0f} s in phase {phase} "
+                                          f"(cluster.lease_timeout_s={self.lease_timeout_s:g})", fence=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - logged and kept; the watchdog goes on
+                self.watchdog_errors += 1
+                self.watchdog_error = f"{type(err).__name__}: {err}".splitlines()[0]
+                print(f"rlsched scheduler: the lease watchdog's pass failed ({self.watchdog_errors} so far):\n"
+                      f"{traceback.format_exc()}", flush=True)
 
     # ---- memory ---------------------------------------------------------------------------------------
 
@@ -328,7 +342,8 @@ class Scheduler:
     # ---- introspection ------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return {"failed": dict(self._failed), "grants": self.grants, "snapshot": self.policy.snapshot(),
+        return {"failed": dict(self._failed), "grants": self.grants, "watchdog_errors": self.watchdog_errors,
+                "watchdog_error": self.watchdog_error, "snapshot": self.policy.snapshot(),
                 "measured": {name: pool.snapshot() for name, pool in self.measured.items()}}
 
 

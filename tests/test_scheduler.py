@@ -113,6 +113,30 @@ def test_a_fence_that_cannot_confirm_the_stop_says_so_in_the_cause():
     asyncio.run(scenario())
 
 
+def test_a_watchdog_pass_that_raises_is_kept_and_leases_still_expire(capsys):
+    """One failed pass of the lease watchdog (here the policy raising once) is printed and counted, and the next
+    passes go on: a later hang still has its lease taken."""
+    async def scenario():
+        s = _scheduler(lease_timeout_s=0.1, stop=_Fence(), let_go_s=0.1)
+        expired, calls = s.policy.expired, []
+
+        def broken(now, timeout):
+            calls.append(now)
+            if len(calls) == 1:
+                raise RuntimeError("injected: the policy failed once")
+            return expired(now, timeout)
+
+        s.policy.expired = broken
+        await s.acquire("a", "train")  # held past its lease: the first pass raises, a later one expires it
+        await asyncio.wait_for(s.acquire("b", "train"), 3)
+        assert s.failed()["a"].startswith("lease expired after 0 s in phase train"), s.failed()
+        assert s.state()["watchdog_errors"] == 1
+        assert s.state()["watchdog_error"] == "RuntimeError: injected: the policy failed once"
+
+    asyncio.run(scenario())
+    assert "the lease watchdog's pass failed (1 so far)" in capsys.readouterr().out
+
+
 def test_a_dead_holder_releases_and_its_waiters_are_told():
     async def scenario():
         fence = _Fence()
