@@ -48,7 +48,7 @@ from workers.offload import offload, onload, per_device_bytes
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ActorSettings:
     """Everything the update needs. No defaults here: the control plane builds it from a task's config
-    (rlsched.roles.actor_settings), so every value that changes results is a config key."""
+    (rlsched.run.roles.actor_settings), so every value that changes results is a config key."""
 
     lr: float
     total_steps: int  # optimizer steps over the whole run (schedule length)
@@ -327,7 +327,7 @@ class ActorWorker:
         """Whether the params should differ after these updates: one was applied (not skipped) at a non-zero
         rate (warmup's first step runs at lr 0) with a gradient, or a weight decay large enough to show in the
         params' dtype, to apply (a batch whose groups all scored alike has no gradient). The caller checks
-        that they do (rlsched.roles.ActorRole)."""
+        that they do (rlsched.run.roles.ActorRole)."""
         import jax
 
         schedule, step = make_schedule(self.settings), first
@@ -363,7 +363,7 @@ class ActorWorker:
     def export_weights(self) -> WeightSnapshot:
         """The policy's params (never the optimizer state) as they lie on the mesh, with their version and
         logical checksum, hashed on the devices: nothing is copied here. Whoever moves them copies one leaf
-        at a time (rlsched.comm)."""
+        at a time (rlsched.cluster.comm)."""
         flat = P.to_flat(self.state.params)
         return WeightSnapshot(flat, self.version, P.checksum(flat))
 
