@@ -40,7 +40,7 @@ from workers.batch import TrainBatch
 from workers.compiling import compile_once, shared
 from workers.models import params as P
 from workers.models import sharding as S
-from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.models.decoder import CausalLM
 from workers.multihost import global_array, host_value
 from workers.offload import offload, onload, per_device_bytes
 
@@ -184,7 +184,7 @@ def _no_span(name: str, **attrs):
 class ActorWorker:
     """Holds the policy's TrainState (and frozen reference params when beta > 0) on its mesh."""
 
-    def __init__(self, model: Qwen3ForCausalLM, settings: ActorSettings, *, seed: int = 0, mesh=None):
+    def __init__(self, model: CausalLM, settings: ActorSettings, *, seed: int = 0, mesh=None):
         """mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default:
         this process's first device."""
         if settings.mini_batch_size % settings.micro_batch_size:
@@ -396,5 +396,5 @@ class ActorWorker:
             return {"params": 0, "opt": 0, "ref": 0}
         return {"params": size(self.state.params), "opt": size(self.state.opt_state), "ref": size(self.ref_params)}
 
-    def model(self) -> Qwen3ForCausalLM:
+    def model(self) -> CausalLM:
         return nnx.merge(self.graphdef, self.state.params)

@@ -240,5 +240,3 @@ class CausalLM(nnx.Module):
                               preferred_element_type=jnp.float32)
         return jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
 
-
-Qwen3ForCausalLM = CausalLM  # the name every caller used before there were families
