@@ -74,8 +74,8 @@ def make_config(root: Path, name: str, names: list[str], placement: str, args):
     """An experiment of `names`, each the preset task with its own seed (seed i for task i, alone or not)."""
     import yaml
 
-    from rlsched.config import validate
-    from rlsched.runfiles import prepare_run_dir
+    from rlsched.config.schema import validate
+    from rlsched.rundir.files import prepare_run_dir
 
     preset = PRESETS[args.preset]
     raw = yaml.safe_load(Path(preset["config"]).read_text())
@@ -94,8 +94,8 @@ def make_config(root: Path, name: str, names: list[str], placement: str, args):
 
 def run(cfg) -> dict[str, Any]:
     """Run an experiment; its tasks' metrics rows and its summary.json."""
-    from rlsched.experiment import run_experiment
-    from rlsched.tracking import read_metrics
+    from rlsched.observe.tracking import read_metrics
+    from rlsched.run.experiment import run_experiment
 
     t0 = time.perf_counter()
     results = run_experiment(cfg, echo=lambda *_: None)
@@ -238,7 +238,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from rlsched.cluster import init_ray
+    from rlsched.cluster.ray_cluster import init_ray
 
     init_ray()
     placements = ["disaggregated", "colocated"] if args.placement == "both" else [args.placement]

@@ -47,10 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(root: Path, mode: str, args) -> dict[str, float]:
-    from rlsched.config import load_config
-    from rlsched.runfiles import prepare_run_dir
-    from rlsched.scheduler import FreeLocks
-    from rlsched.task import TaskDriver
+    from rlsched.config.schema import load_config
+    from rlsched.run.task import TaskDriver
+    from rlsched.rundir.files import prepare_run_dir
+    from rlsched.scheduling.scheduler import FreeLocks
 
     cfg = load_config(CONFIG, [f"experiment.name={mode}", f"experiment.output_dir={root}",
                                f"tasks.0.model.path={root / 'model'}", f"tasks.0.model.init_preset={args.preset}",

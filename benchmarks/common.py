@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlsched.runfiles import write_atomic
+from rlsched.rundir.files import write_atomic
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # checkpoints are local; nothing may come from a hub

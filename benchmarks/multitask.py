@@ -56,8 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def experiment(root: Path, name: str, tasks: list[str], args):
     import yaml
 
-    from rlsched.config import validate
-    from rlsched.runfiles import prepare_run_dir
+    from rlsched.config.schema import validate
+    from rlsched.rundir.files import prepare_run_dir
 
     raw = yaml.safe_load(CONFIG.read_text())
     template = raw["tasks"][0]
@@ -73,7 +73,7 @@ def experiment(root: Path, name: str, tasks: list[str], args):
 
 
 def metrics(cfg, task: str) -> list[dict]:
-    from rlsched.tracking import read_metrics
+    from rlsched.observe.tracking import read_metrics
 
     return read_metrics(cfg.run_dir / "tasks" / task / "metrics.jsonl")
 
@@ -83,7 +83,7 @@ def step_ends(cfg, task: str) -> list[float]:
 
 
 def run(cfg) -> float:
-    from rlsched.experiment import run_experiment
+    from rlsched.run.experiment import run_experiment
 
     t0 = time.perf_counter()
     results = run_experiment(cfg, echo=lambda *_: None)
@@ -96,8 +96,8 @@ def run(cfg) -> float:
 def lock_round_trips(n: int) -> list[float]:
     import ray
 
-    from rlsched.policy import GroupSpec, Policy
-    from rlsched.scheduler import Scheduler
+    from rlsched.scheduling.policy import GroupSpec, Policy
+    from rlsched.scheduling.scheduler import Scheduler
 
     policy = Policy({"g0": GroupSpec.colocated()})
     policy.register("probe", "g0", 1, 1)
@@ -122,7 +122,7 @@ def lock_round_trips(n: int) -> list[float]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from rlsched.cluster import init_ray
+    from rlsched.cluster.ray_cluster import init_ray
 
     init_ray()
     w = args.warmup_steps

@@ -5,7 +5,7 @@
 
 What is measured: the median `time/step_s` (what metrics.jsonl records) of the demo's addition task
 (the tiny ~0.2M-parameter Qwen3, 16 prompts x 16 samples, 4 new tokens, colocated) run by the one step
-loop (rlsched.task) in two ways, alternately `--repeats` times in one invocation (after one untimed
+loop (rlsched.run.task) in two ways, alternately `--repeats` times in one invocation (after one untimed
 Ray run that lets a new cluster settle):
 - in-process: roles in this process, always-free locks (`rlsched train --in-process`);
 - Ray, per layout (`--layouts`): the driver in a Ray actor process, locks from the scheduler actor (`rlsched
@@ -55,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config(root: Path, name: str, args, processes: str = "auto"):
-    from rlsched.config import load_config
-    from rlsched.runfiles import prepare_run_dir
+    from rlsched.config.schema import load_config
+    from rlsched.rundir.files import prepare_run_dir
 
     cfg = load_config(CONFIG, [f"experiment.name={name}", f"experiment.output_dir={root}",
                                f"tasks.0.model.path={root / 'model'}", f"tasks.0.steps={args.steps}",
@@ -72,7 +72,7 @@ ROLE_WORK = {"engine": ("sync_weights", "verify", "generate"), "actor": ("train"
 
 def step_times(cfg, events: list[dict], warmup: int) -> dict[str, float]:
     """Median seconds per step, per phase, and of control-plane time (see the module docstring)."""
-    from rlsched.tracking import read_metrics
+    from rlsched.observe.tracking import read_metrics
 
     rows = read_metrics(cfg.run_dir / "tasks" / "addition" / "metrics.jsonl")
     spans = sorted((e for e in events if e.get("kind") == "span"), key=lambda e: e["start"])
@@ -94,11 +94,11 @@ def step_times(cfg, events: list[dict], warmup: int) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from rlsched.cluster import init_ray
-    from rlsched.experiment import run_experiment
-    from rlsched.scheduler import FreeLocks
-    from rlsched.task import TaskDriver
-    from rlsched.timeline import read_trace
+    from rlsched.cluster.ray_cluster import init_ray
+    from rlsched.observe.timeline import read_trace
+    from rlsched.run.experiment import run_experiment
+    from rlsched.run.task import TaskDriver
+    from rlsched.scheduling.scheduler import FreeLocks
 
     init_ray()
     quiet = lambda *_: None  # noqa: E731

@@ -165,7 +165,7 @@ def sglang_call(model_dir: Path, prompts: np.ndarray, new_tokens: int) -> tuple[
     weights through `update_weights` (as in training: the actor's weights are the only weights)."""
     import ray
 
-    from rlsched.cluster import init_ray
+    from rlsched.cluster.ray_cluster import init_ray
     from workers.models import load_pretrained
     from workers.models import params as P
     from workers.rollout import SamplingParams

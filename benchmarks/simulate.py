@@ -1,4 +1,4 @@
-"""Discrete-event simulator: N GRPO tasks on device groups, scheduled by the real `rlsched.policy.Policy`.
+"""Discrete-event simulator: N GRPO tasks on device groups, scheduled by the real `rlsched.scheduling.policy.Policy`.
 
     python -m benchmarks.simulate [--profile tiny_cpu | --from-metrics RUN/tasks/T/metrics.jsonl]
                                   [--tasks 1,2,4,8,16,32,64] [--placement disaggregated] [--steps 20]
@@ -8,7 +8,7 @@ It answers "how much do I gain by running N tasks together?" beyond the N this m
 per-phase seconds measured by a bench run (`--from-metrics`) or published by others (`PUBLISHED`).
 
 Design decisions (and why):
-- **The same policy.** The simulator does what `rlsched.scheduler.Scheduler` does: `request` a phase,
+- **The same policy.** The simulator does what `rlsched.scheduling.scheduler.Scheduler` does: `request` a phase,
   `grant` with the clock, execute the grant's moves, `release`. Only the clock differs: a heap of
   events and a simulated time instead of asyncio and `time.monotonic`. Grant order, head-of-line
   blocking, LRU eviction and memory admission are therefore the scheduler's own, never re-modelled.
@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlsched.policy import Action, Move, Phase, Placement, Policy, Role
+from rlsched.scheduling.policy import Action, Move, Phase, Placement, Policy, Role
 
 GiB = 2**30  # budgets and bytes, as rlsched's cluster.memory_budget_gb
 
@@ -129,7 +129,7 @@ class PhaseProfile:
 # tiny_cpu: this machine, benchmarks/results/multitask (tiny addition task, disaggregated, solo medians
 # of two tasks after warm-up): rollout 0.062 s and train 0.111 s as measured include the release's half
 # round trip (1.4 ms), removed here; lock round trip p50 2.8 ms. Sync is inside rollout_s (that run did
-# not time it apart). Bytes: rlsched.experiment.estimate_bytes of configs/demo_addition.yaml. Move seconds
+# not time it apart). Bytes: rlsched.run.experiment.estimate_bytes of configs/demo_addition.yaml. Move seconds
 # are unmeasured (0): time a colocated run with a budget and use --from-metrics for real ones.
 FIELD_STEPS = 10
 _7B_PARAMS, _4B_PARAMS = 7.6e9, 4.0e9
@@ -252,7 +252,7 @@ class _Sim:
 
     def __init__(self, profiles: Sequence[PhaseProfile], steps: Sequence[int], placement: str,
                  budget_bytes: int | None, groups: int, shared_speed: float):
-        from rlsched.policy import GroupSpec
+        from rlsched.scheduling.policy import GroupSpec
 
         self.placement = Placement(placement)
         spec = (GroupSpec.colocated(budget_bytes) if self.placement is Placement.COLOCATED
@@ -587,7 +587,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.from_metrics is not None:
-        from rlsched.tracking import read_metrics
+        from rlsched.observe.tracking import read_metrics
 
         rtt = None if args.lock_rtt_ms is None else args.lock_rtt_ms / 1e3
         profile, source = profile_from_metrics(read_metrics(args.from_metrics), warmup=args.warmup,

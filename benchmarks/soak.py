@@ -31,8 +31,8 @@ from benchmarks.common import environment, save_results  # first: sets JAX to CP
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo_addition.yaml"
 FLAT = 0.10  # at most this much growth after the warm-up
-# The service's bounds (rlsched.service.LIMITS), lowered so that a short soak reaches every one of them within its
-# warm-up: flat after it means bounded, not merely not yet grown.
+# The service's bounds (rlsched.service.server.LIMITS), lowered so that a short soak reaches every one of them within
+# its warm-up: flat after it means bounded, not merely not yet grown.
 LIMITS = {"requests": 20, "lines": 50, "finished": 3, "grants": 20}
 CANCELLED_STEPS = 1000  # a task to be cancelled has more steps than it can run before the cancel lands
 KINDS = ("finish", "cancel at once", "cancel after a step")
@@ -86,8 +86,8 @@ def _rss(pid: int | None) -> int:
 
 
 def run(args, home: Path) -> dict:
-    from rlsched import client, daemon
-    from rlsched.service import TERMINAL
+    from rlsched.service import client, daemon
+    from rlsched.service.server import TERMINAL
     from workers.models import init_model
 
     os.environ["RLSCHED_HOME"] = str(home / "state")
@@ -153,7 +153,7 @@ def _alive(pid: int) -> bool:
 
 
 def _complete(run_dir: Path, task: str, steps: int) -> bool:
-    from rlsched.tracking import read_metrics
+    from rlsched.observe.tracking import read_metrics
 
     rows = read_metrics(run_dir / "tasks" / task / "metrics.jsonl")
     return [r["step"] for r in rows] == list(range(1, steps + 1)) and (run_dir / "summary.json").is_file()

@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _config(root: Path, name: str, tasks: int, cache: Path, args, extra=()):
-    from rlsched.config import load_config, select_tasks
+    from rlsched.config.schema import load_config, select_tasks
 
     every = [f"steps={args.steps}", *args.overrides, *extra]
     overrides = [f"experiment.name={name}", f"experiment.output_dir={root}", f"cluster.compile_cache_dir={cache}",
@@ -74,9 +74,9 @@ def _make_models(root: Path, args) -> None:
 
 
 def first_step(root: Path, tasks: int, cache: Path, label: str, args) -> dict[str, float]:
-    from rlsched.experiment import run_experiment
-    from rlsched.runfiles import prepare_run_dir
-    from rlsched.tracking import read_metrics
+    from rlsched.observe.tracking import read_metrics
+    from rlsched.run.experiment import run_experiment
+    from rlsched.rundir.files import prepare_run_dir
 
     cfg = _config(root, f"{label}-{tasks}", tasks, cache, args)
     prepare_run_dir(cfg, resume=False, overwrite=True)
@@ -93,9 +93,9 @@ def restart_cost(root: Path, cache: Path, role: str, args) -> float:
     """Seconds from a SIGKILL of one task's `role` (after its second step) to its next completed step."""
     import ray
 
-    from rlsched.experiment import run_experiment
-    from rlsched.runfiles import prepare_run_dir
-    from rlsched.tracking import read_metrics
+    from rlsched.observe.tracking import read_metrics
+    from rlsched.run.experiment import run_experiment
+    from rlsched.rundir.files import prepare_run_dir
 
     steps = max(args.steps, 4)
     cfg = _config(root, f"restart-{role}", 1, cache, args,
@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import ray
 
-    from rlsched import cluster
+    from rlsched.cluster import ray_cluster
 
     # Each run names its own cache, which the role processes use unless their environment names one: Ray's
     # workers inherit this process's environment when Ray starts here. A Ray started before (a test session)
@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
     if not ray.is_initialized():
         for key in OWN_CACHE:
             os.environ.pop(key, None)
-    cluster.init_ray(None, log_to_driver=False)
+    ray_cluster.init_ray(None, log_to_driver=False)
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -67,7 +67,7 @@ def ensure_model(preset: str) -> Path:
 
 
 def experiment_config(args: argparse.Namespace, model_dir: Path, output_dir: str):
-    from rlsched.config import load_config
+    from rlsched.config.schema import load_config
 
     samples = args.prompts * args.generations
     t = "tasks.0"
@@ -83,8 +83,8 @@ def experiment_config(args: argparse.Namespace, model_dir: Path, output_dir: str
 
 
 def rlsched_steps(cfg, total: int) -> list[dict]:
-    from rlsched.experiment import run_in_process
-    from rlsched.runfiles import prepare_run_dir
+    from rlsched.run.experiment import run_in_process
+    from rlsched.rundir.files import prepare_run_dir
 
     prepare_run_dir(cfg, resume=False, overwrite=True)  # the task writes its metrics under the run dir
     metrics = run_in_process(cfg, echo=lambda line: print(f"  {line}", flush=True))[cfg.tasks[0].name]

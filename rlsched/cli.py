@@ -9,7 +9,7 @@
     rlsched bench [--tasks 1,2,3,4]    throughput of N concurrent tasks vs sequential vs the ideal bound
     rlsched simulate [--profile NAME]  project throughput to 1-64 tasks with the scheduler's own policy
     rlsched up [--policy fair] / submit CONFIG / status / logs TASK -f / cancel TASK / locks / down
-                                       a long-lived scheduler that tasks join and leave (rlsched.service)
+                                       a long-lived scheduler that tasks join and leave (rlsched.service.server)
     rlsched resume TASK [--fresh] / forget TASK    continue a cancelled or failed task as submitted / drop its record
     rlsched init-model --preset tiny DIR
     rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]   DIR: a model, run or checkpoint
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlsched.errors import UsageError
+from rlsched.base.errors import UsageError
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
@@ -49,7 +49,7 @@ def _encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from rlsched.export import find_checkpoint, is_checkpoint_source, load_model
+    from rlsched.run.export import find_checkpoint, is_checkpoint_source, load_model
     from workers.models import load_pretrained
     from workers.rollout import SamplingParams
     from workers.rollout.jax_sampler import JaxSampler
@@ -84,7 +84,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"  # an export reads and writes files: it must never claim an accelerator
-    from rlsched.export import export
+    from rlsched.run.export import export
 
     print(export(args.run_dir, args.out, task=args.task, step=args.step, overwrite=args.overwrite).describe())
     return 0
@@ -98,15 +98,15 @@ DEMO_MULTITASK = CONFIGS / "demo_multitask.yaml"
 def _cmd_demo(args: argparse.Namespace) -> int:
     """The quickstart job: two tiny random Qwen3s learn addition and subtraction with GRPO, sharing
     this machine under the scheduler on an embedded local Ray."""
-    from rlsched.config import load_config
-    from rlsched.experiment import train
-    from rlsched.tracking import read_metrics
+    from rlsched.config.schema import load_config
+    from rlsched.observe.tracking import read_metrics
+    from rlsched.run.experiment import train
 
     out = Path(args.out)
     names = [t.name for t in load_config(DEMO_MULTITASK).tasks]
     overrides = [f"experiment.output_dir={out}",
                  *(f"tasks.{i}.model.path={out / 'models' / ('tiny-' + n)}" for i, n in enumerate(names)), *args.set]
-    from rlsched.stopping import Interrupted, Stopped
+    from rlsched.run.stopping import Interrupted, Stopped
 
     try:
         results = train(DEMO_MULTITASK, overrides=overrides, overwrite=True, in_process=False,
@@ -129,8 +129,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from rlsched.experiment import train
-    from rlsched.stopping import Interrupted, Stopped
+    from rlsched.run.experiment import train
+    from rlsched.run.stopping import Interrupted, Stopped
 
     tasks = [t for spec in args.tasks for t in spec.split(",") if t] if args.tasks else None
     try:
@@ -161,8 +161,8 @@ def _resume_command(argv: list[str]) -> str:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from rlsched.config import load_configs
-    from rlsched.plan import device_plan
+    from rlsched.config.plan import device_plan
+    from rlsched.config.schema import load_configs
 
     plan = device_plan(load_configs(args.config, args.set))
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())
@@ -172,7 +172,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from rlsched.check import check
+    from rlsched.config.check import check
 
     report = check(args.config, args.set, devices=args.devices, model=args.model, model_config=args.model_config)
     print(report.render())
@@ -180,13 +180,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from rlsched.config_reference import render_reference
+    from rlsched.config.reference import render_reference
 
     text = render_reference()
     if args.out is None:
         sys.stdout.write(text)
         return 0
-    from rlsched.runfiles import write_atomic
+    from rlsched.rundir.files import write_atomic
 
     if Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} is a directory; name the Markdown file to write, e.g. docs/config.md")
@@ -202,7 +202,7 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from rlsched.timeline import report
+    from rlsched.observe.timeline import report
 
     print(report(Path(args.run_dir), render=not args.no_png))
     if not args.no_png:
@@ -211,7 +211,8 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from rlsched import daemon, security
+    from rlsched.cluster import security
+    from rlsched.service import daemon
 
     if args.address is None and daemon.read_info() is None:  # the service's process checks it again as it starts
         security.prepare_embedded_cluster(echo=lambda line: print(line, file=sys.stderr))
@@ -233,7 +234,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
-    from rlsched import client
+    from rlsched.service import client
 
     configs, resume = list(args.config), args.resume
     if isinstance(resume, str) and Path(resume).is_file():  # `submit --resume CONFIG`: the flag, then a config
@@ -260,7 +261,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from rlsched import client
+    from rlsched.service import client
 
     report = client.status()
     print(json.dumps(report, indent=2) if args.json else client.render_status(report))
@@ -268,14 +269,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    from rlsched import client
+    from rlsched.service import client
 
     client.follow_logs(args.task, follow=args.follow)
     return 0
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:
-    from rlsched import client
+    from rlsched.service import client
 
     answer = client.cancel(args.task, args.request_id)
     print(f"{args.task}: {answer['state']}" + (f" ({answer['note']})" if answer.get("note") else ""))
@@ -283,7 +284,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
-    from rlsched import client
+    from rlsched.service import client
 
     answer = client.resume(args.task, fresh=args.fresh, request=args.request_id)
     where = ("no checkpoint: starts again from step 0" if answer["after_step"] is None else
@@ -294,7 +295,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _cmd_forget(args: argparse.Namespace) -> int:
-    from rlsched import client
+    from rlsched.service import client
 
     answer = client.forget(args.task)
     print(f"forgot {args.task} ({answer['state']}); its files stay in {answer['run_dir']}")
@@ -304,7 +305,7 @@ def _cmd_forget(args: argparse.Namespace) -> int:
 def _cmd_locks(args: argparse.Namespace) -> int:
     import json
 
-    from rlsched import client
+    from rlsched.service import client
 
     report = client.locks(args.release)
     if args.release:
@@ -314,7 +315,7 @@ def _cmd_locks(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from rlsched import daemon
+    from rlsched.service import daemon
 
     pid = daemon.down(force=args.force)
     print(f"scheduler stopped (pid {pid}); task records stay in {daemon.state_dir() / 'tasks.json'}")
@@ -397,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-png", action="store_true", help="print the table only")
     p.set_defaults(func=_cmd_timeline)
 
-    from rlsched.policy import ORDERS
+    from rlsched.scheduling.policy import ORDERS
 
     p = sub.add_parser("up", help="start a long-lived scheduler service (and an embedded local Ray, token "
                                   "authentication on)")
@@ -473,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("args", nargs=argparse.REMAINDER, help=f"options of `python -m {module}` (try --help)")
         p.set_defaults(func=_cmd_passthrough(module))
 
-    from rlsched.config import MODEL_PRESETS
+    from rlsched.config.schema import MODEL_PRESETS
 
     p = sub.add_parser("init-model", help="write a random model (Qwen3, Qwen2, Qwen3-MoE) + tokenizer in Hugging "
                                           "Face format")
@@ -552,14 +553,15 @@ def _main(argv: list[str] | None = None) -> int:
         return _cmd_passthrough(PASSTHROUGH[argv[0]])(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command line as given (a resume hint repeats it)
-    if getattr(args, "insecure", False):  # read where an embedded Ray starts (rlsched.security), here or in `up`'s
-        from rlsched.security import INSECURE_ENV  # service process, which inherits it
+    if getattr(args, "insecure", False):  # read where an embedded Ray starts (rlsched.cluster.security), here or in
+                                          # `up`'s
+        from rlsched.cluster.security import INSECURE_ENV  # service process, which inherits it
 
         os.environ[INSECURE_ENV] = "1"
-    from rlsched.daemon import NoService, ServiceError
+    from rlsched.service.daemon import NoService, ServiceError
 
     if args.command in SERVICE_COMMANDS:  # quick commands: no model code imported for their errors
-        from rlsched.errors import TaskError
+        from rlsched.base.errors import TaskError
 
         try:
             return args.func(args)
@@ -572,7 +574,7 @@ def _main(argv: list[str] | None = None) -> int:
         except (ValueError, TaskError) as err:  # config errors (ConfigError, RunDirError) and refusals
             print(f"error: {err}", file=sys.stderr)
             return 2
-    from rlsched.errors import ClusterTooSmall, ClusterUnreachable, TaskError, is_input_error
+    from rlsched.base.errors import ClusterTooSmall, ClusterUnreachable, TaskError, is_input_error
     from workers.rewards import RewardError
 
     try:
@@ -604,8 +606,8 @@ def _internal_error(args: argparse.Namespace) -> int:
     import time
     import traceback
 
-    from rlsched.daemon import state_dir
-    from rlsched.security import open_private, private_dir
+    from rlsched.cluster.security import open_private, private_dir
+    from rlsched.service.daemon import state_dir
 
     text = traceback.format_exc()
     print(text, file=sys.stderr, end="")

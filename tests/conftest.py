@@ -36,7 +36,7 @@ from workers.models import init_model  # noqa: E402
 def one_task_fits_gb(task) -> float:
     """A per-device memory budget (GiB) with room for one task's engine and actor and half of one more role: one
     task fits, two never do, so colocated tasks evict each other's roles all along. `task`: a TaskConfig."""
-    from rlsched.experiment import estimate_bytes
+    from rlsched.run.experiment import estimate_bytes
 
     engine, actor = estimate_bytes(task)
     return (engine + actor + min(engine, actor) // 2) / 2**30
@@ -61,7 +61,7 @@ def ray_session():
     """One embedded local Ray for the whole test session (started on first use)."""
     import ray
 
-    from rlsched.cluster import init_ray
+    from rlsched.cluster.ray_cluster import init_ray
 
     init_ray()
     yield ray

@@ -1,10 +1,14 @@
 """Import boundaries, checked from source with `ast` (nothing here imports the code it checks).
 
-The layers exist so each side can run where it must: the control plane (rlsched.policy) never touches an
+The layers exist so each side can run where it must: the control plane (rlsched.scheduling.policy) never touches an
 accelerator (no jax, no ray, no workers), so it stays a pure, fast, testable decision function; the data
 plane (workers/) never reaches up into the scheduler, so workers can be built and run without it; model
 and GRPO code is Ray-free; and nothing imports the CLI, which is an entry point, not a library. Import
 cycles are reported with the file:line of every edge that forms them.
+
+rlsched/ is folders on floors (`FOLDERS`, lowest first): a module imports from its own folder and the floors
+below it, never above, so each folder can be read knowing only what is under it. Each folder's __init__
+docstring says the same in words.
 """
 
 from __future__ import annotations
@@ -124,10 +128,10 @@ def find_cycles(imports: list[Import]) -> list[str]:
 
 
 RULES = [  # (importers, forbidden targets, why); each entry also covers its submodules
-    (("rlsched.policy",), ("ray", "jax", "workers"), "the control-plane policy never touches an accelerator"),
+    (("rlsched.scheduling.policy",), ("ray", "jax", "workers"), "the control-plane policy never touches a device"),
     (
         ("workers",),
-        ("rlsched.scheduler", "rlsched.task", "rlsched.experiment", "rlsched.cli"),
+        ("rlsched.scheduling", "rlsched.run", "rlsched.service", "rlsched.cli"),
         "the data plane never reaches up into the scheduler",
     ),
     (("workers.grpo", "workers.models"), ("ray",), "model and GRPO code is Ray-free"),
@@ -144,6 +148,37 @@ def rule_violations(imports: list[Import]) -> list[str]:
     ]
 
 
+# rlsched's folders, lowest first: each imports only from itself and the folders before it. rlsched.cli sits on
+# top of all of them (and RULES keeps everything else from importing it).
+FOLDERS = ("base", "config", "rundir", "observe", "scheduling", "cluster", "run", "service")
+TOP = ("rlsched", "rlsched.cli")  # the package itself and its entry point: the only modules outside a folder
+
+
+def _folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "rlsched" and parts[1] in FOLDERS else None
+
+
+def folder_violations(imports: list[Import]) -> list[str]:
+    """Every import of rlsched that goes up a floor (or into no folder at all), as file:line."""
+    order = " < ".join(FOLDERS)
+    found = []
+    for i in sorted(imports, key=lambda i: (i.file, i.line, i.target)):
+        if not _under(i.importer, "rlsched") or i.importer in TOP:
+            continue
+        src = _folder(i.importer)
+        if src is None:
+            found.append(f"{i.file}:{i.line}: {i.importer} is in no folder of rlsched/: move it into one of {FOLDERS}")
+            continue
+        if not _under(i.target, "rlsched") or i.target == "rlsched":
+            continue
+        dst = _folder(i.target)
+        if dst is None or FOLDERS.index(dst) > FOLDERS.index(src):
+            found.append(f"{i.file}:{i.line}: {i.importer} imports {i.target}: rlsched.{src} may import only its own "
+                         f"folder and the ones below it ({order})")
+    return found
+
+
 def test_no_import_cycles():
     cycles = find_cycles(scan(ROOT, PACKAGES))
     assert cycles == [], "\n" + "\n".join(cycles)
@@ -152,6 +187,20 @@ def test_no_import_cycles():
 def test_layer_rules():
     violations = rule_violations(scan(ROOT, PACKAGES))
     assert violations == [], "\n" + "\n".join(violations)
+
+
+def test_folders_import_only_downward():
+    violations = folder_violations(scan(ROOT, PACKAGES))
+    assert violations == [], "\n" + "\n".join(violations)
+
+
+def test_every_folder_says_what_it_owns_and_may_import():
+    for folder in FOLDERS:
+        doc = ast.get_docstring(ast.parse((ROOT / "rlsched" / folder / "__init__.py").read_text()))
+        assert doc and "May import:" in doc, f"rlsched/{folder}/__init__.py: a docstring saying what it owns and " \
+                                              "a 'May import:' line"
+    on_top = sorted(p.name for p in (ROOT / "rlsched").glob("*.py"))
+    assert on_top == ["__init__.py", "cli.py"], f"rlsched/ holds only cli.py and folders, found {on_top}"
 
 
 # --- tests of the checker, on fake trees -------------------------------------------------------------------
@@ -172,8 +221,10 @@ def test_the_control_plane_imports_no_jax():
     import subprocess
     import sys
 
-    modules = ["rlsched.cli", "rlsched.experiment", "rlsched.task", "rlsched.phases", "rlsched.scheduler",
-               "rlsched.roles", "rlsched.cluster", "rlsched.memory", "rlsched.timeline", "rlsched.tracking"]
+    modules = ["rlsched.cli", "rlsched.run.experiment", "rlsched.run.task", "rlsched.run.phases",
+               "rlsched.scheduling.scheduler", "rlsched.run.roles", "rlsched.cluster.ray_cluster",
+               "rlsched.scheduling.memory", "rlsched.observe.timeline", "rlsched.observe.tracking",
+               "rlsched.service.server", "rlsched.service.client"]
     code = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -190,7 +241,8 @@ def test_role_processes_import_no_tokenizer_library():
     import subprocess
     import sys
 
-    code = ("import sys\nimport rlsched.roles, rlsched.compile_cache, rlsched.checkpoints, workers.actor\n"
+    code = ("import sys\nimport rlsched.run.roles, rlsched.cluster.compile_cache, rlsched.run.checkpoints\n"
+            "import workers.actor\n"
             "from workers.models import init_model, load_pretrained\n"
             "from workers.rollout import make_engine\nimport workers.rollout.jax_sampler\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))")
@@ -242,22 +294,22 @@ def test_each_rule_violation_is_reported(tmp_path):
     imports = _tree(
         tmp_path,
         {
-            "rlsched/policy.py": "def pick():\n    import jax.numpy as jnp\n    return jnp\n",
-            "rlsched/task.py": "",
+            "rlsched/scheduling/policy.py": "def pick():\n    import jax.numpy as jnp\n    return jnp\n",
+            "rlsched/run/task.py": "",
             "rlsched/cli.py": "",
             "rlsched/z.py": "\nfrom rlsched import cli\n",
-            "workers/x.py": "from rlsched.task import Task\n",
+            "workers/x.py": "from rlsched.run.task import Task\n",
             "workers/models/m.py": "import ray\n",
             "workers/grpo.py": "try:\n    import ray.util\nexcept ImportError:\n    pass\n",
         },
     )
     violations = rule_violations(imports)
     expected = [
-        "rlsched/policy.py:2: rlsched.policy imports jax.numpy: ",
+        "rlsched/scheduling/policy.py:2: rlsched.scheduling.policy imports jax.numpy: ",
         "rlsched/z.py:2: rlsched.z imports rlsched.cli: ",
         "workers/grpo.py:2: workers.grpo imports ray.util: ",
         "workers/models/m.py:1: workers.models.m imports ray: ",
-        "workers/x.py:1: workers.x imports rlsched.task: ",
+        "workers/x.py:1: workers.x imports rlsched.run.task: ",
     ]
     assert len(violations) == len(expected), violations
     for prefix, message in zip(expected, violations, strict=True):
@@ -268,14 +320,15 @@ def test_clean_tree_has_no_findings(tmp_path):
     imports = _tree(
         tmp_path,
         {
-            "rlsched/policy.py": "import math\n",
-            "rlsched/scheduler.py": "from rlsched.policy import pick\n",
-            "rlsched/cli.py": "import rlsched.scheduler\nfrom workers import grpo\n",
+            "rlsched/scheduling/policy.py": "import math\n",
+            "rlsched/scheduling/scheduler.py": "from rlsched.scheduling.policy import pick\nimport rlsched.base.units",
+            "rlsched/base/units.py": "",
+            "rlsched/cli.py": "import rlsched.scheduling.scheduler\nfrom workers import grpo\n",
             "workers/grpo.py": "import jax\nfrom workers.models import m\n",
             "workers/models/m.py": "import jax.numpy\n",
         },
     )
-    assert imports and find_cycles(imports) == [] and rule_violations(imports) == []
+    assert imports and find_cycles(imports) == [] and rule_violations(imports) == [] == folder_violations(imports)
 
 
 def test_type_checking_imports_are_ignored(tmp_path):
@@ -284,8 +337,33 @@ def test_type_checking_imports_are_ignored(tmp_path):
         {
             "rlsched/e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlsched import f\n",
             "rlsched/f.py": "import rlsched.e\n",
-            "rlsched/policy.py": "import typing\nif typing.TYPE_CHECKING:\n    import jax\nelse:\n    import ray\n",
+            "rlsched/scheduling/policy.py": "import typing\nif typing.TYPE_CHECKING:\n    import jax\nelse:\n"
+                                            "    import ray\n",
         },
     )
     assert find_cycles(imports) == []
-    assert [v.split(": ")[0] for v in rule_violations(imports)] == ["rlsched/policy.py:5"]  # the else branch runs
+    assert [v.split(": ")[0] for v in rule_violations(imports)] == ["rlsched/scheduling/policy.py:5"]  # else runs
+
+
+def test_an_import_up_a_floor_is_reported_with_file_and_line(tmp_path):
+    imports = _tree(
+        tmp_path,
+        {
+            "rlsched/observe/timeline.py": "import json\n\ndef f():\n    from rlsched.run import task\n",
+            "rlsched/run/task.py": "from rlsched.observe import timeline\nfrom rlsched.run import roles\n",
+            "rlsched/run/roles.py": "",
+            "rlsched/scheduling/policy.py": "from rlsched.cluster.ray_cluster import GROUP\n",
+            "rlsched/cluster/ray_cluster.py": "",
+            "rlsched/stray.py": "import os\n",
+            "rlsched/cli.py": "from rlsched.service import server\n",
+            "rlsched/service/server.py": "",
+        },
+    )
+    violations = folder_violations(imports)
+    assert [v.split(": ")[0] for v in violations] == [
+        "rlsched/observe/timeline.py:4",  # observe imports run: up three floors, inside a function
+        "rlsched/scheduling/policy.py:1",  # scheduling imports the cluster above it
+        "rlsched/stray.py:1",  # a module outside every folder
+    ], violations
+    assert "rlsched.observe.timeline imports rlsched.run.task: rlsched.observe may import only" in violations[0]
+    assert "is in no folder" in violations[2]

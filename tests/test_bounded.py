@@ -1,8 +1,8 @@
-"""The bounds of what a long-lived service keeps in memory (rlsched.bounded), against hand-counted sequences."""
+"""The bounds of what a long-lived service keeps in memory (rlsched.service.bounded), against hand-counted sequences."""
 
 from __future__ import annotations
 
-from rlsched.bounded import RecentAnswers, TailLines
+from rlsched.service.bounded import RecentAnswers, TailLines
 
 
 def test_recent_answers_keep_the_last_keys_set():

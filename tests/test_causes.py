@@ -89,14 +89,14 @@ def test_a_model_directory_that_cannot_work_is_refused_before_ray_starts(tmp_pat
         assert [line for line in out.stderr.splitlines() if not line.startswith("import time")] == [expected], name
         assert out.stdout == "", name  # not even the batch plan: the check comes first
         assert not (tmp_path / "runs").exists(), name
-        assert "rlsched.preflight" in imported and not {m for m in imported if m.split(".")[0] in ("ray", "jax")}
+        assert "rlsched.config.preflight" in imported and not {m for m in imported if m.split(".")[0] in ("ray", "jax")}
         assert took < 10, (name, took)
 
 
 def test_submit_checks_the_model_directory_where_the_user_is(tmp_path, tiny_model_dir):
     """`rlsched submit` validates on the client, before anything is sent: the same refusal as train's."""
-    from rlsched.client import service_config
-    from rlsched.config import ConfigError
+    from rlsched.config.schema import ConfigError
+    from rlsched.service.client import service_config
 
     settings = {"num_devices": 1, "placement": "colocated", "memory_budget_gb": None, "policy": "fifo"}
     for name, (model, expected) in _broken_models(tmp_path, tiny_model_dir).items():
@@ -109,8 +109,8 @@ def test_submit_checks_the_model_directory_where_the_user_is(tmp_path, tiny_mode
 def test_a_preset_model_may_be_absent(tmp_path):
     """model.init_preset: `rlsched train` creates the model, so an absent directory (or one without config.json)
     is not an error; one that has config.json must have its weights."""
-    from rlsched.config import ConfigError, load_config
-    from rlsched.preflight import check_model_dir
+    from rlsched.config.preflight import check_model_dir
+    from rlsched.config.schema import ConfigError, load_config
 
     config = _config(tmp_path, tmp_path / "made-later")
     check_model_dir(load_config(config, ["tasks.0.model.init_preset=tiny"]).tasks[0], 0)
@@ -158,8 +158,8 @@ def test_a_ray_actors_constructor_error_is_read_from_rays_text(ray_session):
     keeps only its text, coloured. What RoleDied says of it is the exception's own type and first line."""
     import ray
 
-    from rlsched.errors import cause_of, creation_error
-    from rlsched.exits import death_cause
+    from rlsched.base.errors import cause_of, creation_error
+    from rlsched.cluster.exits import death_cause
 
     class _Refused(ValueError):
         pass

@@ -1,4 +1,4 @@
-"""Checkpoints off the step's path (rlsched.checkpoints): `save` returns once the state is on host, the files
+"""Checkpoints off the step's path (rlsched.run.checkpoints): `save` returns once the state is on host, the files
 are written in the background, and neither an offload right after nor a kill mid-write can leave a checkpoint
 that resume would pick and fail on. Real files, real processes."""
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlsched.checkpoints import TaskCheckpointer
+from rlsched.run.checkpoints import TaskCheckpointer
 from workers.actor import TrainState
 
 
@@ -49,7 +49,7 @@ def test_a_kill_while_a_save_is_written_leaves_the_previous_checkpoint_the_lates
         import os, sys
         sys.path.insert(0, {os.getcwd()!r})
         from tests.test_checkpoints import _state
-        from rlsched.checkpoints import TaskCheckpointer
+        from rlsched.run.checkpoints import TaskCheckpointer
         ckpt = TaskCheckpointer({str(tmp_path / "ckpt")!r})
         ckpt.save(1, _state(1000, 1.0), {{"step": 1}})
         ckpt.wait()
@@ -73,7 +73,7 @@ def test_a_checkpoint_is_checked_against_the_state_it_restores_into(tmp_path):
     refused with what differs, never loaded into the wrong arrays."""
     import pytest
 
-    from rlsched.errors import CheckpointError
+    from rlsched.base.errors import CheckpointError
 
     ckpt = TaskCheckpointer(tmp_path / "ckpt")
     ckpt.save(1, _state(1000, 1.0), {"step": 1})

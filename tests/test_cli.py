@@ -56,9 +56,9 @@ def test_errors_keep_their_nature(tmp_path, capsys, monkeypatch):
     its traceback, exit 1, and is kept in a file that the last line names."""
     from pathlib import Path
 
-    import rlsched.plan
-    from rlsched.config import ConfigError
-    from rlsched.errors import CheckpointError, TaskError, UsageError, is_input_error
+    import rlsched.config.plan
+    from rlsched.base.errors import CheckpointError, TaskError, UsageError, is_input_error
+    from rlsched.config.schema import ConfigError
 
     assert is_input_error(ConfigError("x")) and is_input_error(UsageError("x")) and is_input_error(CheckpointError())
     assert not is_input_error(ValueError("x")) and not is_input_error(KeyError("x"))
@@ -70,7 +70,7 @@ def test_errors_keep_their_nature(tmp_path, capsys, monkeypatch):
     def broken(*_args, **_kw):
         raise ValueError("shapes (3,) and (4,) not aligned")  # what a bug deep in a library looks like
 
-    monkeypatch.setattr(rlsched.plan, "device_plan", broken)
+    monkeypatch.setattr(rlsched.config.plan, "device_plan", broken)
     assert main(["plan", config]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "ValueError: shapes (3,) and (4,) not aligned" in err
@@ -82,7 +82,7 @@ def test_errors_keep_their_nature(tmp_path, capsys, monkeypatch):
     def refused(*_args, **_kw):
         raise TaskError("task addition failed: lease expired after 15 s")
 
-    monkeypatch.setattr(rlsched.plan, "device_plan", refused)
+    monkeypatch.setattr(rlsched.config.plan, "device_plan", refused)
     assert main(["plan", config]) == 1  # a task that failed: one line, not a config error
     err = capsys.readouterr().err
     assert err == "error: task addition failed: lease expired after 15 s\n"

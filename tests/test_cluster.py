@@ -89,16 +89,16 @@ def test_a_cluster_of_other_versions_is_named_with_both(ray_session):
     version (what a cluster started from another environment reports) is one line naming both."""
     import platform
 
-    from rlsched import cluster
-    from rlsched.errors import ClusterUnreachable
-    from rlsched.gcsprobe import cluster_metadata
+    from rlsched.base.errors import ClusterUnreachable
+    from rlsched.cluster import ray_cluster
+    from rlsched.cluster.gcsprobe import cluster_metadata
 
     gcs = ray_session.get_runtime_context().gcs_address
     metadata = cluster_metadata(gcs)
     assert metadata["ray_version"] == ray_session.__version__
-    cluster.check_reachable(gcs)  # the probe in its child process, as `rlsched train --address` runs it
+    ray_cluster.check_reachable(gcs)  # the probe in its child process, as `rlsched train --address` runs it
     with pytest.raises(ClusterUnreachable) as err:
-        cluster.check_versions(gcs, metadata | {"ray_version": "2.9.3"})
+        ray_cluster.check_versions(gcs, metadata | {"ray_version": "2.9.3"})
     assert str(err.value) == (
         f"--address {gcs}: the cluster runs Ray 2.9.3 on Python {metadata['python_version']}, this rlsched Ray "
         f"{ray_session.__version__} on Python {platform.python_version()}; run rlsched with the cluster's versions, "
@@ -107,7 +107,7 @@ def test_a_cluster_of_other_versions_is_named_with_both(ray_session):
 
 ROLE_ENV = """
 import os, sys
-from rlsched.cluster import enter_role_env, role_env
+from rlsched.cluster.ray_cluster import enter_role_env, role_env
 env = role_env(3, "CPU", shares_devices=False)
 if sys.argv[1] == "started":
     import jax

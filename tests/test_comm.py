@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlsched.comm import (
+from rlsched.cluster.comm import (
     ChannelError,
     FakeChannel,
     LocalChannel,
     ObjectStoreChannel,
     WeightMessage,
-    comm_group_name,
     make_channel,
 )
+from rlsched.config.schema import comm_group_name
 
 
 def _flat():

@@ -1,5 +1,5 @@
 """A task that waits for another's build of a shared program spent that time compiling: `compiling.waits` counts
-it for the caller (and rlsched.roles puts it on a compile span), the builder's own time being its build."""
+it for the caller (and rlsched.run.roles puts it on a compile span), the builder's own time being its build."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ CHILD = textwrap.dedent("""
     import json, os, sys, time
     import jax, jax.numpy as jnp
     from jax._src import monitoring
-    from rlsched import compile_cache
+    from rlsched.cluster import compile_cache
     from workers.compiling import compile_once
 
     cache, me, other, locked = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"

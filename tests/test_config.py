@@ -10,7 +10,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from rlsched.config import BatchPlan, ConfigError, ExperimentConfig, dump_resolved, load_config
+from rlsched.config.schema import BatchPlan, ConfigError, ExperimentConfig, dump_resolved, load_config
 
 # One task with batches that exercise every derived number (see test_batch_plan_arithmetic).
 ADDITION = """\
@@ -58,13 +58,13 @@ def test_valid_config_fills_defaults(tmp_path):
 
 
 def test_fields_are_documented():
-    from rlsched import config
-    from rlsched.config import GRPOSection, field_doc
+    from rlsched.config import schema
+    from rlsched.config.schema import GRPOSection, field_doc
 
     assert "group size" in field_doc(GRPOSection, "num_generations")
     assert field_doc(GRPOSection, "no_such_field") is None
-    sections = [c for c in vars(config).values() if isinstance(c, type) and issubclass(c, config._Section)]
-    is_section = lambda f: isinstance(f.annotation, type) and issubclass(f.annotation, config._Section)  # noqa: E731
+    sections = [c for c in vars(schema).values() if isinstance(c, type) and issubclass(c, schema._Section)]
+    is_section = lambda f: isinstance(f.annotation, type) and issubclass(f.annotation, schema._Section)  # noqa: E731
     undocumented = [f"{s.__name__}.{n}" for s in sections for n, f in s.model_fields.items()
                     if not is_section(f) and not field_doc(s, n)]
     assert undocumented == [], f"fields without a docstring under them: {undocumented}"
@@ -97,8 +97,8 @@ def test_tasks_saves_are_staggered_over_the_checkpoint_interval(tmp_path):
     cfg = load_config(write(tmp_path, ADDITION), ["tasks.0.checkpoint_every=20"])
     tasks = [cfg.tasks[0].model_copy(update={"name": f"t{i}"}) for i in range(4)]
     specs = cfg.model_copy(update={"tasks": tasks}).task_specs()
-    from rlsched.scheduler import FreeLocks
-    from rlsched.task import TaskDriver
+    from rlsched.run.task import TaskDriver
+    from rlsched.scheduling.scheduler import FreeLocks
 
     assert [s.checkpoint_offset for s in specs] == [0, 5, 10, 15]
     saved: dict[str, list[int]] = {}
@@ -118,7 +118,7 @@ def test_every_setting_that_changes_results_is_a_config_key(tmp_path):
     that used to be hidden are in the run's resolved config."""
     import dataclasses
 
-    from rlsched.roles import actor_settings
+    from rlsched.run.roles import actor_settings
 
     over = ["tasks.0.optim.min_lr_ratio=0.25", "cluster.lease_timeout_s=30"]
     cfg = load_config(write(tmp_path, ADDITION), over)
@@ -417,7 +417,7 @@ def test_the_compile_cache_is_on_by_default_under_the_output_dir_and_null_turns_
 
     import yaml
 
-    from rlsched.config import validate
+    from rlsched.config.schema import validate
 
     raw = yaml.safe_load((Path(__file__).parents[1] / "configs" / "demo_multitask.yaml").read_text())
     raw["experiment"]["output_dir"] = str(tmp_path / "runs")
@@ -427,14 +427,14 @@ def test_the_compile_cache_is_on_by_default_under_the_output_dir_and_null_turns_
     assert {s.compile_cache for s in validate(raw).task_specs()} == {None}
     # A role process (fresh, without the tests' JAX_COMPILATION_CACHE_DIR) writes what it compiles there
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
-    code = ("import sys, jax, jax.numpy as jnp; from rlsched import compile_cache; compile_cache.enable(sys.argv[1]); "
-            "jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready()")
+    code = ("import sys, jax, jax.numpy as jnp; from rlsched.cluster import compile_cache; "
+            "compile_cache.enable(sys.argv[1]); jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready()")
     subprocess.run([sys.executable, "-c", code, specs[0].compile_cache], env=env, check=True, timeout=120)
     assert any(Path(specs[0].compile_cache).iterdir())
 
 
 def test_the_lock_policy_and_each_tasks_priority_and_weight_reach_the_scheduler(tmp_path):
-    from rlsched.experiment import build_policy
+    from rlsched.run.experiment import build_policy
 
     cfg = load_config(write(tmp_path, ADDITION), ["cluster.policy=fair", "cluster.starvation_limit=3",
                                                   "tasks.0.priority=2", "tasks.0.weight=2.5"])

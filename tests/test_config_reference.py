@@ -16,8 +16,8 @@ from typing import Literal, get_args, get_origin
 import pytest
 from pydantic import BaseModel, Field
 
-from rlsched.config import ExperimentConfig, field_doc
-from rlsched.config_reference import REGENERATE, UndocumentedField, render_reference
+from rlsched.config.reference import REGENERATE, UndocumentedField, render_reference
+from rlsched.config.schema import ExperimentConfig, field_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "config.md"
@@ -80,8 +80,8 @@ def test_every_field_has_a_docstring():
     # A field that holds a section is exempt: the section's own fields are what a user sets.
     undocumented = [key for key, model, name, section in _fields(ExperimentConfig)
                     if not section and not field_doc(model, name)]
-    assert undocumented == [], (f"config fields without a docstring under them (rlsched/config.py): {undocumented}; "
-                                f"write one, then run: {REGENERATE}")
+    assert undocumented == [], (f"config fields without a docstring under them (rlsched/config/schema.py): "
+                                f"{undocumented}; write one, then run: {REGENERATE}")
 
 
 # --- the renderer on a small schema of its own, against hand-written Markdown ----------------------------------

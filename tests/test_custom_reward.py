@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlsched.tracking import read_metrics
+from rlsched.observe.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ SMALL = ["grpo.prompts_per_step=4", "grpo.num_generations=4", "grpo.mini_batch_s
 
 def _sets(config: str, tasks: list[str], out: Path, models: Path, **per_task: object) -> list[str]:
     """`--set` arguments: small batches and STEPS steps for `tasks` of `config`, their models under `models`."""
-    from rlsched.config import load_config
+    from rlsched.config.schema import load_config
 
     names = [t.name for t in load_config(ROOT / config).tasks]
     sets = [f"experiment.output_dir={out}"]
@@ -38,7 +38,7 @@ def _budget_gb(config: str, tasks: list[str], out: Path, models: Path) -> float:
     """Room for one task of these (conftest.one_task_fits_gb): two never fit, so they evict each other all along."""
     from conftest import one_task_fits_gb
 
-    from rlsched.config import load_config
+    from rlsched.config.schema import load_config
 
     overrides = _sets(config, tasks, out, models)[1::2]
     return one_task_fits_gb(next(t for t in load_config(ROOT / config, overrides).tasks if t.name == tasks[0]))
@@ -110,7 +110,7 @@ def test_a_hung_task_is_fenced_by_ending_the_shared_process_and_the_other_is_reb
     the lock passes on. subtraction lost its roles with it and is rebuilt from its last checkpoint: with
     `max_restarts: 0` (stricter than any budget: a restart it did not cause is not counted), it finishes with
     what it computes alone. The trace never shows two holders of a phase, and it ends well before the stall."""
-    from rlsched.timeline import check_lock_exclusivity, read_trace
+    from rlsched.observe.timeline import check_lock_exclusivity, read_trace
 
     config = "configs/demo_multitask.yaml"
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""How a role's process ended, told from what it recorded (rlsched.exits): real processes, real signals."""
+"""How a role's process ended, told from what it recorded (rlsched.cluster.exits): real processes, real signals."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rlsched import exits
+from rlsched.cluster import exits
 
 
 def _record(**over):
@@ -53,7 +53,7 @@ def test_a_ray_actor_that_dies_is_explained(ray_session, tmp_path, how, expected
         def __init__(self, directory):
             from pathlib import Path
 
-            from rlsched import exits as e
+            from rlsched.cluster import exits as e
 
             assert e.watch(Path(directory))
 

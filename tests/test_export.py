@@ -1,4 +1,4 @@
-"""`rlsched export` (rlsched.export): a run's checkpoint as a Hugging Face model directory. transformers (torch CPU)
+"""`rlsched export` (rlsched.run.export): a run's checkpoint as a Hugging Face model directory. transformers (torch CPU)
 is the reference: it loads the export with no missing or unexpected keys and its logits equal rlsched's logits of
 the checkpointed params (1e-4), for every family, for actors sharded over a mesh and for the orbax format an actor
 across hosts writes; through the CLI on a real run, `rlsched generate` of the export and of the run agree with
@@ -20,9 +20,9 @@ from flax import nnx
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from rlsched.checkpoints import TaskCheckpointer, _orbax_args
 from rlsched.cli import DEMO_CONFIG, main
-from rlsched.export import ExportError, export, find_checkpoint
+from rlsched.run.checkpoints import TaskCheckpointer, _orbax_args
+from rlsched.run.export import ExportError, export, find_checkpoint
 from tests.test_sharding import SETTINGS, _batch, _mesh
 from workers.actor import ActorWorker
 from workers.models import ModelConfig, load_pretrained, save_pretrained

@@ -11,11 +11,11 @@ import time
 import pytest
 import yaml
 
-from rlsched.config import validate
-from rlsched.experiment import run_experiment
-from rlsched.runfiles import prepare_run_dir
-from rlsched.timeline import check_lock_exclusivity, read_trace
-from rlsched.tracking import read_metrics
+from rlsched.config.schema import validate
+from rlsched.observe.timeline import check_lock_exclusivity, read_trace
+from rlsched.observe.tracking import read_metrics
+from rlsched.run.experiment import run_experiment
+from rlsched.rundir.files import prepare_run_dir
 
 pytestmark = pytest.mark.slow
 STEPS = 4

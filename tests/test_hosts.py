@@ -2,8 +2,8 @@
 a raylet of its own on this machine), through `rlsched train --address` in real processes.
 
 A task's actor with mesh {dp: 2, fsdp: 2} on cluster.hosts 2 x cluster.num_devices 2 runs as one process per node
-joined into one JAX job (rlsched.rolegroup); it must compute what the same task does on one host of 4 devices, fail
-alone when a member is killed, and take a coordinator port no other group holds."""
+joined into one JAX job (rlsched.cluster.rolegroup); it must compute what the same task does on one host of 4 devices,
+fail alone when a member is killed, and take a coordinator port no other group holds."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     "actor.mesh={dp: 2, fsdp: 2, tp: 1}", "rollout.mesh.tp=1", "checkpoint_every=0", "grpo.prompts_per_step=16",
     "grpo.num_generations=8", "grpo.mini_batch_size=64", "rollout.max_batch_size=128", "data.max_operand=3")]
 TWO_HOSTS = ["cluster.hosts=2", "cluster.num_devices=2"]
-# A process per role: each task's actor is a group of its own across the hosts (rlsched.rolegroup); the device
+# A process per role: each task's actor is a group of its own across the hosts (rlsched.cluster.rolegroup); the device
 # group's processes across hosts (the default) are the tests at the end.
 ROLE_GROUPS = [*TWO_HOSTS, "cluster.processes=per_role"]
 ONE_HOST = ["cluster.num_devices=4"]
@@ -88,7 +88,7 @@ def _one_task_fits() -> str:
     """The override for a per-device memory budget that fits one task of the run, not two."""
     from conftest import one_task_fits_gb
 
-    from rlsched.config import load_config
+    from rlsched.config.schema import load_config
 
     task = load_config(ROOT / "configs" / "demo_mesh.yaml", [*SMALL, *TWO_HOSTS]).tasks[0]
     return f"cluster.memory_budget_gb={one_task_fits_gb(task)}"

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from rlsched.memory import MemoryPool, Residency
-from rlsched.memprobe import process_rss_bytes
-from rlsched.timeline import NullTimeline
+from rlsched.observe.memprobe import process_rss_bytes
+from rlsched.observe.timeline import NullTimeline
+from rlsched.scheduling.memory import MemoryPool, Residency
 
 
 class FakeTimeline:

@@ -78,10 +78,10 @@ def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(
     import ray
     import yaml
 
-    from rlsched import cluster
-    from rlsched.comm import make_channel
-    from rlsched.config import validate
-    from rlsched.roles import ActorRole, EngineRole, spawn
+    from rlsched.cluster import ray_cluster
+    from rlsched.cluster.comm import make_channel
+    from rlsched.config.schema import validate
+    from rlsched.run.roles import ActorRole, EngineRole, spawn
 
     raw = yaml.safe_load((ROOT / "configs/demo_mesh.yaml").read_text())
     raw["experiment"].update(name="mesh-env", output_dir=str(tmp_path))
@@ -89,9 +89,9 @@ def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(
     raw["tasks"] = raw["tasks"][:1]
     raw["tasks"][0]["model"] = {"path": str(tiny_model_dir)}
     spec = validate(raw).task_specs()[0]
-    resource = cluster.device_resource()
-    pg = cluster.make_placement_group("mesh-env", "disaggregated", resource)
-    where = cluster.role_placement(pg, "disaggregated", resource)
+    resource = ray_cluster.device_resource()
+    pg = ray_cluster.make_placement_group("mesh-env", "disaggregated", resource)
+    where = ray_cluster.role_placement(pg, "disaggregated", resource)
     channel = make_channel("object_store", spec.comm_group)
     roles = {cls.kind: spawn(cls, spec, channel=channel, placement=where) for cls in (ActorRole, EngineRole)}
 
@@ -121,12 +121,12 @@ def test_a_device_group_host_holds_its_groups_roles_and_its_death_is_named(ray_s
     import ray
     import yaml
 
-    from rlsched import cluster
-    from rlsched.comm import make_channel
-    from rlsched.config import validate
-    from rlsched.errors import RoleDied
-    from rlsched.hosts import HostedRole, start_host
-    from rlsched.roles import ActorRole, EngineRole, spawn
+    from rlsched.base.errors import RoleDied
+    from rlsched.cluster import ray_cluster
+    from rlsched.cluster.comm import make_channel
+    from rlsched.cluster.group_process import HostedRole, start_host
+    from rlsched.config.schema import validate
+    from rlsched.run.roles import ActorRole, EngineRole, spawn
 
     raw = yaml.safe_load((ROOT / "configs/demo_mesh.yaml").read_text())
     raw["experiment"].update(name="mesh-host", output_dir=str(tmp_path))
@@ -134,10 +134,10 @@ def test_a_device_group_host_holds_its_groups_roles_and_its_death_is_named(ray_s
     raw["tasks"] = raw["tasks"][:1]
     raw["tasks"][0]["model"] = {"path": str(tiny_model_dir)}
     spec = validate(raw).task_specs()[0]
-    devices = cluster.group_devices("disaggregated", 8, 2)
+    devices = ray_cluster.group_devices("disaggregated", 8, 2)
     assert devices == {"engine": 2, "actor": 6}
-    pg = cluster.make_placement_group("mesh-host", "disaggregated", "CPU", devices)
-    where = cluster.role_placement(pg, "disaggregated", "CPU", devices)
+    pg = ray_cluster.make_placement_group("mesh-host", "disaggregated", "CPU", devices)
+    where = ray_cluster.role_placement(pg, "disaggregated", "CPU", devices)
     hosts = {k: start_host(where, k, num_devices=8, max_tasks=1) for k in ("engine", "actor")}
     import dataclasses
 

@@ -173,7 +173,7 @@ def test_unknown_family_and_sliding_window_are_refused_clearly(tmp_path):
 
 
 def test_presets_build_every_family(tmp_path):
-    from rlsched.config import MODEL_PRESETS
+    from rlsched.config.schema import MODEL_PRESETS
     from workers.models.presets import PRESETS, init_model
 
     assert tuple(PRESETS) == MODEL_PRESETS  # the config's and the CLI's list is the presets'
@@ -242,7 +242,7 @@ def test_a_tiny_model_of_each_family_learns_addition(preset, tmp_path):
     """The demo's recipe (configs/demo_addition.yaml) on a random model of the family, as the Qwen3 demo
     learns (tests/test_train.py): measured 0.03 -> 0.29 (Qwen2) and 0.02 -> 0.24 (Qwen3-MoE) over 40 steps."""
     from rlsched.cli import DEMO_CONFIG
-    from rlsched.experiment import train
+    from rlsched.run.experiment import train
 
     history = train(DEMO_CONFIG, overrides=[f"experiment.output_dir={tmp_path}", f"tasks.0.model.path={tmp_path / 'm'}",
                                             f"tasks.0.model.init_preset={preset}", "tasks.0.steps=40",
@@ -261,10 +261,10 @@ def test_a_qwen3moe_task_and_a_qwen2_task_together_each_compute_what_they_comput
     metrics equal its solo run's (1e-6), and the MoE task reports its router loss."""
     import yaml
 
-    from rlsched.config import select_tasks, validate
-    from rlsched.experiment import run_experiment, run_in_process
-    from rlsched.runfiles import prepare_run_dir
-    from rlsched.tracking import read_metrics
+    from rlsched.config.schema import select_tasks, validate
+    from rlsched.observe.tracking import read_metrics
+    from rlsched.run.experiment import run_experiment, run_in_process
+    from rlsched.rundir.files import prepare_run_dir
     from workers.models.presets import init_model
 
     models = {"addition": init_model(tmp_path / "moe", preset="tiny-qwen3moe"),

@@ -7,10 +7,10 @@ import time
 import pytest
 import yaml
 
-from rlsched.config import select_tasks, validate
-from rlsched.experiment import run_experiment
-from rlsched.runfiles import prepare_run_dir
-from rlsched.tracking import read_metrics
+from rlsched.config.schema import select_tasks, validate
+from rlsched.observe.tracking import read_metrics
+from rlsched.run.experiment import run_experiment
+from rlsched.rundir.files import prepare_run_dir
 
 pytestmark = pytest.mark.slow
 PER_ROLE = {"processes": "per_role"}  # for the tests about a role's own process
@@ -42,7 +42,7 @@ def test_isolation_a_task_computes_the_same_alone_in_process_or_with_three_other
     same in-process (always-free locks, roles here) as under Ray (the scheduler's locks, roles in their own
     processes), bit for bit. Under Ray the task drivers never import JAX (on a TPU host such a process
     would claim the chips)."""
-    from rlsched.experiment import run_in_process
+    from rlsched.run.experiment import run_in_process
 
     names = ["addition", "subtraction", "add2", "sub2"]
     together = _experiment(tmp_path, tiny_model_dir, "together", names)
@@ -113,7 +113,7 @@ def test_a_tight_memory_budget_evicts_idle_roles_without_changing_results(ray_se
     assert measured["budget"] == int(budget_gb * 2**30)
     alone = select_tasks(_experiment(tmp_path, tiny_model_dir, "tight-solo", ["addition", "subtraction"],
                                      cluster=cluster), ["addition"])
-    from rlsched.experiment import run_in_process  # = under Ray, bit for bit (the isolation test)
+    from rlsched.run.experiment import run_in_process  # = under Ray, bit for bit (the isolation test)
 
     run_in_process(alone, echo=lambda *_: None)
     assert _metrics(cfg, "addition") == _metrics(alone, "addition")  # offload -> onload changed nothing
@@ -125,7 +125,7 @@ def _check_trace(path, tasks, steps):
     """What a user can verify from timeline.json alone: the locks held, phases overlapped, nothing missing."""
     import json
 
-    from rlsched.timeline import check_lock_exclusivity, overlaps, read_trace
+    from rlsched.observe.timeline import check_lock_exclusivity, overlaps, read_trace
 
     assert json.loads(path.read_text())["traceEvents"], "not a Chrome trace"
     events = read_trace(path)
@@ -156,7 +156,7 @@ def _check_trace(path, tasks, steps):
 def solo_addition(ray_session, tmp_path_factory, tiny_model_dir):
     """The addition task of the fault tests' experiment, alone: what it must compute whatever befalls the
     other task (run once for both fault tests; the experiment's name does not enter the numbers)."""
-    from rlsched.experiment import run_in_process  # = under Ray, bit for bit (the isolation test)
+    from rlsched.run.experiment import run_in_process  # = under Ray, bit for bit (the isolation test)
 
     cfg = select_tasks(_experiment(tmp_path_factory.mktemp("solo"), tiny_model_dir, "fault-solo",
                                    ["addition", "subtraction"], steps=6), ["addition"])
@@ -211,7 +211,7 @@ def test_killed_engine_process_fails_its_task_with_the_cause(ray_session, tmp_pa
 
 
 def _wandb_exit(run_dir):
-    from rlsched.tracking import read_wandb_log
+    from rlsched.observe.tracking import read_wandb_log
 
     (log,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")  # exactly one run per task, never shared
     exits = [r.exit.exit_code for r in read_wandb_log(log) if r.WhichOneof("record_type") == "exit"]

@@ -1,4 +1,4 @@
-"""Pinning a role's process to its devices (rlsched/placement.py), in fresh interpreters: JAX sizes its
+"""Pinning a role's process to its devices (rlsched/cluster/pinning.py), in fresh interpreters: JAX sizes its
 CPU pool once, when its backends start, so each case needs a process of its own."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from rlsched.placement import phase_cores
+from rlsched.cluster.pinning import phase_cores
 
 PROBE = """
 import json, os
 from jax._src import xla_bridge
-from rlsched.placement import pin_process
+from rlsched.cluster.pinning import pin_process
 started_before = xla_bridge.backends_are_initialized()
 pin_process([{core}], xla_threads={threads})
 print(json.dumps({{
@@ -60,7 +60,7 @@ def test_a_core_share_is_worked_out_where_it_pins_from_that_process_cores():
     the share travels (pickled, as Ray sends it) and is resolved in the process that pins."""
     import pickle
 
-    from rlsched.placement import CoreShare, visible_cores
+    from rlsched.cluster.pinning import CoreShare, visible_cores
 
     share = CoreShare("disaggregated", "train")
     assert share.cores() == phase_cores("disaggregated", "train", visible_cores())

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from rlsched.cli import main
-from rlsched.config import ConfigError, load_config, select_tasks
-from rlsched.meshes import check_meshes, check_platform, read_model_config, role_devices, task_devices
-from rlsched.plan import activation_values, actor_bytes, device_plan, engine_bytes
+from rlsched.config.meshes import check_meshes, check_platform, read_model_config, role_devices, task_devices
+from rlsched.config.plan import activation_values, actor_bytes, device_plan, engine_bytes
+from rlsched.config.schema import ConfigError, load_config, select_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -75,7 +75,7 @@ def test_disaggregated_tasks_of_different_sizes_never_overlap(tmp_path):
 def test_a_process_that_sees_only_its_group_places_the_mesh_within_it():
     """On an accelerator the group's host sees its bundle's devices only: the rule holds within them (engine
     first, disaggregated actor last); a process that sees the pool takes the role's place in it."""
-    from rlsched.meshes import local_role_devices
+    from rlsched.config.meshes import local_role_devices
 
     actor, rollout = {"fsdp": 2, "tp": 2}, {"tp": 2}
     assert local_role_devices("disaggregated", "actor", 8, 8, actor, rollout) == [4, 5, 6, 7]
@@ -88,7 +88,7 @@ def test_a_process_that_sees_only_its_group_places_the_mesh_within_it():
 
 
 def test_bundles_reserve_each_groups_accelerators():
-    from rlsched.cluster import bundle_shapes, group_devices
+    from rlsched.cluster.ray_cluster import bundle_shapes, group_devices
 
     disagg = group_devices("disaggregated", 8, 2)
     assert bundle_shapes("disaggregated", "TPU", disagg) == [{"TPU": 2}, {"TPU": 6}]
@@ -99,9 +99,9 @@ def test_bundles_reserve_each_groups_accelerators():
 def test_an_engine_with_a_process_of_its_own_runs_beside_the_group_process(tmp_path):
     """sglang_jax under per_device_group: its engine is a process of its own beside the group's (which holds the
     actor), so its weights go through the object store; a jax_sampler task of the same group keeps a local channel."""
-    from rlsched.cluster import RolePlacement
-    from rlsched.comm import LocalChannel, ObjectStoreChannel
-    from rlsched.roles import channel_for
+    from rlsched.cluster.comm import LocalChannel, ObjectStoreChannel
+    from rlsched.cluster.ray_cluster import RolePlacement
+    from rlsched.run.roles import channel_for
 
     cfg = _demo_mesh(tmp_path, ["cluster.processes=per_device_group", "tasks.0.rollout.engine=sglang_jax",
                                 "tasks.0.rollout.mesh.tp=1"])
@@ -118,7 +118,7 @@ def test_an_engine_with_a_process_of_its_own_runs_beside_the_group_process(tmp_p
 def test_platform_rule(tmp_path):
     """Which role processes can run where: CPU takes anything; a TPU chip opens in one process; a GPU shared by
     role processes is a fraction of one device; an engine with a process of its own cannot be hosted."""
-    from rlsched.meshes import resolve_processes
+    from rlsched.config.meshes import resolve_processes
 
     colocated, disaggregated = _demo_mesh(tmp_path), _demo_mesh(tmp_path, ["cluster.placement=disaggregated"])
     one_task = _demo_mesh(tmp_path, ["cluster.placement=disaggregated", "--tasks", "addition"])
@@ -217,7 +217,7 @@ def test_optimizer_bytes_are_what_optax_allocates(tmp_path):
     import jax
     import numpy as np
 
-    from rlsched.roles import actor_settings
+    from rlsched.run.roles import actor_settings
     from workers.actor import make_optimizer
 
     cfg = _demo_mesh(tmp_path, ["tasks.0.actor.mesh={fsdp: 1, tp: 1}"])
@@ -480,7 +480,8 @@ def test_demo_mesh_plans_without_jax():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "addition     actor   fsdp 2 x tp 2  0-3" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
-    assert "rlsched.plan" in imported and not {m for m in imported if m.split(".")[0] in ("jax", "flax", "torch")}
+    heavy = {m for m in imported if m.split(".")[0] in ("jax", "flax", "torch")}
+    assert "rlsched.config.plan" in imported and not heavy
 
 
 def test_the_moe_recipe_plans_through_the_cli(tmp_path):
@@ -499,7 +500,7 @@ def test_the_moe_recipe_plans_through_the_cli(tmp_path):
 
 
 def test_the_memory_line_puts_each_measured_kind_beside_the_plans():
-    from rlsched.plan import measured_vs_plan
+    from rlsched.config.plan import measured_vs_plan
 
     line = measured_vs_plan("a", 1, {"actor": {"params": 2048, "opt": 4104, "ref": 0},
                                      "engine": {"params": 3 * 2**20, "kv": 0}},
@@ -551,7 +552,7 @@ def test_per_role_processes_ask_for_what_their_platform_needs(tmp_path):
     """per_role on a GPU: every process that shares one frees what it offloads (no preallocation, the platform
     allocator), whenever roles share it: colocated, or several tasks on a group; on a TPU a role's process asks
     Ray for its bundle's chips (a chip opens in one process, so one that did not ask would not see it)."""
-    from rlsched.cluster import own_process_resources, role_env
+    from rlsched.cluster.ray_cluster import own_process_resources, role_env
 
     assert own_process_resources("GPU", 4) == {"num_gpus": 0.01}  # a share: roles time-share the device
     assert own_process_resources("TPU", 4) == {"num_cpus": 0, "resources": {"TPU": 4}}

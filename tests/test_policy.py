@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from rlsched.policy import Action, GroupSpec, Move, Phase, Policy, PolicyError, Resource, Role
+from rlsched.scheduling.policy import Action, GroupSpec, Move, Phase, Policy, PolicyError, Resource, Role
 
 R, T = Phase.ROLLOUT, Phase.TRAIN
 ENGINE, ACTOR = Role.ENGINE, Role.ACTOR
@@ -96,7 +96,7 @@ def test_fail_drops_lease_and_queue_and_memory_and_lets_the_next_waiter_in():
 
 
 def test_an_ended_task_is_forgotten_and_its_name_registers_again_but_a_live_one_is_not():
-    """A long-lived scheduler (rlsched.service): a cancelled task resubmitted under its name starts afresh."""
+    """A long-lived scheduler (rlsched.service.server): a cancelled task resubmitted under its name starts afresh."""
     p = colocated(budget=20, tasks=[("a", 10, 10), ("b", 5, 5)])
     p.request("a", R, 0.0)
     assert granted(p) == [("a", R)]
@@ -540,7 +540,7 @@ class Schedules(RuleBasedStateMachine):
 
     @invariant()
     def bounded_waiting(self):
-        """The stated bound (rlsched/policy.py): FIFO overtaken fewer than N times; any order, at most
+        """The stated bound (rlsched/scheduling/policy.py): FIFO overtaken fewer than N times; any order, at most
         starvation_limit + N - 1 times."""
         n = len(self.tasks)
         bound = n if self.ORDER == "fifo" else self.limit + n

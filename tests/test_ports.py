@@ -1,10 +1,10 @@
-"""The scheduler's coordinator ports (rlsched.ports): never two groups on one port of a host."""
+"""The scheduler's coordinator ports (rlsched.scheduling.ports): never two groups on one port of a host."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlsched.ports import PortAllocator, PortsExhausted
+from rlsched.scheduling.ports import PortAllocator, PortsExhausted
 
 
 def test_groups_get_distinct_ports_and_a_released_task_gives_them_back():

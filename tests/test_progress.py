@@ -1,10 +1,10 @@
-"""What a person watching a run sees (rlsched.progress): lines pulled from drivers, rows, the ETA."""
+"""What a person watching a run sees (rlsched.observe.progress): lines pulled from drivers, rows, the ETA."""
 
 from __future__ import annotations
 
 import pickle
 
-from rlsched.progress import LineBuffer, ProgressView, eta_s
+from rlsched.observe.progress import LineBuffer, ProgressView, eta_s
 
 
 def test_a_line_buffer_keeps_lines_until_drained_and_crosses_processes_empty():
@@ -42,7 +42,7 @@ def test_a_run_log_keeps_every_line_and_this_processs_warnings_off_the_terminal(
     import logging
     import warnings
 
-    from rlsched.runlog import RunLog
+    from rlsched.rundir.log import RunLog
 
     path = tmp_path / "run" / "run.log"
     with warnings.catch_warnings():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from rlsched.cli import CONFIGS
-from rlsched.experiment import train
+from rlsched.run.experiment import train
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlsched.timeline import LOCKS, read_trace, summarize
-from rlsched.tracking import read_metrics
+from rlsched.observe.timeline import LOCKS, read_trace, summarize
+from rlsched.observe.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -76,7 +76,7 @@ def test_compile_is_its_own_metric_and_span_never_inside_reward_or_a_lock(run):
 
 @pytest.mark.slow
 def test_the_timeline_table_and_picture_name_compile(run):
-    from rlsched.gantt import draw_gantt
+    from rlsched.observe.gantt import draw_gantt
 
     _, run_dir = run
     events = read_trace(run_dir / "timeline.json")
@@ -115,7 +115,7 @@ def test_the_gantt_draws_compile_in_its_own_colour_and_names_it():
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_hex
 
-    from rlsched.gantt import COLOURS, draw_gantt
+    from rlsched.observe.gantt import COLOURS, draw_gantt
 
     events = [_span("compile", 0.0, 2.0), _span("TRAIN", 2.0, 3.0, "g0/train"), _span("train", 2.0, 3.0, "g0/train"),
               _span("something_new", 3.0, 3.5)]
@@ -134,7 +134,7 @@ def test_the_gantt_draws_compile_in_its_own_colour_and_names_it():
 
 
 def test_summary_flags_a_task_failed_only_when_its_status_says_so():
-    from rlsched.runfiles import run_summary
+    from rlsched.rundir.files import run_summary
 
     # What the scheduler's state looks like after a run: the policy calls every task that left its books failed
     state = {"failed": {"b": "RewardError: ..."}, "grants": 6,

@@ -1,4 +1,4 @@
-"""A run directory has an owner (rlsched.runlock): real `rlsched train` processes on one run directory.
+"""A run directory has an owner (rlsched.rundir.lock): real `rlsched train` processes on one run directory.
 
 A live run is held still with SIGSTOP while the others try its directory (a stopped process keeps its lock, and
 no timing decides the outcome), then let go with SIGCONT."""
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlsched.runlock import LOCK_NAME, RunDirLocked, RunLock, read_holder
+from rlsched.rundir.lock import LOCK_NAME, RunDirLocked, RunLock, read_holder
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rlsched.policy import GroupSpec, Policy, PolicyError
-from rlsched.scheduler import LeaseLost, Scheduler
+from rlsched.scheduling.policy import GroupSpec, Policy, PolicyError
+from rlsched.scheduling.scheduler import LeaseLost, Scheduler
 
 
 def _scheduler(tasks=("a", "b", "c"), **kw) -> Scheduler:
@@ -52,7 +52,7 @@ def test_acquire_is_awaited_fifo_and_phases_overlap():
 
 
 class _Fence:
-    """The scheduler's `stop` (rlsched.fencing.stop) as a recording fake: stopping takes `seconds`."""
+    """The scheduler's `stop` (rlsched.scheduling.fencing.stop) as a recording fake: stopping takes `seconds`."""
 
     def __init__(self, seconds=0.05, problems=()):
         self.seconds, self.problems, self.calls = seconds, list(problems), []
@@ -274,7 +274,7 @@ def test_a_release_is_answered_before_the_next_acquire_is_sent(ray_session):
     for the release's answer first (here the release is slow, so a reordering would show)."""
     import ray
 
-    from rlsched.scheduler import SchedulerLocks
+    from rlsched.scheduling.scheduler import SchedulerLocks
 
     @ray.remote(num_cpus=0)
     class SlowReleases:
@@ -305,7 +305,7 @@ def test_a_failed_tasks_cause_is_the_original_error_through_rays_wrapping(ray_se
     happened (the notes the driver added), not as Ray's wrapper and its traceback."""
     import ray
 
-    from rlsched.errors import cause_of
+    from rlsched.base.errors import cause_of
 
     @ray.remote(num_cpus=0)
     class Role:
@@ -315,7 +315,7 @@ def test_a_failed_tasks_cause_is_the_original_error_through_rays_wrapping(ray_se
     @ray.remote(num_cpus=0)
     class Driver:
         def run(self, role):
-            from rlsched.task import _annotate
+            from rlsched.run.task import _annotate
 
             try:
                 ray.get(role.rollout.remote())
@@ -331,7 +331,7 @@ def test_a_failed_tasks_cause_is_the_original_error_through_rays_wrapping(ray_se
 
 
 def test_a_task_arrives_at_a_running_scheduler_and_a_resubmitted_name_starts_afresh():
-    """rlsched.service: `admit` registers an arriving task; `locks` names holders and waiters with their times;
+    """rlsched.service.server: `admit` registers an arriving task; `locks` names holders and waiters with their times;
     a task that was failed and retired is forgotten when a task of its name is admitted again."""
     async def scenario():
         s = _scheduler(tasks=("a",))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlsched import security
+from rlsched.cluster import security
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def test_ray_auth_disabled_up_is_refused_before_anything_starts(tmp_path):
 
 def test_down_leaves_alone_a_process_that_took_a_dead_services_pid(tmp_path):
     """After a crash or a reboot the recorded pid may be someone else's: `down` signals nothing and says why."""
-    from rlsched.daemon import process_identity
+    from rlsched.service.daemon import process_identity
 
     state = tmp_path / "state"
     state.mkdir()

@@ -142,8 +142,8 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     checkpoint and `--resume` continues it; A and B equal their solo runs; a graceful `down` checkpoints the
     task still running and ends every process; a service that dies leaves its task FAILED for the next `up`,
     and `down --force` ends everything at once."""
-    from rlsched.config import load_config
-    from rlsched.experiment import estimate_bytes
+    from rlsched.config.schema import load_config
+    from rlsched.run.experiment import estimate_bytes
 
     svc = service
     home, out = svc.home, svc.cwd
@@ -186,7 +186,8 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     assert rows["addition"]["state"] == "RUNNING" and rows["subtraction"]["state"] == "RUNNING", rows
     assert rows["subtraction"]["submitted_at"] > rows["addition"]["started_at"]
     assert rows["third"]["state"] == "PENDING", rows
-    # The small demo's tasks need a few MiB each: the three numbers in one unit, none of them below 1 (rlsched.units)
+    # The small demo's tasks need a few MiB each: the three numbers in one unit, none of them below 1
+    # (rlsched.base.units)
     assert re.fullmatch(r"needs [1-9]\d*\.\d\d (KiB|MiB) per device, [1-9]\d*\.\d\d \1 free in group g0 \(memory "
                         r"budget [1-9]\d*\.\d\d \1 per device\)", rows["third"]["reason"]), rows["third"]["reason"]
     text = svc("status").stdout
@@ -272,8 +273,8 @@ def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing
 
 
 def test_a_task_across_hosts_is_refused_before_anything_is_sent():
-    from rlsched.client import service_config
-    from rlsched.config import ConfigError
+    from rlsched.config.schema import ConfigError
+    from rlsched.service.client import service_config
 
     settings = {"num_devices": 1, "placement": "colocated", "memory_budget_gb": None, "policy": "fifo",
                 "starvation_limit": 8, "lease_timeout_s": 600.0}

@@ -24,7 +24,7 @@ STEPS = 300  # long enough to be running when the fault is injected (a step take
 # Run in a process of its own (this one may already be connected to another Ray): the live service's monitor
 # pass raises FAILS times, then runs as before.
 INJECT = textwrap.dedent("""
-    from rlsched import daemon  # before Ray is imported: connect() tells Ray the cluster's auth mode
+    from rlsched.service import daemon  # before Ray is imported: connect() tells Ray the cluster's auth mode
 
     FAILS = 3
 

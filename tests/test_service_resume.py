@@ -45,8 +45,8 @@ def _ended(row: dict) -> bool:
 
 @pytest.mark.slow
 def test_a_cancelled_task_resumes_by_name_from_anywhere_and_computes_what_it_computes_uninterrupted(tmp_path, service):
-    from rlsched.config import load_config
-    from rlsched.experiment import estimate_bytes
+    from rlsched.config.schema import load_config
+    from rlsched.run.experiment import estimate_bytes
 
     svc = service
     sets = _sets(f"tasks.0.model.path={tmp_path / 'models' / 'a'}")
@@ -168,8 +168,8 @@ def test_submit_resume_task_takes_nothing_else(tmp_path):
 
 
 def test_what_the_service_keeps_gives_back_the_config_it_ran_under_the_running_services_settings(tmp_path):
-    from rlsched.config import load_config, select_tasks, with_absolute_paths
-    from rlsched.submissions import Given, last_checkpoint, resume_notes
+    from rlsched.config.schema import load_config, select_tasks, with_absolute_paths
+    from rlsched.service.submissions import Given, last_checkpoint, resume_notes
 
     cfg = with_absolute_paths(select_tasks(load_config(ROOT / "configs" / "demo_multitask.yaml",
                                                        ["tasks.1.steps=7"]), ["subtraction"]), tmp_path)

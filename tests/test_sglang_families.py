@@ -1,5 +1,5 @@
 """The model families the sglang_jax rollout engine runs (workers/rollout/sglang_compat.py: SGLANG_CLASSES,
-check_model) and the config-time refusal of the others (rlsched.meshes.check_meshes).
+check_model) and the config-time refusal of the others (rlsched.config.meshes.check_meshes).
 
 The unmarked tests run everywhere (no sglang-jax, no JAX: the control plane's check); the `sglang` ones in the
 Python 3.12 stage (.ci/sglang_stage.sh), each engine in a Ray actor of its own as in a run.
@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from rlsched.config import ConfigError, load_config
-from rlsched.meshes import check_meshes
+from rlsched.config.meshes import check_meshes
+from rlsched.config.schema import ConfigError, load_config
 from workers.models.presets import preset_config
 from workers.rollout import sglang_compat
 
@@ -86,7 +86,7 @@ def test_moe_settings_sglang_jax_would_ignore_are_refused(tmp_path, field, value
 
 
 def test_the_config_check_imports_neither_sglang_nor_jax():
-    code = ("import sys, rlsched.meshes, workers.rollout.sglang_compat as C; C.check_family('qwen2'); "
+    code = ("import sys, rlsched.config.meshes, workers.rollout.sglang_compat as C; C.check_family('qwen2'); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'sgl_jax', 'flax')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr[-2000:]

@@ -388,7 +388,7 @@ def test_generates_in_a_process_pinned_to_one_core(tiny_model_dir):
     sort callback waits on the pool it runs in); a run that hangs here times out."""
     code = f"""
 import os
-from rlsched.placement import pin_process
+from rlsched.cluster.pinning import pin_process
 from workers.rollout import XLA_CPU_THREADS
 pin_process([0], xla_threads=XLA_CPU_THREADS["sglang_jax"])
 from workers.rollout import SamplingParams

@@ -7,12 +7,12 @@ import threading
 import time
 
 from rlsched.cli import DEMO_CONFIG
-from rlsched.client import render_status
-from rlsched.config import load_configs
-from rlsched.policy import Phase, Role
-from rlsched.scheduler import FreeLocks
-from rlsched.service import status_rows
-from rlsched.task import TaskDriver
+from rlsched.config.schema import load_configs
+from rlsched.run.task import TaskDriver
+from rlsched.scheduling.policy import Phase, Role
+from rlsched.scheduling.scheduler import FreeLocks
+from rlsched.service.client import render_status
+from rlsched.service.server import status_rows
 
 
 def test_rows_take_phase_and_lock_from_one_record():

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rlsched.gantt import plot_gantt
-from rlsched.timeline import (
+from rlsched.observe.gantt import plot_gantt
+from rlsched.observe.timeline import (
     NullTimeline,
     Timeline,
     TimelineError,
@@ -60,7 +60,7 @@ def test_clock_anchor_ignores_a_read_preempted_between_the_two_clocks(monkeypatc
     """A process descheduled between reading the counter and the wall clock (CI: 4 tasks' processes starting
     on 2 cores) once shifted every span of a role by the pause, so its generate ended after the driver's
     ROLLOUT hold. The anchor keeps the tightest bracket of a few reads instead of the first."""
-    from rlsched import timeline
+    from rlsched.observe import timeline
 
     # In call order (counter, wall, counter) per read; wall = counter + 1000 exactly. The first bracket
     # straddles a 50 ms pause before the wall read; the second is 2 us wide.

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rlsched.config import ConfigError, TrackingSection, load_config
-from rlsched.tracking import (
+from rlsched.config.schema import ConfigError, TrackingSection, load_config
+from rlsched.observe.tracking import (
     JsonlTracker,
     MultiTracker,
     NoopTracker,
@@ -300,7 +300,7 @@ def test_truncate_after_keeps_resume_semantics(tmp_path):
 def test_memory_metrics_on_cpu_count_live_arrays():
     import jax.numpy as jnp
 
-    from rlsched.memprobe import memory_metrics, phase_memory
+    from rlsched.observe.memprobe import memory_metrics, phase_memory
 
     gc.collect()  # nothing from earlier tests may be freed between the two probes
     before = memory_metrics()
@@ -325,7 +325,7 @@ def test_memory_metrics_counts_each_shard_on_its_own_device():
     script = textwrap.dedent("""
         import json, jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from rlsched.memprobe import memory_metrics
+        from rlsched.observe.memprobe import memory_metrics
         before = memory_metrics()
         mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
         x = jax.device_put(jnp.ones((2 << 20,), jnp.float32), NamedSharding(mesh, P("x")))  # 8 MiB, 4 per device

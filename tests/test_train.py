@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import yaml
 
-from rlsched.checkpoints import TaskCheckpointer
+from rlsched.base.errors import CheckpointError, TaskError
 from rlsched.cli import DEMO_CONFIG, main
-from rlsched.config import ConfigError, load_config
-from rlsched.errors import CheckpointError, TaskError
-from rlsched.experiment import train
-from rlsched.policy import Role
-from rlsched.runfiles import RunDirError, prepare_run_dir
-from rlsched.scheduler import FreeLocks
-from rlsched.task import TaskDriver
-from rlsched.tracking import read_metrics
+from rlsched.config.schema import ConfigError, load_config
+from rlsched.observe.tracking import read_metrics
+from rlsched.run.checkpoints import TaskCheckpointer
+from rlsched.run.experiment import train
+from rlsched.run.task import TaskDriver
+from rlsched.rundir.files import RunDirError, prepare_run_dir
+from rlsched.scheduling.policy import Role
+from rlsched.scheduling.scheduler import FreeLocks
 from workers import rewards as R
 from workers.actor import ActorSettings, ActorWorker
 from workers.batch import build_train_batch
@@ -50,8 +50,8 @@ def _driver(cfg, **kw) -> TaskDriver:
 
 
 def test_train_has_the_cli_defaults():
-    """`rlsched.experiment.train(configs)` is `rlsched train configs`: the same defaults (under Ray, not in-process),
-    and both return {task: {"status": ...}} (checked in-process below and, through the CLI, under Ray)."""
+    """`rlsched.run.experiment.train(configs)` is `rlsched train configs`: the same defaults (under Ray, not
+    in-process), and both return {task: {"status": ...}} (checked in-process below and, through the CLI, under Ray)."""
     import inspect
 
     from rlsched.cli import build_parser
@@ -69,7 +69,7 @@ def test_in_process_a_mesh_across_hosts_is_refused_before_any_port_is_asked():
     needs a Ray cluster, and spawn says so naming the way out."""
     import dataclasses
 
-    from rlsched.roles import ActorRole, spawn
+    from rlsched.run.roles import ActorRole, spawn
 
     spec = dataclasses.replace(load_config(DEMO_CONFIG, ["tasks.0.actor.mesh.dp=2"]).task_specs()[0], hosts=2,
                                num_devices=1)  # the actor's 2 devices span 2 hosts of 1 device each
@@ -255,7 +255,7 @@ def test_stale_or_unverified_engine_weights_are_refused(tmp_path, tiny_model_dir
 
 def test_weights_altered_in_transit_are_refused(tmp_path, tiny_model_dir):
     """The engine verifies what it holds against the checksum the actor computed before sending."""
-    from rlsched.comm import FakeChannel
+    from rlsched.cluster.comm import FakeChannel
 
     cfg = load_config(DEMO_CONFIG, _quick(tmp_path, tiny_model_dir))
     prepare_run_dir(cfg, resume=False, overwrite=False)

@@ -1,8 +1,8 @@
-"""Byte counts as printed to people (rlsched.units.format_bytes), against strings worked out by hand."""
+"""Byte counts as printed to people (rlsched.base.units.format_bytes), against strings worked out by hand."""
 
 from __future__ import annotations
 
-from rlsched.units import format_bytes
+from rlsched.base.units import format_bytes
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 

@@ -40,7 +40,7 @@ from workers.batch import TrainBatch
 from workers.compiling import compile_once, shared
 from workers.models import params as P
 from workers.models import sharding as S
-from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.models.decoder import CausalLM
 from workers.multihost import global_array, host_value
 from workers.offload import offload, onload, per_device_bytes
 
@@ -48,7 +48,7 @@ from workers.offload import offload, onload, per_device_bytes
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ActorSettings:
     """Everything the update needs. No defaults here: the control plane builds it from a task's config
-    (rlsched.roles.actor_settings), so every value that changes results is a config key."""
+    (rlsched.run.roles.actor_settings), so every value that changes results is a config key."""
 
     lr: float
     total_steps: int  # optimizer steps over the whole run (schedule length)
@@ -184,7 +184,7 @@ def _no_span(name: str, **attrs):
 class ActorWorker:
     """Holds the policy's TrainState (and frozen reference params when beta > 0) on its mesh."""
 
-    def __init__(self, model: Qwen3ForCausalLM, settings: ActorSettings, *, seed: int = 0, mesh=None):
+    def __init__(self, model: CausalLM, settings: ActorSettings, *, seed: int = 0, mesh=None):
         """mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default:
         this process's first device."""
         if settings.mini_batch_size % settings.micro_batch_size:
@@ -327,7 +327,7 @@ class ActorWorker:
         """Whether the params should differ after these updates: one was applied (not skipped) at a non-zero
         rate (warmup's first step runs at lr 0) with a gradient, or a weight decay large enough to show in the
         params' dtype, to apply (a batch whose groups all scored alike has no gradient). The caller checks
-        that they do (rlsched.roles.ActorRole)."""
+        that they do (rlsched.run.roles.ActorRole)."""
         import jax
 
         schedule, step = make_schedule(self.settings), first
@@ -363,7 +363,7 @@ class ActorWorker:
     def export_weights(self) -> WeightSnapshot:
         """The policy's params (never the optimizer state) as they lie on the mesh, with their version and
         logical checksum, hashed on the devices: nothing is copied here. Whoever moves them copies one leaf
-        at a time (rlsched.comm)."""
+        at a time (rlsched.cluster.comm)."""
         flat = P.to_flat(self.state.params)
         return WeightSnapshot(flat, self.version, P.checksum(flat))
 
@@ -396,5 +396,5 @@ class ActorWorker:
             return {"params": 0, "opt": 0, "ref": 0}
         return {"params": size(self.state.params), "opt": size(self.state.opt_state), "ref": size(self.ref_params)}
 
-    def model(self) -> Qwen3ForCausalLM:
+    def model(self) -> CausalLM:
         return nnx.merge(self.graphdef, self.state.params)

@@ -13,7 +13,7 @@ again: `shared(key, build)` keeps the executable under a key naming everything i
 settings, mesh, shapes), so the second task with that key takes the first one's executable. Tracing and lowering a
 program is ~0.2-0.4 s of Python per program on the demo's model, on the GIL the process's other roles share.
 A task that waited for another's build spent that time on a compile all the same: `waits()` tells its caller how
-long, so that the task's trace shows it as a compile (rlsched.roles), not as a gap before its lock.
+long, so that the task's trace shows it as a compile (rlsched.run.roles), not as a gap before its lock.
 """
 
 from __future__ import annotations

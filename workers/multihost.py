@@ -6,7 +6,7 @@
 
 Design decisions (and why):
 - **SPMD.** Every process of a role runs the same calls in the same order with the same host inputs (the task
-  driver sends each member the same call, rlsched.rolegroup); a program over a global mesh is then one program.
+  driver sends each member the same call, rlsched.cluster.rolegroup); a program over a global mesh is then one program.
   So a host value that feeds a program is built on every process from the same numpy (`global_array`), and
   every process can read a program's result (`host_value`, a gather every member takes part in).
 - **One writer, and a guard.** What leaves the role (files, metrics, log lines) is written by process 0 through

@@ -7,7 +7,7 @@ Design decisions (and why):
   survive multi-device meshes. Otherwise it becomes host numpy (`jax.device_get`).
 - **The device buffers are deleted at offload**, so the bytes are really freed (the field's "offload
   freed far less than expected"); nothing keeps a reference to them.
-- **Across processes too.** A role across hosts (rlsched.rolegroup) offloads in every process at once, each its
+- **Across processes too.** A role across hosts (rlsched.cluster.rolegroup) offloads in every process at once, each its
   own shards: a memory-kind move is per shard already; the numpy fallback keeps each process's shards
   (`_Shards`) where `device_get` would need the whole array in one process.
 - **"On the device" means the device memory kind.** Pinned-host arrays are live JAX arrays too, so

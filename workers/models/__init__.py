@@ -18,7 +18,7 @@ _WHERE = {
     "ModelConfig": "config", "ModelConfigError": "config", "Qwen3Config": "config",
     "Qwen2Config": "qwen2", "Qwen3MoeConfig": "qwen3_moe",
     "PRESETS": "presets", "init_model": "presets", "preset_config": "presets",
-    "CausalLM": "qwen3", "Qwen3ForCausalLM": "qwen3",
+    "CausalLM": "decoder",
     "TokenizerError": "tokenizer", "load_tokenizer": "tokenizer",
 }
 

@@ -20,7 +20,7 @@ from safetensors.flax import save_file
 
 from workers.models import params as P
 from workers.models.config import ModelConfig, ModelConfigError
-from workers.models.qwen3 import CausalLM
+from workers.models.decoder import CausalLM
 
 _INDEX = "model.safetensors.index.json"
 

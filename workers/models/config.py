@@ -8,7 +8,7 @@ Families (config.json `model_type` -> class): qwen3 -> Qwen3Config (here), qwen2
 (workers.models.qwen2), qwen3_moe -> Qwen3MoeConfig (workers.models.qwen3_moe). A family is its config class
 (what config.json says, which parameters exist and their shapes, which parts the decoder uses) plus rows in
 the sharding table (workers.models.sharding) when it brings new parameters; the decoder
-(workers.models.qwen3.CausalLM) reads the parts from the config.
+(workers.models.decoder.CausalLM) reads the parts from the config.
 
 Design decisions:
 - A frozen dataclass, not the transformers config class: the data plane must not depend on

@@ -1,7 +1,7 @@
 """Flat parameter dicts: the one weight format that crosses worker boundaries.
 
 A model's parameters travel between workers (actor -> rollout engine) as a flat mapping from the
-nnx state path of `Qwen3ForCausalLM`, dot-joined, to an array: Hugging Face names, except that
+nnx state path of `CausalLM`, dot-joined, to an array: Hugging Face names, except that
 projection matrices are `<name>.kernel` of shape (in, out) where HF has `<name>.weight` (out, in).
 `to_hf` / `from_hf` convert at the checkpoint boundary; nothing else renames. Experts of a MoE layer are
 one stacked array per projection, `<layer>.mlp.experts.<proj>.kernel` (E, in, out), where checkpoints hold

@@ -51,7 +51,7 @@ class FakeEngine:
     @classmethod
     def for_model(cls, model_path: str | None = None, *, weight_version: int = 0, dtype: str | None = None,
                   max_batch_size: int | None = None, **kwargs) -> FakeEngine:
-        """Built where a real engine would be (rlsched.roles.EngineRole): tokens within the model's vocabulary
+        """Built where a real engine would be (rlsched.run.roles.EngineRole): tokens within the model's vocabulary
         (its config.json, when given); `dtype` and `max_batch_size` mean nothing without a model."""
         if model_path is not None and "vocab_size" not in kwargs:
             from workers.models.config import Qwen3Config  # config.json, read and checked as for a real engine

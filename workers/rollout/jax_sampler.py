@@ -35,7 +35,7 @@ from workers.compiling import compile_once, shared
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
-from workers.models.qwen3 import Qwen3ForCausalLM, init_cache
+from workers.models.decoder import CausalLM, init_cache
 from workers.offload import bytes_by_device, offload, onload, per_device_bytes, reserved_bytes
 from workers.rollout.base import (
     EngineReleasedError,
@@ -57,11 +57,11 @@ def _bucket(n: int, minimum: int, cap: int) -> int:
 
 
 class JaxSampler:
-    """KV-cached JAX sampler over a `Qwen3ForCausalLM`. See workers.rollout.base for the contract."""
+    """KV-cached JAX sampler over a `CausalLM`. See workers.rollout.base for the contract."""
 
     name = "jax_sampler"
 
-    def __init__(self, model: Qwen3ForCausalLM, *, max_prompt_len: int = 512, max_new_tokens: int = 256,
+    def __init__(self, model: CausalLM, *, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  max_batch_size: int = 64, weight_version: int = 0, seed: int = 0, take_ownership: bool = False,
                  mesh=None):
         """take_ownership: the engine may free the model's buffers (release_memory, update_weights);

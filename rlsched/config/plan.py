@@ -1,0 +1,295 @@
+"""`rlsched plan`: what each role of an experiment holds on each of its devices, before anything starts.
+
+    plan = device_plan(load_config("configs/gsm8k_qwen3_1p7b_mesh.yaml"))
+    print(plan.render())                      # one row per task and role, then each device group's peak
+    json.dumps(plan.as_dict())                # the same numbers, in bytes
+
+Per role and device, by kind (bytes on one device of the role's mesh, laid out by workers.models.sharding):
+    params       every parameter's shard, in the task's model.dtype
+    grads        actor: as params (gradients have their parameter's shape, dtype and layout)
+    optimizer    actor: AdamW's two moments (as params) + two int32 step counts (Adam's and the schedule's)
+    reference    actor, when grpo.beta > 0: the frozen reference copy of the params
+    kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp x ep) x (max_prompt_len +
+                 max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule
+    activations  actor, an ESTIMATE: rows per device (micro-batch / (dp x fsdp x ep)) x (max_prompt_len +
+                 max_new_tokens) tokens x (per-layer values, summed over the layers, + 2 x vocab / tp) x 4 bytes
+The activation estimate counts what a layer's backward keeps per token: 10 x hidden (the inputs of the norms,
+q/k/v/o and the residual stream; not divided by tp) plus, for a dense MLP, 2 x its intermediate width (gate and
+up outputs), and float32 logits and their log-softmax over the vocab shard. A mixture-of-experts layer
+(workers.models.moe) runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I)
+intermediates: the ep group's rows (gathered over ep) x E / ep experts x I / tp, which per device is the
+device's own rows x E x I / tp; MOE_VALUES_PER_EXPERT of them per token. That count is XLA's, not the block's
+three (gate, up, their product): the compiled train step of a 2- and a 4-layer model of Qwen3-30B-A3B's
+shapes on 8 CPU devices (`memory_analysis()`, float32) holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x
+tp 2, ep 4 x tp 2 and fsdp 2 x ep 4. The same measurement holds about 3 x the dense count at 1,024 tokens
+(attention's T x T scores are not counted). So it is an order of magnitude, not a bound; measure with
+`rlsched train` (summary.json has the measured peaks). The KV cache is jax_sampler's, the most it can hold.
+
+Device groups: colocated, one group of every device; every role of every task may be resident at once,
+so a device's bytes are the sum over the roles that use it. Disaggregated: a rollout group (the engines'
+devices) and a train group (the actors'). A group fits the budget (`cluster.memory_budget_gb`, per device)
+when every role it holds fits at once; "with offload" when each role fits alone (the scheduler offloads
+idle roles to host memory); otherwise it cannot run.
+
+Only each model's config.json is read (never its weights), so a 30B recipe plans on a machine without
+them; no Ray, no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+from rlsched.base.units import format_bytes
+from rlsched.config.meshes import ModelConfigs, check_meshes, read_model_config, role_devices
+from rlsched.config.schema import ConfigError, ExperimentConfig, TaskConfig
+from workers.models import sharding
+from workers.models.config import ModelConfig
+
+KINDS = ("params", "grads", "optimizer", "reference", "kv_cache", "activations")
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+ADAM_COUNTS = 2 * 4  # int32 step counts of optax's scale_by_adam and of the learning-rate schedule, replicated
+ACTIVATION_VALUES_PER_HIDDEN = 10  # per token and layer, x hidden: see the module docstring
+ACTIVATION_VALUES_PER_MLP = 2  # per token and dense-MLP layer, x intermediate_size
+MOE_VALUES_PER_EXPERT = 12  # per token and MoE layer, x experts x expert width / tp (measured; module docstring)
+GiB = 2**30
+
+
+def param_bytes(shapes: dict[str, tuple[int, ...]], mesh: dict[str, int], *, kv_heads: int, itemsize: int) -> int:
+    """Bytes of every parameter's shard on one device of `mesh`."""
+    specs = sharding.param_specs(shapes, mesh, kv_heads=kv_heads)
+    return sum(sharding.shard_bytes(shape, specs[name], mesh, itemsize) for name, shape in shapes.items())
+
+
+def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
+    """Per device of the actor's mesh, by kind (see the module docstring)."""
+    mesh, item = task.actor.mesh.as_dict(), ITEMSIZE[task.model.dtype]
+    params = param_bytes(model.param_shapes(), mesh, kv_heads=model.num_key_value_heads, itemsize=item)
+    out = {"params": params, "grads": params, "optimizer": 2 * params + ADAM_COUNTS}
+    if task.grpo.beta > 0:
+        out["reference"] = params
+    rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
+    tokens = rows * (task.grpo.max_prompt_len + task.grpo.max_new_tokens)
+    out["activations"] = tokens * activation_values(model, mesh) * 4
+    return out
+
+
+def activation_values(model: ModelConfig, mesh: dict[str, int]) -> int:
+    """Values the actor's backward keeps per token of a device's rows (see the module docstring)."""
+    tp, per_layer = mesh["tp"], []
+    for layer in range(model.num_hidden_layers):
+        if model.moe_layer(layer):  # experts split over ep, but the ep group's rows gather: E x I / tp per token
+            mlp = MOE_VALUES_PER_EXPERT * model.num_experts * model.moe_intermediate_size // tp
+        else:
+            mlp = ACTIVATION_VALUES_PER_MLP * model.intermediate_size
+        per_layer.append(ACTIVATION_VALUES_PER_HIDDEN * model.hidden_size + mlp)
+    return sum(per_layer) + 2 * -(-model.vocab_size // tp)
+
+
+def engine_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
+    """Per device of the engine's mesh, by kind (see the module docstring)."""
+    mesh, item = task.rollout.mesh.as_dict(), ITEMSIZE[task.model.dtype]
+    k = model.num_key_value_heads
+    split = sharding.batch_rows(mesh)
+    rows = -(-task.rollout.max_batch_size // split) * split  # padded to split over dp x ep
+    shape = (rows, task.grpo.max_prompt_len + task.grpo.max_new_tokens, k, model.head_dim)  # (B, S, K, D)
+    layer = sharding.shard_bytes(shape, sharding.spec(sharding.KV_CACHE, shape, mesh, kv_heads=k, what="KV cache"),
+                                 mesh, item)
+    return {"params": param_bytes(model.param_shapes(), mesh, kv_heads=k, itemsize=item),
+            "kv_cache": 2 * model.num_hidden_layers * layer}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolePlan:
+    task: str
+    role: str  # "actor" | "engine"
+    mesh: dict[str, int]  # {"dp", "fsdp", "ep", "tp"}
+    devices: list[int]  # indices into the experiment's device pool (rlsched.config.meshes.role_devices)
+    bytes: dict[str, int]  # per device, by kind (KINDS order, only the kinds this role has)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    name: str  # "shared" (colocated), "rollout" or "train" (disaggregated)
+    devices: list[int]
+    resident: int  # the most bytes on one of its devices with every role of the group resident
+    largest_role: int  # the largest one role holds per device
+    fits: str | None  # "yes", "with offload" (each role alone), "no"; None without a budget
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DevicePlan:
+    placement: str
+    num_devices: int
+    num_devices_from: str  # "cluster.num_devices" or "the meshes" (it was None)
+    budget: int | None  # bytes per device
+    models: dict[str, str]  # task -> where its shapes came from, and its size
+    roles: list[RolePlan]
+    per_device: list[int]  # bytes on each device of the pool with every role resident
+    groups: list[GroupPlan]
+
+    @property
+    def runnable(self) -> bool:
+        return all(g.fits != "no" for g in self.groups)
+
+    def as_dict(self) -> dict[str, Any]:
+        roles = [dataclasses.asdict(r) | {"bytes": r.bytes | {"total": r.total}} for r in self.roles]
+        return {"placement": self.placement, "num_devices": self.num_devices,
+                "num_devices_from": self.num_devices_from, "memory_budget_bytes": self.budget,
+                "models": self.models, "roles": roles, "per_device": self.per_device,
+                "groups": [dataclasses.asdict(g) for g in self.groups], "runnable": self.runnable}
+
+    def render(self) -> str:
+        budget = "no memory budget" if self.budget is None else f"memory budget {_size(self.budget)} per device"
+        lines = [f"{self.placement}, {_count(self.num_devices, 'device')} (from {self.num_devices_from}), {budget}"]
+        lines += [f"task {task}: {text}" for task, text in self.models.items()]
+        lines.append("bytes per device of each role's mesh (activations: an estimate, see rlsched/config/plan.py):")
+        header = ["task", "role", "mesh", "devices", *(k.replace("_", " ") for k in KINDS), "total"]
+        rows = [[r.task, r.role, sharding.describe(r.mesh), _ranges(r.devices),
+                 *(_size(r.bytes[k]) if k in r.bytes else "-" for k in KINDS), _size(r.total)] for r in self.roles]
+        widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+                  for row in [header, *rows]]
+        for g in self.groups:
+            peak = max(g.devices, key=lambda d: self.per_device[d])
+            verdict = {None: "", "yes": "fits", "with offload": "fits one role at a time (idle roles offload)",
+                       "no": "does NOT fit: a role alone is over the budget"}[g.fits]
+            where = f"{'devices' if len(g.devices) > 1 else 'device'} {_ranges(g.devices)}"
+            line = (f"group {g.name} ({where}): {_size(g.resident)} on device {peak} with every role resident; "
+                    f"largest role {_size(g.largest_role)}")
+            lines.append(f"{line}; {verdict}" if verdict else line)
+        return "\n".join(lines)
+
+
+def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None) -> DevicePlan:
+    """Every task's roles: their meshes, devices and bytes per device; then each device group's peak.
+
+    model_config(task, index) -> its architecture, for every task; default: its config.json or init_preset
+    (rlsched.config.meshes.read_model_config). Raises ConfigError when a mesh does not split its model or a
+    model's shapes cannot be found."""
+    read = model_config or functools.partial(read_model_config, required=True)
+    models = {t.name: read(t, i) for i, t in enumerate(cfg.tasks)}
+    check_meshes(cfg, lambda task, _: models[task.name])
+    n, placement = cfg.num_devices, cfg.cluster.placement
+    roles: list[RolePlan] = []
+    for task in cfg.tasks:
+        devices = role_devices(placement, n, task.actor.mesh.as_dict(), task.rollout.mesh.as_dict())
+        model = models[task.name]
+        roles.append(RolePlan(task=task.name, role="actor", mesh=task.actor.mesh.as_dict(),
+                              devices=devices["actor"], bytes=actor_bytes(task, model)))
+        roles.append(RolePlan(task=task.name, role="engine", mesh=task.rollout.mesh.as_dict(),
+                              devices=devices["engine"], bytes=engine_bytes(task, model)))
+    per_device = [sum(r.total for r in roles if d in r.devices) for d in range(n)]
+    budget = None if cfg.cluster.memory_budget_gb is None else int(cfg.cluster.memory_budget_gb * GiB)
+    if placement == "colocated":
+        groups = [_group("shared", list(range(n)), roles, per_device, budget)]
+    else:
+        groups = [_group(name, sorted({d for r in roles if r.role == role for d in r.devices}),
+                         [r for r in roles if r.role == role], per_device, budget)
+                  for name, role in (("rollout", "engine"), ("train", "actor"))]
+    return DevicePlan(
+        placement=placement, num_devices=n,
+        num_devices_from="the meshes" if cfg.cluster.num_devices is None else "cluster.num_devices",
+        budget=budget, models={t.name: _describe_model(t, models[t.name]) for t in cfg.tasks}, roles=roles,
+        per_device=per_device, groups=groups)
+
+
+def _group(name: str, devices: list[int], roles: list[RolePlan], per_device: list[int],
+           budget: int | None) -> GroupPlan:
+    resident, largest = max(per_device[d] for d in devices), max(r.total for r in roles)
+    fits = None if budget is None else "yes" if resident <= budget else "with offload" if largest <= budget else "no"
+    return GroupPlan(name=name, devices=devices, resident=resident, largest_role=largest, fits=fits)
+
+
+def _describe_model(task: TaskConfig, model: ModelConfig) -> str:
+    path = Path(task.model.path)
+    source = (f"{path / 'config.json'}" if (path / "config.json").is_file()
+              else f"init_preset {task.model.init_preset}, created at {path} by `rlsched train`")
+    n = model.num_params
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    return (f"{model.describe()} of {size} params in {task.model.dtype}, {model.num_hidden_layers} "
+            f"layers, {model.num_key_value_heads} KV heads ({source})")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _size(n: int) -> str:
+    return format_bytes(n, digits=1)  # one decimal: the plan's table is read at a glance
+
+
+def _ranges(devices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for d in devices:
+        if runs and d == runs[-1][-1] + 1:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+# The kinds a role measures from its live arrays (ActorRole / EngineRole `memory()`), by their plan name.
+MEASURED_KINDS = {"actor": {"params": "params", "opt": "optimizer", "ref": "reference"},
+                  "engine": {"params": "params"}}  # an engine's KV cache exists only inside generate
+
+
+def measured_vs_plan(task: str, step: int, measured: dict[str, dict[str, int]],
+                     planned: dict[str, dict[str, int]]) -> str:
+    """One line: each role's bytes per device by kind as measured after `step`, beside the plan's.
+
+    >>> measured_vs_plan("a", 1, {"actor": {"params": 2048, "opt": 4104, "ref": 0}},
+    ...                  {"actor": {"params": 2048, "optimizer": 4104, "grads": 2048}})
+    '[a] bytes per device after step 1, measured / planned: actor params 2.0 KiB / 2.0 KiB, optimizer 4.0 KiB / 4.0 KiB'
+    """
+    parts = []
+    for role, kinds in MEASURED_KINDS.items():
+        if role not in measured:
+            continue
+        shown = [f"{name} {_size(measured[role].get(kind, 0))} / {_size(planned[role][name])}"
+                 for kind, name in kinds.items() if name in planned.get(role, {})]
+        parts.append(f"{role} " + ", ".join(shown))
+    return f"[{task}] bytes per device after step {step}, measured / planned: " + "; ".join(parts)
+
+
+def planned_bytes(task: TaskConfig, index: int) -> dict[str, dict[str, int]]:
+    """{"actor": actor_bytes, "engine": engine_bytes} of one task, from its model's config.json."""
+    model = read_model_config(task, index, required=True)
+    return {"actor": actor_bytes(task, model), "engine": engine_bytes(task, model)}
+
+
+# What a role holds on a device between phases, the bytes admission counts: an engine's params and its
+# largest KV cache, an actor's params, AdamW state and reference (gradients and activations live in a phase).
+RESIDENT_KINDS = {"engine": ("params", "kv_cache"), "actor": ("params", "optimizer", "reference")}
+
+
+def resident_bytes(planned: dict[str, dict[str, int]]) -> dict[str, int]:
+    """{"engine": bytes, "actor": bytes} on one device, summed over RESIDENT_KINDS of `planned_bytes`."""
+    return {role: sum(planned[role].get(k, 0) for k in kinds) for role, kinds in RESIDENT_KINDS.items()}
+
+
+def check_budget(cfg: ExperimentConfig) -> None:
+    """Every role fits `cluster.memory_budget_gb` on one device by itself (what the scheduler's admission
+    counts: an engine's params and KV cache, an actor's params, AdamW state and reference), or one
+    ConfigError line with the budget, the role's share by kind and what to change. Before any process."""
+    budget = cfg.cluster.memory_budget_gb
+    if budget is None:
+        return
+    for i, task in enumerate(cfg.tasks):
+        planned = planned_bytes(task, i)
+        for role, kinds in RESIDENT_KINDS.items():
+            parts = {k: planned[role][k] for k in kinds if k in planned[role]}
+            need = sum(parts.values())
+            if need > budget * GiB:
+                shares = " + ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in parts.items())
+                fix = "rollout.max_batch_size or rollout.mesh" if role == "engine" else "actor.mesh (fsdp)"
+                raise ConfigError(f"cluster.memory_budget_gb: {budget:g} GiB per device, but task {task.name}'s "
+                                  f"{role} needs {need / GiB:.3g} GiB on one device ({shares}); raise the budget or "
+                                  f"split the role wider with tasks.{i}.{fix}")

@@ -1,0 +1,145 @@
+"""The host side of a task's phases: prompts in; rewards, the padded batch and the metrics line out.
+
+The device side is one call per phase on a role (rlsched.run.roles: `EngineRole.rollout`,
+`ActorRole.train`); everything here is numpy, tokenizer and reward code, done by the task's driver
+*outside* the locks, so a lock is held only while devices work.
+
+Design decisions (and why):
+- **Pure functions of (seed, step).** The rollout seed and the prompt order depend on the task's seed,
+  the step and the loader's saved position only, so a resumed run, an in-process run and a Ray run
+  compute the same thing.
+- **No JAX here.** The driver is a process without devices (on a TPU host it would claim the chips):
+  the tokenizer, the data and the rewards are host libraries, and the advantages are computed by the
+  actor inside TRAIN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlsched.base.errors import TaskError
+from rlsched.config.schema import TaskSpec
+from workers import data as D
+from workers import rewards as R
+from workers.batch import TrainBatch, build_train_batch
+from workers.reward_loader import load_reward
+from workers.rollout.base import RolloutOutput, SamplingParams
+
+
+def rollout_seed(task_seed: int, step: int) -> int:
+    # A pure function of (seed, step): a resumed run samples exactly what the uninterrupted one did.
+    return (task_seed * 1_000_003 + step) % (2**31)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    prompts: list[D.Prompt]  # the step's prompts, with their reference answers
+    ids: list[np.ndarray]  # int32 (L_i,) token ids of each rendered prompt
+    skipped: int = 0  # prompts drawn and skipped as longer than grpo.max_prompt_len (data.too_long=skip)
+    truncated: int = 0  # prompts cut to grpo.max_prompt_len (data.too_long=truncate)
+
+    @property
+    def metrics(self) -> dict[str, int]:
+        return {"data/skipped_too_long": self.skipped, "data/truncated": self.truncated}
+
+
+def check_model_path(spec: TaskSpec) -> Path:
+    """The task's model directory, or a TaskError that says how to get one (before any process starts)."""
+    m = spec.config.model
+    path = Path(m.path)
+    if m.init_preset is None and not path.exists():
+        raise TaskError(
+            f"task {spec.name}: model.path {path} does not exist. Point it at a local Hugging Face Qwen3 "
+            f"directory (--set tasks.{spec.index}.model.path=/path/to/Qwen3) or set model.init_preset "
+            "to create a random model there; rlsched never downloads weights")
+    return path
+
+
+class HostWork:
+    """A task's tokenizer, prompt loader and reward: the work between its phases."""
+
+    def __init__(self, spec: TaskSpec, echo=print):
+        from workers.models import load_tokenizer  # the tokenizer alone: no JAX
+
+        self.spec, self.echo = spec, echo
+        c, g = spec.config, spec.config.grpo
+        self.tokenizer = load_tokenizer(c.model.path)
+        self.sampling = dict(n=g.num_generations, temperature=g.temperature, top_p=g.top_p,
+                             max_new_tokens=g.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
+        # Loaded here, in the process that scores (the user's file or module too): fails at start, not at step 1.
+        r = c.reward
+        self.reward = load_reward(name=r.name, function=r.function, file=r.file, batch=r.batch)
+        self.loader = D.PromptLoader(self._source(), g.prompts_per_step, seed=spec.seed, shuffle=c.data.shuffle)
+
+    def _source(self):
+        d = self.spec.config.data
+        if d.kind in ("addition", "subtraction"):
+            return D.make_source(d.kind, seed=self.spec.seed, max_operand=d.max_operand)
+        if d.kind == "gsm8k":
+            return D.make_source("gsm8k", path=d.path)
+        return D.make_source(d.kind, path=d.path, question_field=d.question_field, answer_field=d.answer_field)
+
+    def next_prompts(self) -> Prompts:
+        """The step's prompts, drawn and tokenized, too-long ones handled per data.too_long (before the ROLLOUT
+        lock is asked for)."""
+        d, limit = self.spec.config.data, self.spec.config.grpo.max_prompt_len
+        try:
+            batch = D.next_fitting_batch(self.loader, self.render, limit, d.too_long)
+        except D.DataError as err:
+            raise TaskError(f"task {self.spec.name}: {err}") from None
+        return Prompts(batch.prompts, [np.asarray(ids, np.int32) for ids in batch.ids], batch.skipped,
+                       batch.truncated)
+
+    def render(self, prompt: D.Prompt) -> list[int]:
+        d = self.spec.config.data
+        return D.render_prompt(self.tokenizer, prompt.question, template=d.template, system_prompt=d.system_prompt)
+
+    def sampling_params(self, step: int) -> SamplingParams:
+        return SamplingParams(**self.sampling, seed=rollout_seed(self.spec.seed, step))
+
+    def score(self, prompts: Prompts, output: RolloutOutput) -> tuple[np.ndarray, int]:
+        """Rewards (N,) of the samples, and how many raised (scored 0 under reward.on_error=zero)."""
+        r = self.spec.config.reward
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in output.samples]
+        answers = [prompts.prompts[s.prompt_index].answer for s in output.samples]
+        questions = [prompts.prompts[s.prompt_index].question for s in output.samples]
+        result = R.score(self.reward, texts, answers, task=self.spec.name, on_error=r.on_error, prompts=questions)
+        if result.num_errors:
+            self.echo(f"[{self.spec.name}] {result.num_errors} reward error(s) scored 0; first: {result.first_error}")
+        return result.rewards, result.num_errors
+
+    def train_batch(self, prompts: Prompts, output: RolloutOutput) -> TrainBatch:
+        """[prompt + completion] rows, padded (before the TRAIN lock is asked for); the actor adds the
+        advantages."""
+        samples = output.samples
+        return build_train_batch([prompts.ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
+                                 pad_id=self.tokenizer.pad_token_id)
+
+
+def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int, train: dict[str, float],
+                 version: int, times: dict[str, float]) -> dict[str, Any]:
+    """The metrics.jsonl line of one step (without the memory probes)."""
+    lengths = np.array([len(s.token_ids) for s in output.samples])
+    return {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/max": float(rewards.max()), "reward/errors": reward_errors,
+        "loss": train["loss"], "kl": train["kl"], "clip_frac": train["clip_frac"],
+        "ratio_mean": train["ratio_mean"], "grad_norm": train["grad_norm"],
+        "lr": train["lr"], "skipped_updates": train["skipped"],
+        "response_len/mean": float(lengths.mean()), "tokens/generated": int(lengths.sum()),
+        # the weights that generated this step's samples, and those the step's update published
+        "rollout/weight_version": output.weight_version, "weight_version": version, **times,
+        # models with experts: the router's load-balancing loss (unweighted), when it is trained with
+        **({"router_aux_loss": train["router_aux_loss"]} if "router_aux_loss" in train else {}),
+    }
+
+
+def progress_line(task: str, step: int, steps: int, m: dict[str, Any]) -> str:
+    return (f"[{task}] step {step:>4}/{steps}  reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}  "
+            f"kl {m['kl']:.4f}  loss {m['loss']:+.4f}  len {m['response_len/mean']:.1f}  "
+            f"step {m['time/step_s']:.2f}s (compile {m['time/compile_s']:.2f} rollout {m['time/rollout_s']:.2f} "
+            f"reward {m['time/reward_s']:.2f} train {m['time/train_s']:.2f})")

@@ -1,0 +1,541 @@
+"""A task's two data-plane roles, the actor and the rollout engine, and how they are started.
+
+    actor = spawn(ActorRole, spec, channel=channel, placement=None)     # in this process, or
+    actor = spawn(ActorRole, spec, channel=channel, placement=where)    # a Ray actor process of its own,
+                                                                         # in the group's bundle, pinned
+Design decisions (and why):
+- **One call per role per phase.** A phase's whole work is one method that returns its result, the
+  spans it recorded and the role's memory probe: `EngineRole.rollout` (sync the weights if stale,
+  verify, generate) and `ActorRole.train` (advantages, logprobs, updates, publish v+1). Under Ray that
+  is one round trip each; nothing large passes through the driver (weights go through the task's comm
+  channel, see rlsched.cluster.comm).
+- **Each role is built where it runs, from the task's resolved spec** (`config.TaskSpec`), and pins its
+  process to its devices *before* JAX starts, so XLA's thread pools are sized to those devices (on
+  CPU a device is a core), unless its engine needs a bigger CPU pool (`XLA_CPU_THREADS`: sglang-jax
+  deadlocks on one thread). A role's crash kills its own process only: the driver's call raises
+  `RoleDied` naming the role and the call, and the other tasks never notice.
+- **Models are made where weights live.** A task whose model is created from a preset gets it from
+  its actor (`ActorRole.__init__`): the driver never imports JAX.
+- **The engine starts at weight version -1.** It loads nothing the actor did not send: the first
+  ROLLOUT syncs v0 through the comm channel, so the actor's weights are the only weights. It refuses to
+  generate with weights older than the published version or whose checksum differs from the one the
+  actor computed before they left.
+- **Bytes are reported by kind after every move** (`onload()` returns them, `memory()` reads them)
+  from the live arrays a role holds; the driver records them in its memory pool.
+- This module imports neither the task driver nor the experiment: roles know their spec, their
+  channel and where they run, nothing above them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+from rlsched.base.errors import RoleDied, TaskError
+from rlsched.cluster import exits
+from rlsched.cluster import pinning as pin
+from rlsched.cluster.comm import WeightChannel, WeightMessage, make_channel
+from rlsched.cluster.ray_cluster import RolePlacement, enter_role_env, init_ray, own_process_resources, role_env
+from rlsched.config.schema import TaskSpec
+from rlsched.observe.timeline import Timeline
+
+
+def actor_settings(spec: TaskSpec):
+    """The actor's update settings from the task's config: the only place they are built."""
+    from workers.actor import ActorSettings
+
+    plan, g, o = spec.plan, spec.config.grpo, spec.config.optim
+    return ActorSettings(
+        lr=o.lr, total_steps=plan.total_optimizer_steps, warmup_steps=plan.warmup_steps, min_lr_ratio=o.min_lr_ratio,
+        weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation, temperature=g.temperature,
+        micro_batch_size=plan.micro_batch_size, mini_batch_size=plan.mini_batch_size, epochs=plan.epochs_per_step,
+        router_aux_loss_coef=spec.config.actor.router_aux_loss_coef)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseResult:
+    """What one phase call of a role returns."""
+
+    value: Any  # the phase's result: a RolloutOutput, or the train metrics
+    events: list[dict]  # spans recorded inside the role (the driver stamps them with the lock held)
+    memory: dict[str, int]  # the role's process RSS and device bytes after the phase (mem/<role>/...)
+    message: WeightMessage | None = None  # TRAIN: the weights published after the update (v+1)
+
+
+def role_mesh(spec: TaskSpec, kind: str):
+    """The `jax.sharding.Mesh` of a task's role ("actor" or "engine") over its devices in this process
+    (rlsched.config.meshes.role_devices: positions in the experiment's device pool)."""
+    import jax
+
+    from rlsched.config.meshes import local_role_devices, platform_kind
+    from workers.models import sharding
+
+    # The experiment checked the platform from Ray's resources (rlsched.config.meshes.check_platform); a TPU that Ray
+    # did not announce is caught here, where JAX sees it.
+    if platform_kind(jax.default_backend()) == "tpu" and spec.processes == "per_role" and spec.placement == "colocated":
+        raise TaskError(f"task {spec.name}: its {kind} is a process of its own colocated on a TPU, whose chips open "
+                        "in one process at a time; set cluster.processes=per_device_group")
+    actor, rollout = spec.config.actor.mesh.as_dict(), spec.config.rollout.mesh.as_dict()
+    shape = actor if kind == "actor" else rollout
+    if jax.process_count() > 1 and spec.role_hosts(kind) > 1:  # a role across hosts (rlsched.cluster.rolegroup, or a
+        # device group's hosts, rlsched.cluster.group_process): the job's devices, in process order, so tp (innermost)
+        # stays within a host (the config checks it)
+        devices = jax.devices()
+        if len(devices) != sharding.num_devices(shape):
+            raise TaskError(f"task {spec.name}: its {kind}'s mesh ({sharding.describe(shape)}) needs "
+                            f"{sharding.num_devices(shape)} devices; its group's {jax.process_count()} processes "
+                            f"have {len(devices)}")
+        return sharding.mesh(shape, devices)
+    local = jax.local_devices()
+    if spec.hosts > 1:  # a role within one host of a group across hosts (colocated): its host's first devices
+        # (a process of its own beside a role group, or the first host of a device group across hosts)
+        return sharding.mesh(shape, local[: sharding.num_devices(shape)])
+    try:
+        ids = local_role_devices(spec.placement, kind, spec.num_devices, len(local), actor, rollout)
+    except ValueError as err:
+        raise TaskError(f"task {spec.name}: {err} ({jax.default_backend()}; on CPU the pool comes from XLA_FLAGS="
+                        "--xla_force_host_platform_device_count, which must be set before JAX starts)") from None
+    return sharding.mesh(shape, [local[i] for i in ids])
+
+
+class _Role:
+    """What both roles do alike: move what they hold (`_held`: a worker with release_memory,
+    resume_memory and memory_bytes) and report its bytes."""
+
+    kind = "role"
+    _held: Any
+
+    def offload(self) -> None:
+        self._held.release_memory()
+
+    def onload(self) -> dict[str, int]:
+        self._held.resume_memory()
+        return self.memory()
+
+    def memory(self) -> dict[str, int]:
+        return self._held.memory_bytes()
+
+    def where(self) -> dict[str, Any]:
+        """The process holding the role and its mesh's device ids: {"pid": ..., "devices": [...]}."""
+        import os
+
+        return {"pid": os.getpid(), "devices": self.device_ids()}
+
+    def device_ids(self) -> list[int]:
+        """The ids of the devices the role's mesh uses (empty for an engine that lays itself out)."""
+        mesh = getattr(self._held, "mesh", None)
+        return [] if mesh is None else [int(d.id) for d in mesh.devices.flat]
+
+    def memory_probe(self) -> dict[str, int]:
+        """This process's RSS and device bytes, named `mem/<kind>/...` (see rlsched.observe.memprobe), and what the
+        role itself holds per device by kind, `mem/<kind>/held/<params|opt|ref|kv>` (the plan's numbers)."""
+        from rlsched.observe.memprobe import memory_metrics
+
+        held = {f"mem/{self.kind}/held/{k}": v for k, v in self.memory().items()}
+        return memory_metrics(prefix=f"mem/{self.kind}") | held
+
+    def close(self) -> None:
+        pass
+
+
+class ActorRole(_Role):
+    """The task's JAX actor worker (params, optimizer state, reference params) and its checkpoints."""
+
+    kind = "actor"
+
+    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: pin.CoreShare | list[int] | None = None,
+                 env: dict[str, str] | None = None):
+        enter_role_env(env)  # before anything reads it: JAX, and exits.watch
+        exits.watch()  # in a process of its own: a death is told by how it happened
+        if cores:
+            pin.pin_process(cores)  # before JAX creates its thread pools
+        from rlsched.cluster import compile_cache
+        from rlsched.run.checkpoints import TaskCheckpointer
+        from workers.actor import ActorWorker
+        from workers.models import init_model, load_pretrained
+
+        compile_cache.enable(spec.compile_cache)
+        m = spec.config.model
+        _make_preset_model(m, init_model, across=spec.role_hosts("actor") > 1)
+        model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
+        self.spec = spec
+        self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=role_mesh(spec, "actor"))
+        self.channel = channel
+        self.checkpointer = TaskCheckpointer(spec.checkpoint_dir, max_to_keep=spec.config.keep_last,
+                                             background=spec.config.checkpoint_async)
+        self.timeline = Timeline("actor", task=spec.name)
+        self._held = self.worker
+        self._published_checksum: str | None = None
+
+    def offload(self) -> None:
+        """Offload; weights published and not yet received stay readable from their host copies
+        (rlsched.cluster.comm)."""
+        self.channel.follow(self.worker.version, self._moved(self.worker.release_memory))
+
+    def onload(self) -> dict[str, int]:
+        self.channel.follow(self.worker.version, self._moved(self.worker.resume_memory))
+        return self.memory()
+
+    def _moved(self, move):
+        def moved():
+            move()
+            return self.worker.params_flat()
+
+        return moved
+
+    def start(self, resume: bool) -> tuple[dict[str, Any] | None, WeightMessage]:
+        """Restore the latest checkpoint when resuming (its meta, or None without one), then publish the
+        weights the engine must hold before it generates."""
+        meta = self.restore_latest() if resume else None
+        return meta, self._publish()
+
+    def train(self, batch, rewards, step: int) -> PhaseResult:
+        """TRAIN: group advantages from `rewards` (N,), logprobs and the GRPO updates of one step, then
+        publish v+1."""
+        import jax.numpy as jnp
+
+        from workers.grpo import group_advantages
+
+        g = self.spec.config.grpo
+        with self.timeline.span("train", samples=batch.size):
+            # jnp, not numpy: the math is the jitted kind everywhere (numpy's float32 sums round differently)
+            advantages = group_advantages(jnp.asarray(rewards), g.num_generations,
+                                          normalize_std=g.normalize_advantage_std)
+            metrics = self.worker.train(batch.with_advantages(advantages), step=step, timeline=self.timeline)
+        before = self._published_checksum
+        message = self._publish()
+        if metrics.pop("moved") and message.checksum == before:
+            raise TaskError(f"task {self.spec.name}: step {step}'s update left every parameter as it was "
+                            f"(v{message.version} hashes like v{message.version - 1}); the update did not reach the "
+                            "weights (bfloat16 parameters with a learning rate too small to move them?)")
+        return PhaseResult(metrics, self.timeline.drain(), self.memory_probe(), message=message)
+
+    def prepare(self, size: int, length: int) -> tuple[int, list[dict]]:
+        """Compile TRAIN's programs for a batch of `size` rows of `length` tokens, before the lock is asked for
+        (the state may be on host); (programs compiled now, spans: a "compile" span if any was)."""
+        return _compile_span(self.timeline, lambda: self.worker.prepare(size, length), samples=size, length=length)
+
+    def _publish(self) -> WeightMessage:
+        """Send the current params (never the optimizer state) into the task's comm channel."""
+        with self.timeline.span("publish") as span:
+            snapshot = self.worker.export_weights()
+            message = self.channel.send(snapshot.flat, snapshot.version, snapshot.checksum)
+            span["bytes"] = message.nbytes
+        self._published_checksum = message.checksum
+        return message
+
+    def publish(self) -> tuple[WeightMessage, list[dict]]:
+        """Publish the current weights again (e.g. for a new engine); (message, spans)."""
+        return self._publish(), self.timeline.drain()
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        self.checkpointer.save(step, self.worker.state, {**meta, "version": self.worker.version})
+
+    def restore_latest(self) -> dict[str, Any] | None:
+        """Restore the latest checkpoint's state and version; its meta, or None if there is none."""
+        if self.checkpointer.latest_step() is None:
+            return None
+        state, meta = self.checkpointer.restore(self.worker.state)
+        self.worker.state, self.worker.version = state, int(meta["version"])
+        return meta
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.channel.close()  # a local channel's slot holds our last published weights
+
+
+def _make_preset_model(m, init_model, *, across: bool) -> None:
+    """Create the task's preset model if its directory has none. In a group across hosts (`across`) process 0
+    writes it and the others wait for it (a shared filesystem); a host that still cannot see it makes the same
+    model itself (same preset, same seed: the same weights). An actor within one host makes it alone, even in a
+    process of a JAX job across hosts (rlsched.cluster.group_process): the other processes take no part in its calls."""
+    import jax
+
+    missing = lambda: m.init_preset is not None and not (Path(m.path) / "config.json").is_file()  # noqa: E731
+    if across and jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        from workers.multihost import is_primary
+
+        if is_primary() and missing():
+            init_model(m.path, preset=m.init_preset, seed=m.init_seed)
+        multihost_utils.sync_global_devices(f"model {m.path}")
+    if missing():
+        init_model(m.path, preset=m.init_preset, seed=m.init_seed)
+
+
+class EngineRole(_Role):
+    """The task's rollout engine, holding only weights that arrived through the comm channel."""
+
+    kind = "engine"
+
+    def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: pin.CoreShare | list[int] | None = None,
+                 env: dict[str, str] | None = None):
+        enter_role_env(env)  # before anything reads it: JAX, and exits.watch
+        from workers.rollout import XLA_CPU_THREADS, make_engine
+
+        exits.watch()  # in a process of its own: a death is told by how it happened
+        r, g = spec.config.rollout, spec.config.grpo
+        if cores:
+            pin.pin_process(cores, xla_threads=XLA_CPU_THREADS.get(r.engine, 1))
+        from rlsched.cluster import compile_cache
+
+        compile_cache.enable(spec.compile_cache)
+        self.name = spec.name
+        self.channel = channel
+        self.timeline = Timeline("engine", task=spec.name)
+        # Only jax_sampler lays itself out on a mesh so far; the config refuses a mesh for the others.
+        mesh = {"mesh": role_mesh(spec, "engine")} if r.engine == "jax_sampler" else {}
+        self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
+                                  max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
+                                  max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
+                                  **mesh, **r.engine_args)
+        self._held = self.engine
+
+    def rollout(self, message: WeightMessage, prompt_ids, params) -> PhaseResult:
+        """ROLLOUT: bring the engine up to `message`'s weights if it is behind, verify them, generate."""
+        if self.version() != message.version:
+            self.update_weights(message)  # its stats ride on its "sync_weights" span
+        elif hasattr(self.engine, "restore_weights"):  # weights left on host by a lazy onload come back now
+            with self.timeline.span("restore_weights") as span:
+                span["bytes"] = self.engine.restore_weights()
+        output = self.generate(prompt_ids, params, expected=message)
+        return PhaseResult(output, self.timeline.drain(), self.memory_probe())
+
+    def prepare(self, prompt_ids, params) -> tuple[int, list[dict]]:
+        """Compile ROLLOUT's programs for these prompts, before the lock is asked for (the weights may be on
+        host); (programs compiled now, spans: a "compile" span if any was)."""
+        return _compile_span(self.timeline, lambda: self.engine.prepare(prompt_ids, params), prompts=len(prompt_ids))
+
+    def version(self) -> int:
+        return self.engine.weight_version
+
+    def update_weights(self, message: WeightMessage) -> dict[str, int]:
+        """Receive `message`'s params from the channel and swap them in; the swap's stats."""
+        with self.timeline.span("sync_weights", bytes=message.nbytes) as sync:
+            with contextlib.ExitStack() as receiving:  # the actor moves none of the arrays while we copy them
+                with self.timeline.span("receive", bytes=message.nbytes) as received:
+                    flat = receiving.enter_context(self.channel.receiving(message))
+                    received.update(_where(flat))
+                with self.timeline.span("swap", bytes=message.nbytes) as span:
+                    from workers.models.params import WeightMismatchError  # JAX: this is the engine's process
+
+                    before = self.version()
+                    try:  # staged, then verified against what the actor hashed before sending
+                        stats = dict(self.engine.update_weights(flat, message.version, checksum=message.checksum)
+                                     or {})
+                    except WeightMismatchError as err:
+                        raise TaskError(f"task {self.name}: the weights received for v{message.version} were "
+                                        f"refused (the engine holds v{self.version()}, it held v{before}): "
+                                        f"{err}") from err
+                    span.update(stats)
+            sync.update(stats)
+        return stats
+
+    def verify(self) -> str | None:
+        """The checksum of the weights the engine holds now (hashed from the device, not cached
+        across an onload)."""
+        with self.timeline.span("verify"):
+            return self.engine.weight_checksum
+
+    def generate(self, prompt_ids, params, *, expected: WeightMessage):
+        """Generate, but only with exactly the weights `expected` announced: same version, same checksum."""
+        if self.version() != expected.version:
+            raise TaskError(f"task {self.name}: the engine holds weights v{self.version()} but the actor published "
+                            f"v{expected.version}; refusing to generate with stale weights")
+        if self.verify() != expected.checksum:
+            raise TaskError(f"task {self.name}: engine checksum differs from the actor's published "
+                            f"v{expected.version}; refusing to generate with unverified weights")
+        with self.timeline.span("generate") as span:
+            output = self.engine.generate(prompt_ids, params)
+            span["tokens"] = output.num_tokens
+        return output
+
+
+def _where(flat) -> dict[str, str]:
+    """{"from": "device" | "host"}: where the weights received lie (host: an actor offloaded since it published)."""
+    from workers.offload import on_device
+
+    leaf = next(iter(flat.values()), None)
+    on = leaf is not None and hasattr(leaf, "sharding") and on_device(leaf)
+    return {"from": "device" if on else "host"}
+
+
+def _compile_span(timeline: Timeline, compile_, **attrs) -> tuple[int, list[dict]]:
+    """Run a role's prepare; a "compile" span when it compiled programs, or waited for another task's compile of
+    them in this process (`shared_wait_s`: workers.compiling.shared), so the trace puts that time on a compile."""
+    from workers.compiling import waits
+
+    start = timeline.now()
+    with waits() as waited:
+        compiled = compile_()
+    if compiled or waited["seconds"]:
+        extra = {"shared_wait_s": waited["seconds"]} if waited["seconds"] else {}
+        timeline.add_span("compile", start, timeline.now(), programs=compiled, **extra, **attrs)
+    return compiled, timeline.drain()
+
+
+# ---- where a role runs --------------------------------------------------------------------------------
+
+
+class RemoteRole:
+    """A role in another process, called like a local one: each method is one blocking round trip.
+
+    `built`: the ref of the role's `build` call (its constructor, see `_built_by_call`), which runs in the
+    background from `spawn`; the first call waits for it, and raises its error as the role's own."""
+
+    def __init__(self, handle, kind: str, built=None, timeout_s: float | None = None):
+        self._handle, self.kind = handle, kind
+        self._built, self._never_built = built, False
+        self._timeout_s = timeout_s  # cluster.call_timeout_s: no call waits longer
+
+    def _get(self, ref, name: str):
+        import ray
+
+        try:
+            return ray.get(ref, timeout=self._timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TaskError(f"its {self.kind}'s {name}() did not answer in {self._timeout_s:g} s "
+                            "(cluster.call_timeout_s): its process may hang; raise the timeout if the call is a "
+                            "compile of a large model") from None
+
+    def _await_build(self) -> None:
+        import ray
+
+        if self._built is None:
+            return
+        ref, self._built = self._built, None
+        try:
+            self._get(ref, "build")
+        except ray.exceptions.RayTaskError:  # the constructor raised: its error, whose `cause` is the role's own
+            self._never_built = True
+            raise
+        except ray.exceptions.RayActorError as err:
+            raise RoleDied(f"its {self.kind} process died while the role was built: {exits.death_cause(err)}",
+                           self.kind) from err
+
+    def __getattr__(self, name: str):
+        import ray
+
+        if name.startswith("_"):
+            raise AttributeError(name)
+        method = getattr(self._handle, name)
+
+        def call(*args, **kwargs):
+            if name == "close":  # a role whose constructor raised holds nothing: its error was told already
+                with contextlib.suppress(ray.exceptions.RayTaskError):
+                    self._await_build()
+                if self._never_built:
+                    return None
+            self._await_build()
+            if self._never_built:
+                raise TaskError(f"its {self.kind} was never built: its constructor raised (the error before this)")
+            try:
+                return self._get(method.remote(*args, **kwargs), name)
+            except ray.exceptions.RayActorError as err:
+                cause = exits.death_cause(err)
+                raise RoleDied(f"its {self.kind} process died during {name}(): {cause}", self.kind) from err
+
+        return call
+
+    @property
+    def handle(self):
+        return self._handle
+
+    def fence_target(self):
+        """What the scheduler stops if it must fence this role's task: its process."""
+        from rlsched.scheduling.fencing import Target
+
+        return Target(self.kind, self._handle)
+
+    def terminate(self) -> None:
+        """End the role's process now (its owner would end it when it exits)."""
+        import ray
+
+        ray.kill(self._handle, no_restart=True)
+
+
+def channel_for(spec: TaskSpec, placement: RolePlacement | None, kind: str | None = None) -> WeightChannel:
+    """The task's comm channel: in memory when both roles share a process (this one, or a colocated group's
+    host), else Ray's object store."""
+    local = not _own_process(spec) and (placement is None or placement.one_process)
+    return make_channel(kind or ("local" if local else "object_store"), spec.comm_group)
+
+
+def _own_process(spec: TaskSpec) -> bool:
+    from workers.rollout import OWN_PROCESS_ENGINES  # a name table; imports no engine
+
+    return spec.config.rollout.engine in OWN_PROCESS_ENGINES
+
+
+def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlacement | None, take_port=None):
+    """Start role `cls` for `spec`: in this process (`placement` None), except an engine that must have a
+    process of its own (workers.rollout.OWN_PROCESS_ENGINES); in its device group's host (`placement.hosts`,
+    rlsched.cluster.group_process); as a group of one process per host when its mesh spans hosts
+    (rlsched.cluster.rolegroup; `take_port(role, host, busy)` gives its coordinator port); or as a Ray actor of its own
+    in `placement`."""
+    from rlsched.cluster.rolegroup import RoleGroup, spans_hosts
+
+    own = cls is EngineRole and _own_process(spec)  # an engine that must have a process of its own (sglang-jax)
+    if placement is not None and placement.hosts is not None and not own:  # beside the group's process if `own`
+        from rlsched.cluster.group_process import HostedGroupRole, HostedRole, HostGroup
+
+        host = placement.hosts[cls.kind]
+        if isinstance(host, HostGroup):  # a device group across hosts: a role spanning them is built in each
+            if spans_hosts(spec, cls.kind):
+                return HostedGroupRole.launch(host, cls, spec, channel)
+            host = host.first  # a role within one host: the first host's devices
+        return HostedRole.launch(host, cls, spec, channel)
+    if spans_hosts(spec, cls.kind):
+        if placement is None or take_port is None:
+            raise TaskError(f"task {spec.name}: its {cls.kind}'s mesh spans hosts (cluster.hosts {spec.hosts}), which "
+                            "needs a Ray cluster: run without --in-process")
+        return RoleGroup.launch(cls, spec, channel=channel, placement=placement, take_port=take_port,
+                                bundles=placement.host_bundles[: spec.role_hosts(cls.kind)])
+    if placement is None and not own:
+        return cls(spec, channel=channel)
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    # Its share of the bundle is nominal (1/100 of one unit): the bundle reserves the device, the
+    # pinning decides who uses which core, and several tasks' roles take turns on it under the locks.
+    options: dict[str, Any] = {"max_restarts": 0, "num_cpus": 0}
+    cores, resource = None, "CPU"
+    if placement is None:
+        init_ray()  # an in-process run whose engine needs a process of its own: the local Ray
+    else:
+        resource = placement.resource
+        options |= own_process_resources(resource, placement.bundle_devices[cls.kind])
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement.placement_group, placement_group_bundle_index=placement.bundles[cls.kind])
+        cores = placement.cores[cls.kind]
+    # A role on an rlsched mesh sees the pool and takes its devices from it (role_mesh); an engine that lays
+    # itself out (sglang-jax fills its mesh with every device it sees) sees one: its own.
+    on_mesh = cls is ActorRole or spec.config.rollout.engine == "jax_sampler"
+    env = role_env(spec.num_devices if on_mesh else 1, resource, shares_devices=spec.shares_devices)
+    handle = ray.remote(_built_by_call(cls)).options(**options).remote()
+    return RemoteRole(handle, cls.kind, built=handle.build.remote(spec, channel=channel, cores=cores, env=env),
+                      timeout_s=spec.call_timeout_s)
+
+
+@functools.cache
+def _built_by_call(cls):
+    """`cls` as a Ray actor class whose constructor is a method, `build(*args, **kwargs)`.
+
+    Why: an exception a Ray actor's constructor raises reaches the caller only as text (an ActorDiedError whose
+    message holds Ray's ANSI-coloured `ray::ActorRole.__init__()` line and the traceback; the exception itself
+    is dropped), while one a method raises arrives as a RayTaskError whose `cause` is the original exception:
+    its own type and message, as a role built in a device group's host (rlsched.cluster.group_process) reports it. The
+    process starts with an empty constructor; `build` runs the role's, in the background (calls queue behind it)."""
+    def __init__(self):
+        pass
+
+    def build(self, *args, **kwargs) -> None:
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "build": build, "__module__": cls.__module__,
+                                       "__doc__": cls.__doc__})

@@ -1,0 +1,454 @@
+"""Pure scheduling decisions: who gets which lock, in what order, and what must move in memory first.
+
+No Ray, no JAX, no IO: the scheduler actor wraps a `Policy`, calls it with the time, and executes
+the `Move`s it returns. Everything here is decided by plain data, so it is unit- and property-tested.
+
+Design decisions (and why):
+- **Two phases, one lock each.** A task's step is ROLLOUT then TRAIN; each phase takes exactly one
+  resource, its group's rollout slot or train slot. A phase never needs two locks (three phases
+  deadlocked in the field), and a task has at most one request or lease in flight at a time: its
+  phases are sequential, and a queued request for its next phase would hold a FIFO place it can't use.
+- **An order per resource, head-of-line blocking.** Each free resource serves one candidate of its
+  queue (`ORDERS`): `fifo` the oldest request; `priority` the highest task priority (then the oldest);
+  `fair` the task with the least lock time on that phase per unit of weight (weighted fair share, then
+  the oldest). If the candidate can't be admitted for memory, the queue behind it waits. Candidates of
+  different resources are tried oldest first, so a request blocked for memory gets the first claim on
+  the devices when they free up (no starvation by a busy neighbouring slot).
+- **A starvation bound in every order.** A queued request passed over `starvation_limit` times (its
+  resource granted to another request while it waited) is *starving*, and starving requests are served
+  before any other, oldest first. So a request is granted within `starvation_limit + N - 1` grants of its
+  resource, N the tasks that share it (at most N - 1 older requests can be starving before it); FIFO
+  within N - 1. Grants happen only at phase boundaries (a lock is never taken from a holder), so a higher
+  priority waits for the phase in progress, never longer. The property tests hold every order to this.
+- **Memory-aware residency.** A role stays resident after its lease is released; nothing is
+  offloaded while everything fits (offload made small tasks 7x slower in the field). An onload that
+  would exceed its pool's budget first evicts idle resident roles, least recently used first. Idle =
+  not the role of a held lease: a TRAIN holder protects its actor, not its engine. The grantee's own
+  other role is idle too and may be evicted (colocated, engine + actor > budget: otherwise one task
+  alone could never train); being just used, it is naturally the last candidate.
+- **Moves are decisions.** `grant` updates the accounting as if its moves were done; the holder
+  executes them (offloads first, its onload last) before working, through `memory.Residency`.
+- **Failure frees memory.** `fail` drops a task's lease and queued request and forgets its memory:
+  its process died or, on lease expiry, is being killed by the caller.
+
+Deadlock freedom: (1) a lease holder waits for nothing (one lock, its role already resident), so
+every lease ends (release, fail or expiry). (2) A pool serves at most two slots (colocated: its
+group's rollout and train; disaggregated: one), so a head at a free slot can only be blocked by the
+role the other slot's holder protects; once that holder releases, nothing in the pool is protected
+and, every budget being >= each of its roles (checked at register), evicting idle roles makes room.
+(3) The oldest head is tried first and each queue is FIFO, so every queued request is granted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from enum import StrEnum
+from typing import Any
+
+from rlsched.base.units import format_bytes
+
+
+class PolicyError(Exception):
+    """A caller broke the protocol (double request, release without lease, ...) or a config can't work."""
+
+
+class Phase(StrEnum):
+    ROLLOUT = "rollout"
+    TRAIN = "train"
+
+    @property
+    def role(self) -> Role:
+        """The role this phase needs resident: ROLLOUT generates with the engine, TRAIN updates the actor."""
+        return Role.ENGINE if self is Phase.ROLLOUT else Role.ACTOR
+
+
+class Role(StrEnum):
+    ENGINE = "engine"  # rollout weights + KV cache
+    ACTOR = "actor"  # params + optimizer state + reference params
+
+
+class Order(StrEnum):
+    FIFO = "fifo"  # oldest request first
+    PRIORITY = "priority"  # highest task priority first, then oldest
+    FAIR = "fair"  # least lock seconds on the phase per unit of task weight first, then oldest
+
+
+ORDERS = tuple(str(o) for o in Order)
+
+
+class Placement(StrEnum):
+    COLOCATED = "colocated"  # engine and actor share the same devices: one pool, one budget
+    DISAGGREGATED = "disaggregated"  # a rollout pool (engines) and a train pool (actors)
+
+
+class Action(StrEnum):
+    ONLOAD = "onload"  # host -> device
+    OFFLOAD = "offload"  # device -> host
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """One device group. Budgets are bytes per pool; None = unlimited.
+
+    Colocated groups use `budget` (one pool for both roles); disaggregated groups use
+    `rollout_budget` (engines) and `train_budget` (actors). Prefer the two constructors.
+    """
+
+    placement: Placement = Placement.COLOCATED
+    budget: int | None = None
+    rollout_budget: int | None = None
+    train_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", Placement(self.placement))
+        unused = ("rollout_budget", "train_budget") if self.placement is Placement.COLOCATED else ("budget",)
+        for name in unused:
+            if getattr(self, name) is not None:
+                raise PolicyError(f"GroupSpec: {name}={getattr(self, name)!r} is not used by a {self.placement} group")
+        for name in ("budget", "rollout_budget", "train_budget"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise PolicyError(f"GroupSpec: {name} must be a non-negative int of bytes or None, got {value!r}")
+
+    @classmethod
+    def colocated(cls, budget: int | None = None) -> GroupSpec:
+        return cls(Placement.COLOCATED, budget=budget)
+
+    @classmethod
+    def disaggregated(cls, rollout_budget: int | None = None, train_budget: int | None = None) -> GroupSpec:
+        return cls(Placement.DISAGGREGATED, rollout_budget=rollout_budget, train_budget=train_budget)
+
+    def pools(self, group: str) -> dict[str, int | None]:
+        """Pool id -> budget: `<group>/shared`, or `<group>/rollout-pool` and `<group>/train-pool`."""
+        if self.placement is Placement.COLOCATED:
+            return {f"{group}/shared": self.budget}
+        return {f"{group}/rollout-pool": self.rollout_budget, f"{group}/train-pool": self.train_budget}
+
+    def pool_of(self, group: str, role: Role) -> str:
+        if self.placement is Placement.COLOCATED:
+            return f"{group}/shared"
+        return f"{group}/rollout-pool" if role is Role.ENGINE else f"{group}/train-pool"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resource:
+    """A lock: one phase's slot of one device group."""
+
+    group: str
+    phase: Phase
+
+    @property
+    def id(self) -> str:
+        return f"{self.group}/{self.phase}"  # e.g. "g0/rollout"
+
+    def __str__(self) -> str:
+        return self.id
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    task: str
+    role: Role
+    action: Action
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    request_id: int
+    task: str
+    phase: Phase
+    resource: Resource
+    moves: tuple[Move, ...]  # evictions (offloads) first, then the grantee's onload; execute in order
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    task: str
+    phase: Phase
+    resource: Resource
+    passed: int = 0  # grants of its resource to other requests while this one waited
+
+
+@dataclasses.dataclass
+class _Task:
+    name: str
+    group: str
+    nbytes: dict[Role, int]
+    resident: dict[Role, bool]
+    last_used: dict[Role, int]  # LRU clock ticks (a counter, not time: equal timestamps still order)
+    request: _Request | None = None  # the queued request, if any
+    holding: Phase | None = None
+    granted_at: float = 0.0
+    failed: bool = False
+    priority: int = 0
+    weight: float = 1.0
+    usage: dict[Phase, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(Phase, 0.0))  # s / weight
+
+
+class Policy:
+    """Locks, ordered queues and memory admission for all device groups. Single-threaded by contract."""
+
+    def __init__(self, groups: dict[str, GroupSpec], *, order: str = "fifo", starvation_limit: int = 8):
+        if not groups:
+            raise PolicyError("Policy needs at least one device group")
+        if order not in ORDERS:
+            raise PolicyError(f"unknown order {order!r}; choose one of {ORDERS}")
+        if not isinstance(starvation_limit, int) or starvation_limit < 1:
+            raise PolicyError(f"starvation_limit must be a positive int, got {starvation_limit!r}")
+        self.order, self.starvation_limit = Order(order), starvation_limit
+        self._groups = dict(groups)
+        self._budgets: dict[str, int | None] = {}
+        for name, spec in self._groups.items():
+            self._budgets.update(spec.pools(name))
+        self._used = dict.fromkeys(self._budgets, 0)
+        self._queues = {Resource(g, p): deque() for g in self._groups for p in Phase}
+        self._holders: dict[Resource, str] = {}
+        self._tasks: dict[str, _Task] = {}
+        self._request_tasks: dict[int, str] = {}  # queued or dropped request id -> task
+        self._next_id = 0
+        self._tick = 0
+
+    # ---- tasks ------------------------------------------------------------------------------------
+
+    def register(self, task: str, group: str, engine_bytes: int, actor_bytes: int, *, resident: bool = True,
+                 priority: int = 0, weight: float = 1.0) -> list[Move]:
+        """Add a task. `resident=True`: its roles were created on device; those that fit in the pools'
+        free room stay (engine first: ROLLOUT comes first) and the returned OFFLOAD moves must be done
+        at once. Registering never evicts other tasks. `resident=False`: created on host, returns [].
+        `priority` (order "priority": higher first) and `weight` (order "fair": its share of lock time)."""
+        if task in self._tasks:
+            raise PolicyError(f"task {task!r} is already registered")
+        if not isinstance(weight, int | float) or not weight > 0:
+            raise PolicyError(f"task {task!r}: weight must be > 0, got {weight!r}")
+        if group not in self._groups:
+            raise PolicyError(f"task {task!r}: unknown device group {group!r} (known: {sorted(self._groups)})")
+        nbytes = {Role.ENGINE: engine_bytes, Role.ACTOR: actor_bytes}
+        for role, n in nbytes.items():
+            if not isinstance(n, int) or n < 0:
+                raise PolicyError(f"task {task!r}: {role} bytes must be a non-negative int, got {n!r}")
+            pool = self._groups[group].pool_of(group, role)
+            budget = self._budgets[pool]
+            if budget is not None and n > budget:
+                shown = (n, budget)
+                raise PolicyError(f"task {task!r}: {role} needs {format_bytes(n, like=shown)} but pool {pool!r} has "
+                                  f"a budget of only {format_bytes(budget, like=shown)}; no amount of offloading can "
+                                  "make it fit")
+        state = _Task(task, group, nbytes, dict.fromkeys(Role, False), dict.fromkeys(Role, 0),
+                      priority=int(priority), weight=float(weight))
+        # A task arriving late starts level with the least served live task of its group, not at zero: a
+        # newcomer does not get the lock until it has caught up with tasks that ran for hours.
+        peers = [t for t in self._tasks.values() if t.group == group and not t.failed]
+        if peers:
+            state.usage = {ph: min(t.usage[ph] for t in peers) for ph in Phase}
+        self._tasks[task] = state
+        moves = []
+        for role in (Role.ENGINE, Role.ACTOR) if resident else ():
+            pool = self._pool(state, role)
+            budget = self._budgets[pool]
+            if budget is None or self._used[pool] + nbytes[role] <= budget:
+                self._set_resident(state, role, True)
+                self._touch(state, role)  # registration order breaks LRU ties between never-used roles
+            else:
+                moves.append(Move(task, role, Action.OFFLOAD))
+        return moves
+
+    def fail(self, task: str) -> None:
+        """The task died or lost its lease: drop its lease and queued request, forget its memory. Idempotent."""
+        state = self._task(task)
+        if state.holding is not None:
+            del self._holders[Resource(state.group, state.holding)]
+            state.holding = None
+        if state.request is not None:
+            self._queues[state.request.resource].remove(state.request)
+            state.request = None
+        for role in Role:
+            self._set_resident(state, role, False)
+        state.failed = True
+
+    def forget(self, task: str) -> None:
+        """Drop a task that ended (failed or retired) from the books, so a task of that name can be registered
+        again (a cancelled task resubmitted to a long-lived scheduler). A live task cannot be forgotten."""
+        state = self._task(task)
+        if not state.failed:
+            raise PolicyError(f"task {task!r} is live; only a task that ended can be forgotten")
+        del self._tasks[task]
+
+    # ---- locks ------------------------------------------------------------------------------------
+
+    def request(self, task: str, phase: Phase, now: float) -> int:
+        """Queue `task` for `phase`'s resource; returns the request id. `now` is accepted for symmetry."""
+        state = self._task(task)
+        phase = Phase(phase)
+        if state.failed:
+            raise PolicyError(f"task {task!r} has failed and can't request {phase}")
+        if state.holding is not None:
+            raise PolicyError(f"task {task!r} requested {phase} while holding {state.holding}: release it first")
+        if state.request is not None:
+            raise PolicyError(f"task {task!r} requested {phase} while its {state.request.phase} request is queued")
+        self._next_id += 1
+        req = _Request(self._next_id, task, phase, Resource(state.group, phase))
+        self._queues[req.resource].append(req)
+        self._request_tasks[req.id] = task
+        state.request = req
+        return req.id
+
+    def grant(self, now: float) -> list[Grant]:
+        """Every grant possible now. One pass over the candidates of free resources, oldest first, suffices:
+        a grant takes a lock and protects bytes but never frees any room an earlier candidate could use."""
+        heads = sorted((self._candidate(q) for r, q in self._queues.items() if q and r not in self._holders),
+                       key=lambda q: q.id)
+        grants = []
+        for req in heads:
+            moves = self._admit(req)
+            if moves is None:
+                continue  # head-of-line: this resource's queue waits behind its candidate
+            state = self._tasks[req.task]
+            queue = self._queues[req.resource]
+            queue.remove(req)
+            for other in queue:
+                other.passed += 1
+            del self._request_tasks[req.id]
+            self._holders[req.resource] = req.task
+            state.request, state.holding, state.granted_at = None, req.phase, now
+            self._touch(state, req.phase.role)
+            grants.append(Grant(req.id, req.task, req.phase, req.resource, moves))
+        return grants
+
+    def release(self, task: str, phase: Phase, now: float) -> None:
+        """Free the lock. Residency stays (memory-aware); the role becomes the most recently used."""
+        state = self._task(task)
+        phase = Phase(phase)
+        if state.holding is not phase:
+            raise PolicyError(f"task {task!r} released {phase} but holds {state.holding or 'nothing'}")
+        del self._holders[Resource(state.group, phase)]
+        state.holding = None
+        state.usage[phase] += max(0.0, now - state.granted_at) / state.weight
+        self._touch(state, phase.role)
+
+    def lease_of(self, task: str) -> tuple[Phase, float] | None:
+        """The phase `task` holds and when it was granted, or None."""
+        state = self._task(task)
+        return None if state.holding is None else (state.holding, state.granted_at)
+
+    def expired(self, now: float, timeout: float) -> list[str]:
+        """Tasks whose current lease was granted more than `timeout` seconds before `now`."""
+        return [t for t in self._holders.values() if now - self._tasks[t].granted_at > timeout]
+
+    def candidate(self, resource: Resource) -> str | None:
+        """The task the resource's queue would serve next (memory permitting), or None when it is empty."""
+        queue = self._queues[resource]
+        return self._candidate(queue).task if queue else None
+
+    def _candidate(self, queue: deque[_Request]) -> _Request:
+        """Starving requests first, oldest first; otherwise the order's choice."""
+        starving = [r for r in queue if r.passed >= self.starvation_limit]
+        if starving or self.order is Order.FIFO:
+            return starving[0] if starving else queue[0]  # queues are in arrival (id) order
+        if self.order is Order.PRIORITY:
+            return min(queue, key=lambda r: (-self._tasks[r.task].priority, r.id))
+        return min(queue, key=lambda r: (self._tasks[r.task].usage[r.phase], r.id))
+
+    # ---- memory admission ---------------------------------------------------------------------------
+
+    def _admit(self, req: _Request) -> tuple[Move, ...] | None:
+        """The moves that make room for the request's role, or None if even evicting every idle role can't."""
+        state = self._tasks[req.task]
+        role = req.phase.role
+        if state.resident[role]:
+            return ()
+        pool = self._pool(state, role)
+        budget, need = self._budgets[pool], state.nbytes[role]
+        free = None if budget is None else budget - self._used[pool]
+        victims: list[tuple[_Task, Role]] = []
+        if free is not None and need > free:
+            protected = {(holder, r.phase.role) for r, holder in self._holders.items()}
+            idle = [(other.last_used[r], other.name, r) for other in self._tasks.values() for r in Role
+                    if other.resident[r] and self._pool(other, r) == pool and (other.name, r) not in protected]
+            for _, name, r in sorted(idle):
+                if need <= free:
+                    break
+                victims.append((self._tasks[name], r))
+                free += self._tasks[name].nbytes[r]
+            if need > free:
+                return None
+        for victim, r in victims:
+            self._set_resident(victim, r, False)
+        self._set_resident(state, role, True)
+        return (*(Move(v.name, r, Action.OFFLOAD) for v, r in victims), Move(req.task, role, Action.ONLOAD))
+
+    def _set_resident(self, state: _Task, role: Role, resident: bool) -> None:
+        if state.resident[role] != resident:
+            self._used[self._pool(state, role)] += state.nbytes[role] if resident else -state.nbytes[role]
+            state.resident[role] = resident
+
+    def _touch(self, state: _Task, role: Role) -> None:
+        self._tick += 1
+        state.last_used[role] = self._tick
+
+    def _pool(self, state: _Task, role: Role) -> str:
+        return self._groups[state.group].pool_of(state.group, role)
+
+    def _task(self, task: str) -> _Task:
+        if task not in self._tasks:
+            raise PolicyError(f"unknown task {task!r} (registered: {sorted(self._tasks)})")
+        return self._tasks[task]
+
+    # ---- introspection ------------------------------------------------------------------------------
+
+    def resources(self) -> list[Resource]:
+        return list(self._queues)
+
+    def resource(self, task: str, phase: Phase) -> Resource:
+        return Resource(self._task(task).group, Phase(phase))
+
+    def pool(self, task: str, role: Role) -> str:
+        return self._pool(self._task(task), Role(role))
+
+    def holder(self, resource: Resource) -> str | None:
+        return self._holders.get(resource)
+
+    def holding(self, task: str) -> Phase | None:
+        return self._task(task).holding
+
+    def queue(self, resource: Resource) -> list[str]:
+        return [req.task for req in self._queues[resource]]
+
+    def request_task(self, request_id: int) -> str | None:
+        """The task of a queued (or dropped by `fail`) request; None once granted or never issued."""
+        return self._request_tasks.get(request_id)
+
+    def resident(self, task: str, role: Role) -> bool:
+        return self._task(task).resident[Role(role)]
+
+    def nbytes(self, task: str, role: Role) -> int:
+        return self._task(task).nbytes[Role(role)]
+
+    def tasks(self) -> list[str]:
+        return list(self._tasks)
+
+    def used_bytes(self, pool: str) -> int:
+        return self._used[pool]
+
+    def budget(self, pool: str) -> int | None:
+        return self._budgets[pool]
+
+    def pools(self) -> list[str]:
+        return list(self._budgets)
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-safe state for logs and timelines."""
+        return {
+            "order": str(self.order), "starvation_limit": self.starvation_limit,
+            "pools": {p: {"budget": self._budgets[p], "used": self._used[p]} for p in self._budgets},
+            "holders": {r.id: t for r, t in self._holders.items()},
+            "queues": {r.id: [req.task for req in q] for r, q in self._queues.items() if q},
+            "tasks": {t.name: {"group": t.group, "bytes": {str(r): n for r, n in t.nbytes.items()},
+                               "resident": [str(r) for r in Role if t.resident[r]],
+                               "holding": t.holding and str(t.holding),
+                               "waiting": t.request and str(t.request.phase), "failed": t.failed,
+                               "priority": t.priority, "weight": t.weight,
+                               "lock_s_per_weight": {str(ph): u for ph, u in t.usage.items()}}
+                      for t in self._tasks.values()},
+        }
