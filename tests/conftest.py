@@ -96,3 +96,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{len(_SGLANG_DESELECTED)} sglang-marked tests deselected: sglang-jax is not installed in this "
             "environment; they run in the Python 3.12 stage, .ci/sglang_stage.sh")
+
+
+@pytest.fixture
+def service(tmp_path):
+    """A scheduler service for one test, driven through the CLI with a private RLSCHED_HOME (tests/test_service.py's
+    _Service: `svc("up")`, `svc("submit", ...)`, ...); whatever it started is stopped after the test."""
+    from test_service import _Service
+
+    (tmp_path / "work").mkdir()
+    svc = _Service(tmp_path / "home", tmp_path / "work")
+    yield svc
+    svc.clean_up()

@@ -11,11 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from test_stopping import _Run as _CliRun
 
 from rlsched.rundir.lock import LOCK_NAME, RunDirLocked, RunLock, read_holder
 
@@ -32,21 +31,9 @@ def _train(out: Path, model: Path, steps: int, *extra: str) -> list[str]:
     return [*args, *extra]
 
 
-class _Run:
-    """A CLI run whose output is read as it comes, so a test can wait for a line."""
-
-    def __init__(self, args: list[str]):
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stdout.readline, "")))
-        self._reader.start()
-
-    def wait_for(self, text: str, timeout: float = 240) -> None:
-        end = time.monotonic() + timeout
-        while not any(text in line for line in self.lines):
-            assert self.proc.poll() is None, "".join(self.lines)[-3000:]
-            assert time.monotonic() < end, f"no line with {text!r} in {timeout} s:\n" + "".join(self.lines)[-3000:]
-            time.sleep(0.05)
+class _Run(_CliRun):
+    """A CLI run read as it comes (tests/test_stopping.py); one the test stopped with SIGSTOP is continued before
+    it is killed."""
 
     def finish(self, timeout: float = 240) -> tuple[int, str]:
         try:

@@ -127,12 +127,6 @@ def test_no_service_says_how_to_start_one(tmp_path):
         assert "no scheduler running" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-@pytest.fixture
-def service(tmp_path):
-    (tmp_path / "work").mkdir()
-    svc = _Service(tmp_path / "home", tmp_path / "work")
-    yield svc
-    svc.clean_up()
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_service import _cli, _metrics, _same, _Service, _signal
+from test_service import _cli, _metrics, _same, _signal
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "demo_addition.yaml")
@@ -29,14 +29,6 @@ def _one_line_error(proc, *words: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     for word in words:
         assert word in lines[0], (word, lines[0])
-
-
-@pytest.fixture
-def service(tmp_path):
-    (tmp_path / "work").mkdir()
-    svc = _Service(tmp_path / "home", tmp_path / "work")
-    yield svc
-    svc.clean_up()
 
 
 def _ended(row: dict) -> bool:

@@ -247,12 +247,11 @@ class Scheduler:
 
     async def retire(self, task: str) -> None:
         """`task` finished and its roles were stopped: the memory it held is free now and it takes no more locks;
-        the policy's books, the measured pools and its roles' handles drop it, so a scheduler that outlives many
-        tasks does not grow with them. Why it failed stays (`failed`, `fenced`) until `forget_task`: whoever
-        reports the task's end asks after its driver has retired it. Idempotent."""
-        if task in self.policy.tasks():
+        the measured pools and its roles' handles drop it. Its place in the policy's books (as ended) and why it
+        failed (`failed`, `fenced`) stay until `forget_task`: whoever reports the task's end (summary.json, the
+        service) reads them after its driver has retired it. Idempotent."""
+        if task not in self._failed and task in self.policy.tasks():
             self.policy.fail(task)  # the policy's word for "gone": no lease, no request, no memory
-            self.policy.forget(task)
         for known in (self._targets, self._drivers, self._evicting, self._letting_go):
             known.pop(task, None)
         self.ports.release(task)
@@ -261,7 +260,11 @@ class Scheduler:
         self._dispatch()
 
     def forget_task(self, task: str) -> None:
-        """Drop what is left of a retired task (why it failed or was fenced), once its end has been reported."""
+        """Drop what is left of a retired task (its place in the policy's books, why it failed or was fenced), once
+        its end has been reported: a scheduler that outlives many tasks (rlsched up) does not grow with them."""
+        if task in self.policy.tasks():
+            self.policy.fail(task)
+            self.policy.forget(task)
         for known in (self._failed, self._fenced):
             known.pop(task, None)
 

@@ -287,10 +287,7 @@ class Service:
                 return {"error": f"task {task} is {record.state}: `rlsched cancel {task}` first, then forget it"}
             del self.tasks[task]
             self._lines.pop(task, None)
-            self.given.pop(task, None)
-            held = {r.request for r in self.tasks.values()}
-            for request in [r for r in self._subs if r not in held]:  # no task of that submission left
-                del self._subs[request]
+            self.given.pop(task, None)  # (its submission goes once its outputs are written: _complete)
             self._save()
             answer = {"task": task, "state": record.state, "run_dir": record.run_dir}
             return self._requests.setdefault(request_id, answer)
