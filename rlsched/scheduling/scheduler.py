@@ -125,11 +125,7 @@ class Scheduler:
         device, returning the offloads it must do at once ((role, action) pairs). A task of the same name that
         ended before is forgotten first, with what the scheduler knew of it."""
         if task in self.policy.tasks():
-            self.policy.forget(task)  # refuses a live one (PolicyError)
-            for known in (self._failed, self._fenced, self._targets, self._drivers, self._evicting, self._letting_go):
-                known.pop(task, None)
-            for pool in self.measured.values():
-                pool.clear(task)
+            self.forget_task(task)  # refuses a live one (PolicyError)
         moves = self.policy.register(task, group, engine_bytes, actor_bytes, priority=priority, weight=weight)
         return [(str(m.role), str(m.action)) for m in moves]
 
@@ -260,13 +256,16 @@ class Scheduler:
         self._dispatch()
 
     def forget_task(self, task: str) -> None:
-        """Drop what is left of a retired task (its place in the policy's books, why it failed or was fenced), once
-        its end has been reported: a scheduler that outlives many tasks (rlsched up) does not grow with them."""
+        """Drop everything the scheduler knows of a task that ended (retired or failed), once its end has been
+        reported: its place in the policy's books (a live task is refused: PolicyError), why it failed or was fenced,
+        its roles' handles, its measured memory. A scheduler that outlives many tasks (rlsched up) does not grow
+        with them, and a task of the same name can be admitted afresh."""
         if task in self.policy.tasks():
-            self.policy.fail(task)
             self.policy.forget(task)
-        for known in (self._failed, self._fenced):
+        for known in (self._failed, self._fenced, self._targets, self._drivers, self._evicting, self._letting_go):
             known.pop(task, None)
+        for pool in self.measured.values():
+            pool.clear(task)
 
     def events_since(self, since: float | None = None) -> list[dict]:
         """The scheduler's timeline events that end at or after `since` (wall-clock seconds; all when None)."""
