@@ -100,6 +100,31 @@ def test_an_expired_lease_fences_its_holder_before_the_next_waiter_gets_the_lock
     asyncio.run(scenario())
 
 
+def test_a_fenced_holder_whose_driver_retires_during_the_stop_still_passes_the_lock():
+    """The fenced holder's driver sees its call fail, lets go and retires before the stop returns (a device
+    group's process ends its call at once): the lock still passes on to the waiter, right after the stop."""
+    async def scenario():
+        fence = _Fence(seconds=0.3)
+        s = _scheduler(lease_timeout_s=0.1, stop=fence, let_go_s=30)
+        s.register_roles("a", ["a's engine"])
+        await s.acquire("a", "rollout")
+
+        async def driver_of_a():  # its call fails while the roles are still being stopped
+            await asyncio.sleep(0.2)
+            await s.release("a", "rollout")
+            await s.fail("a", "its call failed")
+            await s.retire("a")
+
+        a = asyncio.create_task(driver_of_a())
+        t0 = time.monotonic()
+        lease_b = await asyncio.wait_for(s.acquire("b", "rollout"), 5)  # not let_go_s: a's driver let go already
+        await a
+        assert lease_b.task == "b" and time.monotonic() - t0 < 3
+        assert s.failed()["a"].startswith("lease expired after 0 s in phase rollout"), s.failed()
+
+    asyncio.run(scenario())
+
+
 def test_a_fence_that_cannot_confirm_the_stop_says_so_in_the_cause():
     async def scenario():
         s = _scheduler(lease_timeout_s=0.1, stop=_Fence(problems=["engine: its process still answered 30 s after"]),

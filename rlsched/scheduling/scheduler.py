@@ -223,8 +223,9 @@ class Scheduler:
             # A holder whose driver lives sees its call fail once its roles are stopped, ends its phase and lets go;
             # the lock waits for that (bounded), so no one's phase starts before the fenced one's has ended.
             holding = driver_alive and self.policy.lease_of(task) is not None
-            if holding:
-                self._letting_go[task] = asyncio.Event()
+            # Held here, not looked up after the stop: the driver may let go and retire (dropping the books' entry)
+            # while the roles are being stopped.
+            let_go = self._letting_go[task] = asyncio.Event() if holding else None
             t0 = self.timeline.now()
             def ended(target) -> None:  # before the host's process is ended: its other tasks will ask
                 self._ended[target.handle, target.pid] = f"the device group's process was ended to fence task " \
@@ -234,9 +235,9 @@ class Scheduler:
             self.timeline.add_span("fence", t0, self.timeline.now(), task=task, cause=cause)
             if problems:
                 self._failed[task] = self._fenced[task] = f"{cause}; fencing: {'; '.join(problems)}"
-            if holding:
+            if let_go is not None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._letting_go[task].wait(), self.let_go_s)
+                    await asyncio.wait_for(let_go.wait(), self.let_go_s)
         self.policy.fail(task)
         self.ports.release(task)
         self._dispatch()
