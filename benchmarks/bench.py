@@ -74,7 +74,7 @@ def make_config(root: Path, name: str, names: list[str], placement: str, args):
     """An experiment of `names`, each the preset task with its own seed (seed i for task i, alone or not)."""
     import yaml
 
-    from rlsched.config.schema import validate
+    from rlsched.config.loading import validate
     from rlsched.rundir.files import prepare_run_dir
 
     preset = PRESETS[args.preset]

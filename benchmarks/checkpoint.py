@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(root: Path, mode: str, args) -> dict[str, float]:
-    from rlsched.config.schema import load_config
+    from rlsched.config.loading import load_config
     from rlsched.run.task import TaskDriver
     from rlsched.rundir.files import prepare_run_dir
     from rlsched.scheduling.scheduler import FreeLocks

@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # What each process of a run is, from its command line (Ray names an actor's process `ray::Class.method`).
-KINDS = (("ray::RoleHost", "device-group process"), ("ray::ActorRole", "role processes"),
+KINDS = (("ray::GroupProcess", "device-group process"), ("ray::ActorRole", "role processes"),
          ("ray::EngineRole", "role processes"), ("ray::TaskDriver", "task drivers"), ("ray::Scheduler", "scheduler"),
          ("ray::IDLE", "Ray's idle workers"))
 

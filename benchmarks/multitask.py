@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def experiment(root: Path, name: str, tasks: list[str], args):
     import yaml
 
-    from rlsched.config.schema import validate
+    from rlsched.config.loading import validate
     from rlsched.rundir.files import prepare_run_dir
 
     raw = yaml.safe_load(CONFIG.read_text())

@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config(root: Path, name: str, args, processes: str = "auto"):
-    from rlsched.config.schema import load_config
+    from rlsched.config.loading import load_config
     from rlsched.rundir.files import prepare_run_dir
 
     cfg = load_config(CONFIG, [f"experiment.name={name}", f"experiment.output_dir={root}",

@@ -106,8 +106,8 @@ def weight_sync(args) -> dict:
         times["sync"].append(time.perf_counter() - t0)
         # The colocated step: the engine was offloaded while the actor trained and is onloaded for ROLLOUT;
         # its old weights wait on host (a lazy onload), so the sync has no undo copy to make.
-        engine.release_memory()
-        engine.resume_memory()
+        engine.offload()
+        engine.onload()
         t0 = time.perf_counter()
         engine.update_weights(flat, 2 * version + 1, checksum=checksum)
         times["sync_resumed"].append(time.perf_counter() - t0)

@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _config(root: Path, name: str, tasks: int, cache: Path, args, extra=()):
-    from rlsched.config.schema import load_config, select_tasks
+    from rlsched.config.loading import load_config, select_tasks
 
     every = [f"steps={args.steps}", *args.overrides, *extra]
     overrides = [f"experiment.name={name}", f"experiment.output_dir={root}", f"cluster.compile_cache_dir={cache}",

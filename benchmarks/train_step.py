@@ -67,7 +67,7 @@ def ensure_model(preset: str) -> Path:
 
 
 def experiment_config(args: argparse.Namespace, model_dir: Path, output_dir: str):
-    from rlsched.config.schema import load_config
+    from rlsched.config.loading import load_config
 
     samples = args.prompts * args.generations
     t = "tasks.0"

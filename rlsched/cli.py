@@ -98,7 +98,7 @@ DEMO_MULTITASK = CONFIGS / "demo_multitask.yaml"
 def _cmd_demo(args: argparse.Namespace) -> int:
     """The quickstart job: two tiny random Qwen3s learn addition and subtraction with GRPO, sharing
     this machine under the scheduler on an embedded local Ray."""
-    from rlsched.config.schema import load_config
+    from rlsched.config.loading import load_config
     from rlsched.observe.tracking import read_metrics
     from rlsched.run.experiment import train
 
@@ -161,8 +161,8 @@ def _resume_command(argv: list[str]) -> str:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
+    from rlsched.config.loading import load_configs
     from rlsched.config.plan import device_plan
-    from rlsched.config.schema import load_configs
 
     plan = device_plan(load_configs(args.config, args.set))
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())

@@ -109,8 +109,9 @@ def test_submit_checks_the_model_directory_where_the_user_is(tmp_path, tiny_mode
 def test_a_preset_model_may_be_absent(tmp_path):
     """model.init_preset: `rlsched train` creates the model, so an absent directory (or one without config.json)
     is not an error; one that has config.json must have its weights."""
+    from rlsched.config.loading import load_config
     from rlsched.config.preflight import check_model_dir
-    from rlsched.config.schema import ConfigError, load_config
+    from rlsched.config.schema import ConfigError
 
     config = _config(tmp_path, tmp_path / "made-later")
     check_model_dir(load_config(config, ["tasks.0.model.init_preset=tiny"]).tasks[0], 0)
@@ -154,7 +155,7 @@ def test_a_role_constructor_error_reaches_the_terminal_as_itself(tmp_path, lacki
 
 
 def test_a_ray_actors_constructor_error_is_read_from_rays_text(ray_session):
-    """Actors other than roles (a device group's host, the scheduler) still die of their constructor's error; Ray
+    """Actors other than roles (a device group's process, the scheduler) still die of their constructor's error; Ray
     keeps only its text, coloured. What RoleDied says of it is the exception's own type and first line."""
     import ray
 

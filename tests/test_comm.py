@@ -13,7 +13,7 @@ from rlsched.cluster.comm import (
     WeightMessage,
     make_channel,
 )
-from rlsched.config.schema import comm_group_name
+from rlsched.config.spec import comm_group_name
 
 
 def _flat():

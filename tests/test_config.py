@@ -10,7 +10,9 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from rlsched.config.schema import BatchPlan, ConfigError, ExperimentConfig, dump_resolved, load_config
+from rlsched.config.loading import dump_resolved, load_config
+from rlsched.config.schema import ConfigError, ExperimentConfig
+from rlsched.config.spec import BatchPlan
 
 # One task with batches that exercise every derived number (see test_batch_plan_arithmetic).
 ADDITION = """\
@@ -417,7 +419,7 @@ def test_the_compile_cache_is_on_by_default_under_the_output_dir_and_null_turns_
 
     import yaml
 
-    from rlsched.config.schema import validate
+    from rlsched.config.loading import validate
 
     raw = yaml.safe_load((Path(__file__).parents[1] / "configs" / "demo_multitask.yaml").read_text())
     raw["experiment"]["output_dir"] = str(tmp_path / "runs")

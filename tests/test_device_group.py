@@ -23,7 +23,7 @@ SMALL = ["grpo.prompts_per_step=4", "grpo.num_generations=4", "grpo.mini_batch_s
 
 def _sets(config: str, tasks: list[str], out: Path, models: Path, **per_task: object) -> list[str]:
     """`--set` arguments: small batches and STEPS steps for `tasks` of `config`, their models under `models`."""
-    from rlsched.config.schema import load_config
+    from rlsched.config.loading import load_config
 
     names = [t.name for t in load_config(ROOT / config).tasks]
     sets = [f"experiment.output_dir={out}"]
@@ -38,7 +38,7 @@ def _budget_gb(config: str, tasks: list[str], out: Path, models: Path) -> float:
     """Room for one task of these (conftest.one_task_fits_gb): two never fit, so they evict each other all along."""
     from conftest import one_task_fits_gb
 
-    from rlsched.config.schema import load_config
+    from rlsched.config.loading import load_config
 
     overrides = _sets(config, tasks, out, models)[1::2]
     return one_task_fits_gb(next(t for t in load_config(ROOT / config, overrides).tasks if t.name == tasks[0]))

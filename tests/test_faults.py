@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from rlsched.config.schema import validate
+from rlsched.config.loading import validate
 from rlsched.observe.timeline import check_lock_exclusivity, read_trace
 from rlsched.observe.tracking import read_metrics
 from rlsched.run.experiment import run_experiment
@@ -37,7 +37,7 @@ def _experiment(tmp_path, model_dir, name, engine_args: dict[str, dict], cluster
 
 # How the hung engine's end reads: its own process killed, or the device group's process ended and restarted.
 ENDED = {"per_role": r"RoleDied: its engine process died during rollout\(\): ended by ray\.kill\(\)",
-         "per_device_group": r"RoleDied: the device group's host process holding its engine died during rollout\(\): "
+         "per_device_group": r"RoleDied: the device group's process holding its engine died during rollout\(\): "
                              r"its process ended while the call ran, and Ray restarted it without its roles"}
 
 
@@ -74,7 +74,7 @@ def test_an_eviction_that_fails_fails_the_evicted_task_not_the_waiter(ray_sessio
     budget_gb = one_task_fits_gb(_experiment(tmp_path, tiny_model_dir, "probe", {}, {}).tasks[0])
     # addition asks for its first lock 3 s after subtraction: subtraction's first ROLLOUT evicts addition's
     # engine, whose offload is the one that fails (were addition first, its own move would fail, not an eviction)
-    faults = {"addition": {"fail_release_on_call": 1, "delay_start_s": 3}}
+    faults = {"addition": {"fail_offload_on_call": 1, "delay_start_s": 3}}
     cfg = _experiment(tmp_path, tiny_model_dir, "evict", faults, {"placement": "colocated",
                                                                   "memory_budget_gb": budget_gb})
     results = run_experiment(cfg, echo=lambda *_: None)
@@ -82,6 +82,6 @@ def test_an_eviction_that_fails_fails_the_evicted_task_not_the_waiter(ray_sessio
     assert results["addition"]["status"] == "failed", results
     assert results["addition"]["error"].startswith(
         "its engine could not be offloaded to make room for task subtraction: RuntimeError: injected fault: "
-        "release_memory call 1 fails"), results["addition"]["error"]
+        "offload call 1 fails"), results["addition"]["error"]
     assert len(read_metrics(cfg.run_dir / "tasks" / "subtraction" / "metrics.jsonl")) == STEPS
     assert check_lock_exclusivity(read_trace(cfg.run_dir / "timeline.json")) == []

@@ -37,7 +37,7 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def nodes():
-    """A head without CPUs (drivers and the scheduler need none) and two nodes of 2 CPUs: a device group's host
+    """A head without CPUs (drivers and the scheduler need none) and two nodes of 2 CPUs: a device group's process
     bundle can only go to a worker node, so two hosts are two nodes."""
     from ray.cluster_utils import Cluster
 
@@ -88,7 +88,7 @@ def _one_task_fits() -> str:
     """The override for a per-device memory budget that fits one task of the run, not two."""
     from conftest import one_task_fits_gb
 
-    from rlsched.config.schema import load_config
+    from rlsched.config.loading import load_config
 
     task = load_config(ROOT / "configs" / "demo_mesh.yaml", [*SMALL, *TWO_HOSTS]).tasks[0]
     return f"cluster.memory_budget_gb={one_task_fits_gb(task)}"
@@ -285,8 +285,8 @@ def test_a_dead_host_of_a_device_group_across_hosts_ends_every_task_there_naming
     assert set(failed) == {"addition", "subtraction"}, out[-3000:]  # the group's tasks, both
     assert all(after <= 30 and why.startswith("RoleDied: ") for after, why in failed.values()), failed
     named = [why for _, why in failed.values() if re.match(
-        rf"RoleDied: member 1 of 2 \(host [\d.]+, pid {pids[1]}, node \w+\) of its device group's hosts \(holding its "
-        r"actor\) died during \w+\(\): killed by signal 9", why)]
+        rf"RoleDied: member 1 of 2 \(host [\d.]+, pid {pids[1]}, node \w+\) of its device group's processes "
+        r"\(holding its actor\) died during \w+\(\): killed by signal 9", why)]
     assert named, failed
     for pid in pids:  # no host of the broken job is left
         with pytest.raises(ProcessLookupError):

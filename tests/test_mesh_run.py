@@ -80,7 +80,7 @@ def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(
 
     from rlsched.cluster import ray_cluster
     from rlsched.cluster.comm import make_channel
-    from rlsched.config.schema import validate
+    from rlsched.config.loading import validate
     from rlsched.run.roles import ActorRole, EngineRole, spawn
 
     raw = yaml.safe_load((ROOT / "configs/demo_mesh.yaml").read_text())
@@ -91,9 +91,9 @@ def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(
     spec = validate(raw).task_specs()[0]
     resource = ray_cluster.device_resource()
     pg = ray_cluster.make_placement_group("mesh-env", "disaggregated", resource)
-    where = ray_cluster.role_placement(pg, "disaggregated", resource)
+    where = ray_cluster.role_sites(pg, "disaggregated", resource)
     channel = make_channel("object_store", spec.comm_group)
-    roles = {cls.kind: spawn(cls, spec, channel=channel, placement=where) for cls in (ActorRole, EngineRole)}
+    roles = {cls.kind: spawn(cls, spec, channel=channel, sites=where) for cls in (ActorRole, EngineRole)}
 
     def seen(role):
         held = lambda r: r.worker if r.kind == "actor" else r.engine  # noqa: E731
@@ -112,7 +112,7 @@ def test_each_role_process_gets_the_pool_and_builds_its_mesh_on_its_own_devices(
     ray.util.remove_placement_group(pg)
 
 
-def test_a_device_group_host_holds_its_groups_roles_and_its_death_is_named(ray_session, tmp_path, tiny_model_dir):
+def test_a_device_group_process_holds_its_groups_roles_and_its_death_is_named(ray_session, tmp_path, tiny_model_dir):
     """cluster.processes: per_device_group, disaggregated on a pool of 8: a rollout host and a train host, each
     one process seeing the pool; the engine's tp 2 on devices 0-1 of the first, the actor's fsdp 2 x tp 2 on 4-7
     of the second. A host that dies fails its roles' calls with RoleDied naming it."""
@@ -124,8 +124,8 @@ def test_a_device_group_host_holds_its_groups_roles_and_its_death_is_named(ray_s
     from rlsched.base.errors import RoleDied
     from rlsched.cluster import ray_cluster
     from rlsched.cluster.comm import make_channel
-    from rlsched.cluster.group_process import HostedRole, start_host
-    from rlsched.config.schema import validate
+    from rlsched.cluster.group_process import GroupProcessRole, start_group_process
+    from rlsched.config.loading import validate
     from rlsched.run.roles import ActorRole, EngineRole, spawn
 
     raw = yaml.safe_load((ROOT / "configs/demo_mesh.yaml").read_text())
@@ -137,15 +137,15 @@ def test_a_device_group_host_holds_its_groups_roles_and_its_death_is_named(ray_s
     devices = ray_cluster.group_devices("disaggregated", 8, 2)
     assert devices == {"engine": 2, "actor": 6}
     pg = ray_cluster.make_placement_group("mesh-host", "disaggregated", "CPU", devices)
-    where = ray_cluster.role_placement(pg, "disaggregated", "CPU", devices)
-    hosts = {k: start_host(where, k, num_devices=8, max_tasks=1) for k in ("engine", "actor")}
+    where = ray_cluster.role_sites(pg, "disaggregated", "CPU", devices)
+    hosts = {k: start_group_process(where, k, num_devices=8, max_tasks=1) for k in ("engine", "actor")}
     import dataclasses
 
-    where = dataclasses.replace(where, hosts=hosts)
+    where = dataclasses.replace(where, processes=hosts)
     assert not where.one_process
     channel = make_channel("object_store", spec.comm_group)
-    roles = {cls.kind: spawn(cls, spec, channel=channel, placement=where) for cls in (ActorRole, EngineRole)}
-    assert all(isinstance(r, HostedRole) for r in roles.values())
+    roles = {cls.kind: spawn(cls, spec, channel=channel, sites=where) for cls in (ActorRole, EngineRole)}
+    assert all(isinstance(r, GroupProcessRole) for r in roles.values())
     seen = {k: ray.get(h.where.remote()) for k, h in hosts.items()}
     assert seen["engine"]["pid"] != seen["actor"]["pid"] != os.getpid()
     assert seen["engine"]["devices"] == seen["actor"]["devices"] == list(range(8))
@@ -154,7 +154,7 @@ def test_a_device_group_host_holds_its_groups_roles_and_its_death_is_named(ray_s
     assert roles["actor"].where() == {"pid": seen["actor"]["pid"], "devices": [4, 5, 6, 7]}
     ray.kill(hosts["engine"], no_restart=True)
     deadline = time.monotonic() + 60
-    with pytest.raises(RoleDied, match="host process holding its engine died during version\\(\\)"):
+    with pytest.raises(RoleDied, match="device group.s process holding its engine died during version\\(\\)"):
         while time.monotonic() < deadline:  # the kill lands asynchronously: calls fail from then on
             roles["engine"].version()
             time.sleep(0.1)

@@ -261,7 +261,7 @@ def test_a_qwen3moe_task_and_a_qwen2_task_together_each_compute_what_they_comput
     metrics equal its solo run's (1e-6), and the MoE task reports its router loss."""
     import yaml
 
-    from rlsched.config.schema import select_tasks, validate
+    from rlsched.config.loading import select_tasks, validate
     from rlsched.observe.tracking import read_metrics
     from rlsched.run.experiment import run_experiment, run_in_process
     from rlsched.rundir.files import prepare_run_dir

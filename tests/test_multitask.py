@@ -7,7 +7,7 @@ import time
 import pytest
 import yaml
 
-from rlsched.config.schema import select_tasks, validate
+from rlsched.config.loading import select_tasks, validate
 from rlsched.observe.tracking import read_metrics
 from rlsched.run.experiment import run_experiment
 from rlsched.rundir.files import prepare_run_dir

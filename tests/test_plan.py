@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from rlsched.cli import main
+from rlsched.config.loading import load_config, select_tasks
 from rlsched.config.meshes import check_meshes, check_platform, read_model_config, role_devices, task_devices
 from rlsched.config.plan import activation_values, actor_bytes, device_plan, engine_bytes
-from rlsched.config.schema import ConfigError, load_config, select_tasks
+from rlsched.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -100,13 +101,13 @@ def test_an_engine_with_a_process_of_its_own_runs_beside_the_group_process(tmp_p
     """sglang_jax under per_device_group: its engine is a process of its own beside the group's (which holds the
     actor), so its weights go through the object store; a jax_sampler task of the same group keeps a local channel."""
     from rlsched.cluster.comm import LocalChannel, ObjectStoreChannel
-    from rlsched.cluster.ray_cluster import RolePlacement
+    from rlsched.cluster.ray_cluster import RoleSites
     from rlsched.run.roles import channel_for
 
     cfg = _demo_mesh(tmp_path, ["cluster.processes=per_device_group", "tasks.0.rollout.engine=sglang_jax",
                                 "tasks.0.rollout.mesh.tp=1"])
-    where = RolePlacement(None, {"engine": 0, "actor": 0}, {"engine": [0], "actor": [0]},
-                          hosts={"engine": "host", "actor": "host"})
+    where = RoleSites(None, {"engine": 0, "actor": 0}, {"engine": [0], "actor": [0]},
+                          processes={"engine": "process", "actor": "process"})
     sglang, sampler = cfg.task_specs()
     assert type(channel_for(sglang, where)) is ObjectStoreChannel
     assert type(channel_for(sampler, where)) is LocalChannel

@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from rlsched.config.schema import validate
+from rlsched.config.loading import validate
 from rlsched.observe.timeline import check_lock_exclusivity, read_trace
 from rlsched.observe.tracking import read_metrics
 from rlsched.run.experiment import run_experiment, run_in_process
@@ -103,7 +103,7 @@ def test_chaos_three_tasks_survive_killed_engines_and_actors_and_compute_what_th
     engine after its step 3. With max_restarts 3 every task finishes; a dead engine's step is redone with the
     actor's live weights, a dead actor goes back to its last checkpoint (checkpoint_every 1); each task's
     metrics equal its uninterrupted run; the restarts are in the results, the metrics and the trace."""
-    # A process per role: each kill ends one role (a device group's process is test_a_dead_device_group_host_...).
+    # A process per role: each kill ends one role (a device group's process is test_a_dead_device_group_process_...).
     cfg = _experiment(tmp_path / "chaos", tiny_model_dir, "chaos", cluster={"processes": "per_role"})
     chaos = _Chaos(cfg, [("addition", "engine", 1), ("subtraction", "actor", 2), ("addition", "engine", 3)])
     lines = []
@@ -140,7 +140,7 @@ def test_without_restarts_left_the_task_fails_with_every_cause(ray_session, tmp_
     assert "after 1 restart(s) (max_restarts=1): step " in error and error.count("killed by signal 9") == 2, error
 
 
-def test_a_dead_device_group_host_comes_back_and_its_tasks_compute_what_they_do_alone(
+def test_a_dead_device_group_process_comes_back_and_its_tasks_compute_what_they_do_alone(
         ray_session, tmp_path, tiny_model_dir, alone):
     """cluster.processes: per_device_group (the default): one process holds every task's actor and
     engine. SIGKILL it after addition's step 2: Ray restarts it, addition and subtraction (max_restarts 1) build
@@ -170,10 +170,10 @@ def test_a_dead_device_group_host_comes_back_and_its_tasks_compute_what_they_do_
     assert errors == [] and len(killed) == 1, (errors, killed)
     assert {t: r["status"] for t, r in results.items()} == {"addition": "ok", "subtraction": "ok",
                                                             "add2": "failed"}, results
-    assert "device group's host process" in results["add2"]["error"], results["add2"]["error"]
+    assert "device group's process" in results["add2"]["error"], results["add2"]["error"]
     for task in ("addition", "subtraction"):
         (cause,) = results[task]["restarts"]
-        assert "device group's host process" in cause, cause
+        assert "device group's process" in cause, cause
         assert any(line.startswith(f"[{task}] actor and engine restarted") for line in lines), lines
         assert results[task]["roles"]["actor"]["pid"] == results[task]["roles"]["engine"]["pid"] != killed[0]
 

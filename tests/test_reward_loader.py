@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import yaml
 
+from rlsched.config.loading import load_config, load_configs
 from rlsched.config.preflight import check_reward
-from rlsched.config.schema import ConfigError, load_config, load_configs
+from rlsched.config.schema import ConfigError
 from rlsched.service.client import service_config
 from workers.reward_loader import RewardLoadError, load_reward
 from workers.rewards import RewardError, score

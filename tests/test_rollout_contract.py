@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from workers.models import params as P
-from workers.rollout import EngineReleasedError, FinishReason, RolloutEngine, SamplingParams, make_engine
+from workers.rollout import EngineOffloadedError, FinishReason, RolloutEngine, SamplingParams, make_engine
 from workers.rollout.fake import FakeEngine
 from workers.rollout.jax_sampler import JaxSampler
 
@@ -64,10 +64,10 @@ def test_weight_version_and_checksum_follow_updates(engine, tiny_model):
 
 
 def test_released_engine_refuses_to_generate(engine):
-    engine.release_memory()
-    with pytest.raises(EngineReleasedError):
+    engine.offload()
+    with pytest.raises(EngineOffloadedError):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))
-    engine.resume_memory()
+    engine.onload()
     assert len(engine.generate(PROMPTS, SamplingParams(max_new_tokens=2)).samples) == 3
 
 

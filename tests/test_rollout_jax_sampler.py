@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from workers.models import load_pretrained
 from workers.models import params as P
 from workers.models.checkpoint import abstract_model
-from workers.rollout import EngineReleasedError, FinishReason, RolloutInputError, SamplingParams
+from workers.rollout import EngineOffloadedError, FinishReason, RolloutInputError, SamplingParams
 from workers.rollout.jax_sampler import JaxSampler
 
 PROMPTS = ["Hello", "What is 12 + 30?", "a", "The quick brown fox jumps over the lazy dog."]
@@ -145,11 +145,11 @@ def test_prepare_compiles_ahead_without_the_weights_and_generate_then_compiles_n
     params = SamplingParams(temperature=1.0, max_new_tokens=8, n=3, seed=7)
     plain = JaxSampler(model, max_prompt_len=64, max_new_tokens=16, max_batch_size=4).generate(prompt_ids, params)
     engine = JaxSampler(model, max_prompt_len=48, max_new_tokens=16, max_batch_size=4)
-    engine.release_memory()
+    engine.offload()
     shapes = {key for key, _ in engine._chunks(prompt_ids, params, 0)}  # chunks of the same shape share one
     assert engine.prepare(prompt_ids, params) == len(shapes) >= 1
     assert engine.prepare(prompt_ids, params) == 0  # ready: nothing to do
-    engine.resume_memory()
+    engine.onload()
     jit = engine._jitted()
     before = jit._cache_size()
     out = engine.generate(prompt_ids, params)
@@ -176,11 +176,11 @@ def test_release_and_resume_keep_the_weights(tiny_model, prompt_ids):
     params = SamplingParams(temperature=0, max_new_tokens=8)
     before, checksum = engine.generate(prompt_ids, params), engine.weight_checksum
     programs = engine.programs_compiled()
-    engine.release_memory()
-    assert engine.released
-    with pytest.raises(EngineReleasedError, match="resume_memory"):
+    engine.offload()
+    assert engine.offloaded
+    with pytest.raises(EngineOffloadedError, match="onload"):
         engine.generate(prompt_ids, params)
-    engine.resume_memory()
+    engine.onload()
     after = engine.generate(prompt_ids, params)
     assert engine.weight_checksum == checksum
     assert engine.programs_compiled() == programs  # an onload must not cost a recompile

@@ -268,7 +268,7 @@ def test_an_eviction_that_fails_fails_the_evicted_task_never_the_waiter():
         class move:  # noqa: N801 - the shape of a Ray actor method: driver.move.remote(role, action)
             @staticmethod
             async def remote(role, action):
-                raise RuntimeError("injected fault: release_memory call 1 fails")
+                raise RuntimeError("injected fault: offload call 1 fails")
 
     async def scenario(drivers):
         fence = _Fence()
@@ -287,7 +287,7 @@ def test_an_eviction_that_fails_fails_the_evicted_task_never_the_waiter():
 
     cause = asyncio.run(scenario({"a": FailingDriver()}))
     assert cause == ("its engine could not be offloaded to make room for task b: RuntimeError: injected fault: "
-                     "release_memory call 1 fails")
+                     "offload call 1 fails")
     cause = asyncio.run(scenario({}))  # nobody to ask: the same, never a hang
     assert cause == ("its engine could not be offloaded to make room for task b: LeaseLost: no driver registered "
                      "for task a")

@@ -136,7 +136,7 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     checkpoint and `--resume` continues it; A and B equal their solo runs; a graceful `down` checkpoints the
     task still running and ends every process; a service that dies leaves its task FAILED for the next `up`,
     and `down --force` ends everything at once."""
-    from rlsched.config.schema import load_config
+    from rlsched.config.loading import load_config
     from rlsched.run.experiment import estimate_bytes
 
     svc = service
@@ -259,7 +259,7 @@ def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing
         _same(_metrics(svc.cwd / "runs", "demo-mesh", task), _metrics(tmp_path / "solo", "demo-mesh", task))
     report = json.loads(svc("status", "--json").stdout)
     assert report["settings"]["processes"] == "per_device_group"
-    [host] = report["hosts"]
+    [host] = report["group_processes"]
     assert host["pid"] in pids and host["roles"] == [] and host["device_bytes"] == 0, host
     assert "device-group process pid" in svc("status").stdout
     svc("down", timeout=300)

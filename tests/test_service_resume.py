@@ -37,7 +37,7 @@ def _ended(row: dict) -> bool:
 
 @pytest.mark.slow
 def test_a_cancelled_task_resumes_by_name_from_anywhere_and_computes_what_it_computes_uninterrupted(tmp_path, service):
-    from rlsched.config.schema import load_config
+    from rlsched.config.loading import load_config
     from rlsched.run.experiment import estimate_bytes
 
     svc = service
@@ -160,7 +160,7 @@ def test_submit_resume_task_takes_nothing_else(tmp_path):
 
 
 def test_what_the_service_keeps_gives_back_the_config_it_ran_under_the_running_services_settings(tmp_path):
-    from rlsched.config.schema import load_config, select_tasks, with_absolute_paths
+    from rlsched.config.loading import load_config, select_tasks, with_absolute_paths
     from rlsched.service.submissions import Given, last_checkpoint, resume_notes
 
     cfg = with_absolute_paths(select_tasks(load_config(ROOT / "configs" / "demo_multitask.yaml",

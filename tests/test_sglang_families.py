@@ -15,8 +15,9 @@ import textwrap
 
 import pytest
 
+from rlsched.config.loading import load_config
 from rlsched.config.meshes import check_meshes
-from rlsched.config.schema import ConfigError, load_config
+from rlsched.config.schema import ConfigError
 from workers.models.presets import preset_config
 from workers.rollout import sglang_compat
 
@@ -143,8 +144,8 @@ def test_greedy_output_equals_the_built_in_sampler(ray_session, family_model_dir
         ray.get(actor.update_weights.remote(flat, 1, checksum=P.checksum(flat)))
         out = ray.get(actor.generate.remote(PROMPTS, greedy))
         # Offloaded and back: the same weights (hashed from the device) and the same tokens.
-        ray.get(actor.release_memory.remote())
-        ray.get(actor.resume_memory.remote())
+        ray.get(actor.offload.remote())
+        ray.get(actor.onload.remote())
         again = ray.get(actor.generate.remote(PROMPTS, greedy))
         checksum = ray.get(actor.__ray_call__.remote(lambda e: e.weight_checksum))
     finally:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from workers.models import params as P
-from workers.rollout import EngineReleasedError, FinishReason, SamplingParams
+from workers.rollout import EngineOffloadedError, FinishReason, SamplingParams
 
 STOP = 258  # <|im_end|> in the byte tokenizer
 PROMPTS = [[72, 105], [50, 43, 50, 61], [1], list(range(60, 90))]
@@ -202,15 +202,15 @@ def test_offload_onload_frees_memory_and_keeps_outputs(remote, synced):
     held = remote("memory_bytes")
     assert held["params"] == P.num_bytes(synced) and held["kv"] > 0
     on_device = _attr(remote, lambda e: device_bytes())
-    remote("release_memory")
+    remote("offload")
     assert remote("memory_bytes") == {"params": 0, "kv": 0}
     # Measured from the live arrays in the engine's process: weights and KV cache left the device.
     assert on_device - _attr(remote, lambda e: device_bytes()) >= held["params"] + held["kv"]
-    with pytest.raises(EngineReleasedError):
+    with pytest.raises(EngineOffloadedError):
         remote("generate", PROMPTS, GREEDY)
-    with pytest.raises(EngineReleasedError):
+    with pytest.raises(EngineOffloadedError):
         remote("update_weights", synced, 3)
-    remote("resume_memory")
+    remote("onload")
     # The checksum was dropped at onload and is hashed again from the device.
     assert _attr(remote, lambda e: e._checksum) is None
     assert _attr(remote, lambda e: e.weight_checksum) == P.checksum(synced)
@@ -219,8 +219,8 @@ def test_offload_onload_frees_memory_and_keeps_outputs(remote, synced):
 
 @pytest.mark.sglang
 def test_checksum_after_onload_sees_a_corrupted_weight(remote, synced):
-    remote("release_memory")
-    remote("resume_memory")
+    remote("offload")
+    remote("onload")
 
     def corrupt(e):
         import jax

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from rlsched.config.schema import select_tasks, validate
+from rlsched.config.loading import select_tasks, validate
 from rlsched.observe.timeline import check_lock_exclusivity, overlaps, read_trace
 from rlsched.observe.tracking import read_metrics
 from rlsched.run.experiment import run_experiment

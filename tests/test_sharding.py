@@ -159,9 +159,9 @@ def test_offload_and_onload_of_a_sharded_actor_keep_values_and_layout(tiny_model
     flat = P.to_flat(actor.state.params)
     values = {k: np.asarray(v) for k, v in flat.items()}
     layout = {k: v.sharding for k, v in flat.items()}
-    actor.release_memory()
+    actor.offload()
     assert actor.memory_bytes() == {"params": 0, "opt": 0, "ref": 0}
-    actor.resume_memory()
+    actor.onload()
     for name, leaf in P.to_flat(actor.state.params).items():
         assert leaf.sharding == layout[name]
         np.testing.assert_array_equal(np.asarray(leaf), values[name])
@@ -184,10 +184,10 @@ def test_a_sharded_actor_prepared_while_offloaded_trains_without_compiling_and_a
         model, _ = load_pretrained(tiny_model_dir)
         actor = ActorWorker(model, settings, mesh=_mesh(dict(fsdp=2, tp=2)))
         if prepare:
-            actor.release_memory()
+            actor.offload()
             assert actor.prepare(batch.size, batch.tokens.shape[1]) == 2  # logprobs and the train step
             assert actor.prepare(batch.size, batch.tokens.shape[1]) == 0
-            actor.resume_memory()
+            actor.onload()
         metrics = actor.train(batch, step=1)
         jitted = [actor._program(*k) for k in actor._programs]
         results.append((metrics, P.to_flat(actor.state.params), sum(p._cache_size() for p in jitted)))
@@ -287,8 +287,8 @@ def test_a_moe_engine_on_ep_decodes_what_one_device_does_and_takes_a_sync(tiny_m
     sharded.update_weights(snapshot.flat, 1, checksum=snapshot.checksum)
     assert sharded.weight_checksum == snapshot.checksum
     trained = sharded.generate(prompt_ids, greedy)
-    sharded.release_memory()
-    sharded.resume_memory()
+    sharded.offload()
+    sharded.onload()
     assert sharded.weight_checksum == snapshot.checksum
     for x, y in zip(trained.samples, sharded.generate(prompt_ids, greedy).samples, strict=True):
         np.testing.assert_array_equal(x.token_ids, y.token_ids)
@@ -310,8 +310,8 @@ def test_a_sharded_engine_decodes_the_tokens_one_device_does(tiny_model, prompt_
             np.testing.assert_array_equal(x.token_ids, y.token_ids)
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
     assert sharded.weight_checksum == one.weight_checksum
-    sharded.release_memory()
-    sharded.resume_memory()
+    sharded.offload()
+    sharded.onload()
     assert sharded.weight_checksum == one.weight_checksum
 
 
@@ -397,10 +397,10 @@ def test_a_sync_into_a_resumed_engine_lands_in_place_of_weights_still_on_host(ac
     before = engine.generate(prompt_ids, greedy)
     resident = engine.memory_bytes()
     layout = {k: v.sharding for k, v in P.to_flat(engine._state).items()}
-    engine.release_memory()
-    assert engine.released and engine.memory_bytes()["params"] == 0
-    engine.resume_memory()
-    assert not engine.released and engine._state is None  # reserved, not moved
+    engine.offload()
+    assert engine.offloaded and engine.memory_bytes()["params"] == 0
+    engine.onload()
+    assert not engine.offloaded and engine._state is None  # reserved, not moved
     assert engine.memory_bytes() == resident  # the reservation is exactly what the weights take
     broken = {k: jax.numpy.copy(v) for k, v in actor.export_weights().flat.items()}
     broken[sorted(broken)[3]].delete()
@@ -411,8 +411,8 @@ def test_a_sync_into_a_resumed_engine_lands_in_place_of_weights_still_on_host(ac
     for x, y in zip(before.samples, after.samples, strict=True):
         np.testing.assert_array_equal(x.token_ids, y.token_ids)
     assert engine.weight_checksum == checksum
-    engine.release_memory()
-    engine.resume_memory()
+    engine.offload()
+    engine.onload()
     _, _, mini = _batch()
     actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)
     snapshot = actor.export_weights()

@@ -7,7 +7,7 @@ import threading
 import time
 
 from rlsched.cli import DEMO_CONFIG
-from rlsched.config.schema import load_configs
+from rlsched.config.loading import load_configs
 from rlsched.run.task import TaskDriver
 from rlsched.scheduling.policy import Phase, Role
 from rlsched.scheduling.scheduler import FreeLocks

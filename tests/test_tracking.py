@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rlsched.config.schema import ConfigError, TrackingSection, load_config
+from rlsched.config.loading import load_config
+from rlsched.config.schema import ConfigError, TrackingSection
 from rlsched.observe.tracking import (
     JsonlTracker,
     MultiTracker,

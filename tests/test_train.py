@@ -14,7 +14,8 @@ import yaml
 
 from rlsched.base.errors import CheckpointError, TaskError
 from rlsched.cli import DEMO_CONFIG, main
-from rlsched.config.schema import ConfigError, load_config
+from rlsched.config.loading import load_config
+from rlsched.config.schema import ConfigError
 from rlsched.observe.tracking import read_metrics
 from rlsched.run.checkpoints import TaskCheckpointer
 from rlsched.run.experiment import train
@@ -74,7 +75,7 @@ def test_in_process_a_mesh_across_hosts_is_refused_before_any_port_is_asked():
     spec = dataclasses.replace(load_config(DEMO_CONFIG, ["tasks.0.actor.mesh.dp=2"]).task_specs()[0], hosts=2,
                                num_devices=1)  # the actor's 2 devices span 2 hosts of 1 device each
     with pytest.raises(TaskError, match=r"spans hosts .* needs a Ray cluster: run without --in-process"):
-        spawn(ActorRole, spec, channel=None, placement=None, take_port=FreeLocks(spec.name).take_port)
+        spawn(ActorRole, spec, channel=None, sites=None, take_port=FreeLocks(spec.name).take_port)
 
 
 @pytest.mark.slow

@@ -369,20 +369,20 @@ class ActorWorker:
 
     def params_flat(self) -> dict[str, Any]:
         """The policy's params by flat name wherever they lie: on the mesh, or in host memory while offloaded
-        (the host copies `release_memory` made; valid until `resume_memory` brings them back and frees them)."""
+        (the host copies `offload` made; valid until `onload` brings them back and frees them)."""
         return P.to_flat(self._host.tree[0].params if self._host is not None else self.state.params)
 
     # ---- memory ---------------------------------------------------------------------------------
 
-    def release_memory(self) -> None:
+    def offload(self) -> None:
         """Offload: params, optimizer state and reference params to host memory (pinned host where
         the backend has it), freed on the device."""
         if self._host is None:
             self._host = offload((self.state, self.ref_params))
             self.state = self.ref_params = None
 
-    def resume_memory(self) -> None:
-        """Onload what release_memory saved."""
+    def onload(self) -> None:
+        """Onload what offload saved."""
         if self._host is not None:
             self.state, self.ref_params = onload(self._host)
             self._host = None

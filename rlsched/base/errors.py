@@ -28,7 +28,7 @@ class TaskError(RuntimeError):
 
 class RoleDied(TaskError):
     """The process of one of the task's roles died (crash, OOM, ray.kill, lost node). `role`: "actor" or
-    "engine"; `shared`: the process held other tasks' roles too (a device-group host), so it is not the task's
+    "engine"; `shared`: the process held other tasks' roles too (a device-group process), so it is not the task's
     own to restart (rlsched.run.task restarts a role under `max_restarts`)."""
 
     def __init__(self, message: str, role: str | None = None, shared: bool = False):

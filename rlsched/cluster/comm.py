@@ -118,7 +118,7 @@ class LocalChannel(_Channel):
         nbytes = _nbytes(flat)
         gathered = any(not getattr(v, "is_fully_addressable", True) for v in flat.values())
         if gathered:
-            flat = _gathered(flat)  # an actor across a device group's hosts (rlsched.cluster.group_process) to an
+            flat = _gathered(flat)  # an actor across a device group's processes (rlsched.cluster.group_process) to an
                                     # engine on one
         with _lock(self.name):
             _SLOTS[self.name] = (int(version), dict(flat), gathered)

@@ -58,7 +58,7 @@ def watch(directory: Path | None = None) -> bool:
     if directory is None and os.environ.get(ENV) != "1":
         return False
     if _open_files:
-        return True  # watched already (a device-group host and the roles it holds share the process)
+        return True  # watched already (a device-group process and the roles it holds share the process)
     directory = private_dir(directory or records_dir())  # 0700: nobody else can plant a link to be written through
     _prune(directory)
     pid = os.getpid()

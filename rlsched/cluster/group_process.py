@@ -1,17 +1,18 @@
-"""Device-group hosts: one process per host that holds every role of a device group (`cluster.processes:
-per_device_group`), and the handle through which a task's driver calls its roles there.
+"""Device-group processes: the one process per host that holds every role of a device group (`cluster.processes:
+per_device_group`), and the handle through which a task's driver calls its roles there. ("Host" is a machine
+here, as in `cluster.hosts`; the process is the device group's.)
 
-    host = start_host(where, "actor", num_devices=8)           # a Ray actor on the group's bundle
-    actor = HostedRole.launch(host, ActorRole, spec, channel)  # the role is built in the host's process
-    actor.train(batch, rewards, step)                          # one round trip, as with a role's own process
+    process = start_group_process(where, "actor", num_devices=8)      # a Ray actor on the group's bundle
+    actor = GroupProcessRole.launch(process, ActorRole, spec, channel)  # the role is built in that process
+    actor.train(batch, rewards, step)                                   # one round trip, as with a role's own process
 
 Design decisions (and why):
 - **What real hardware needs.** A TPU chip is opened by one process, and a GPU's memory freed in one JAX
   process is kept in that process's pool; so tasks that time-share a device group can only swap their
-  state through one process that owns the devices. The host holds each task's actor and engine (their
+  state through one process that owns the devices. That process holds each task's actor and engine (their
   device arrays and host copies) and the scheduler's locks decide whose arrays are on the devices, exactly
   as with roles in processes of their own: the roles are the same classes, only their process differs.
-- **Both roles of a task in one host talk through a local channel** (rlsched.cluster.comm.LocalChannel): weights go
+- **Both roles of a task in one process talk through a local channel** (rlsched.cluster.comm.LocalChannel): weights go
   from the actor's mesh to the engine's device to device, and the message the driver forwards carries no
   arrays.
 - **A threaded actor, one call per role at a time.** Each task's driver blocks in its own call; the locks already
@@ -19,21 +20,21 @@ Design decisions (and why):
   another's phase. A role's own calls run one after another, as in a process of its own (an eviction's offload of
   a role waits for the call of it in progress), which is what the drivers and the scheduler were built against.
 - **Collateral is the price.** A role that kills its process (a segfault, an out-of-memory kill) ends every
-  role of the host; every task there gets `RoleDied(shared=True)` naming the host. That is how a TPU host
+  role of the process; every task there gets `RoleDied(shared=True)` naming it. That is how a TPU host
   behaves anyway, and what a fence does on purpose: a role whose call outlives its lease cannot be stopped as a
-  thread, so the scheduler ends the host's process (rlsched.scheduling.fencing) and the other tasks there are rebuilt, a
+  thread, so the scheduler ends the process (rlsched.scheduling.fencing) and the other tasks there are rebuilt, a
   restart they did not cause and that their `max_restarts` does not count (rlsched.run.task).
-- **A dead host comes back** when a task there has `max_restarts`: Ray restarts the host's process (the actor's
+- **A dead process comes back** when a task there has `max_restarts`: Ray restarts it (the actor's
   own `max_restarts`, the most any of its tasks allows), on the same bundle and devices, empty. Each task with
   restarts left builds its roles there again (rlsched.run.task: its actor from the last checkpoint, its engine fed
   the actor's weights); one without fails. A task that learns of it later, at its next call, is told by the new
-  process (`call`: a role missing from a restarted host is a death, not a bug). Not across hosts: there a new
+  process (`call`: a role missing from a restarted process is a death, not a bug). Not across hosts: there a new
   process would have to rejoin a broken JAX job.
 - **Across hosts** (`cluster.hosts` > 1): one such process per host, all joined into one JAX job
-  (`start_host_group`, `HostGroup`). A task's actor whose mesh spans the hosts is built in each and called SPMD
-  (`HostedGroupRole`); everything within one host lives in the first host's process. Every host must enter
-  collectives in the same order while several drivers call them at once, so each SPMD call takes a turn from
-  the first host and every host runs the turns in order (`RoleHost.in_turn`).
+  (`start_group_across_hosts`, `GroupProcesses`). A task's actor whose mesh spans the hosts is built in each and
+  called SPMD (`GroupProcessesRole`); everything within one host lives in the first host's process. Every process
+  must enter collectives in the same order while several drivers call them at once, so each SPMD call takes a turn from
+  the first host and every host runs the turns in order (`GroupProcess.in_turn`).
 - Ray is imported inside the functions: importing this module costs nothing without Ray.
 """
 
@@ -53,9 +54,10 @@ from rlsched.cluster.exits import death_cause
 from rlsched.cluster.rolegroup import HANG_TIMEOUT_S, JobMember, RoleGroup, join_job
 
 
-class RoleHost(JobMember):
+class GroupProcess(JobMember):
     """The process that holds every role of one device group on this host (run as a threaded Ray actor). Across
-    hosts (cluster.hosts > 1) the group's hosts first join one JAX job (`JobMember.join`, by `start_host_group`)."""
+    hosts (cluster.hosts > 1) the group's processes first join one JAX job (`JobMember.join`, by
+    `start_group_across_hosts`)."""
 
     def __init__(self, cores: pin.CoreShare | list[int] | None = None, env: dict[str, str] | None = None):
         from rlsched.cluster import exits
@@ -72,7 +74,7 @@ class RoleHost(JobMember):
         self._turns_of: dict[str, threading.Lock] = {}  # role key -> held by the one call of it that runs
         self._dropped: set[str] = set()  # keys a fence dropped: a late call on one is refused, not run
         self._calls_lock = threading.Lock()
-        # Ray restarted this host after its process died (start_host's max_restarts): every role it held is gone.
+        # Ray restarted this process after it died (start_group_process's max_restarts): every role it held is gone.
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self._guard: tuple[set, set] = (set(), set())  # run directories, and the subtrees every process writes
         # SPMD turns across hosts (see `in_turn`): the first host hands them out, every host runs them in order.
@@ -86,7 +88,7 @@ class RoleHost(JobMember):
         whether this process writes under the run-file guard (a host other than the first of a group across
         hosts: only process 0 writes run files, workers.multihost)."""
         if key in self.roles:
-            raise TaskError(f"{key} is held by this host already (a task started twice?)")
+            raise TaskError(f"{key} is held by this process already (a task started twice?)")
         guarded = False
         if spec.hosts > 1:
             from workers.multihost import guard_run_files
@@ -108,10 +110,10 @@ class RoleHost(JobMember):
             return None  # a role that went with the old process, or that a fence dropped: nothing left to close
         if role is None and self.restarted and key not in self._dropped:
             kind = key.rpartition("/")[2]
-            raise RoleDied(f"the device group's host process holding its {kind} died before {method}(); Ray "
+            raise RoleDied(f"the device group's process holding its {kind} died before {method}(); Ray "
                            f"restarted it (pid {os.getpid()}) without its roles", kind, shared=True)
         if role is None:
-            raise TaskError(f"{key} is not held by this host (it was dropped, or never started)")
+            raise TaskError(f"{key} is not held by this process (it was dropped, or never started)")
         try:
             # One call of a role at a time, as in a process of its own (a Ray actor runs one call after another):
             # e.g. an eviction's offload of a role waits for the role's call in progress; roles of other tasks, and
@@ -154,7 +156,8 @@ class RoleHost(JobMember):
                 if not self._order.wait(timeout=HANG_TIMEOUT_S) and self._next_turn == waiting \
                         and waiting not in self._arrived:
                     raise TaskError(f"SPMD turn {waiting} never reached this host in {HANG_TIMEOUT_S:.0f} s (its "
-                                    "caller died before sending it?); the device group's hosts cannot go on in step")
+                                    "caller died before sending it?); the device group's processes cannot go on "
+                                    "in step")
         try:
             return getattr(self, method)(*args)
         finally:
@@ -187,10 +190,10 @@ class RoleHost(JobMember):
                 "roles": {key: role.device_ids() for key, role in self.roles.items()}}
 
 
-def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle: int | None = None,
+def start_group_process(sites, kind: str, *, num_devices: int, max_tasks: int, bundle: int | None = None,
                max_restarts: int = 0, shares_devices: bool = False):
-    """Start the host of `kind`'s device group ("actor": train, "engine": rollout; one host for both when
-    colocated) on its bundle of `placement` (rlsched.cluster.ray_cluster.RolePlacement; `bundle` another host's), seeing
+    """Start the process of `kind`'s device group ("actor": train, "engine": rollout; one process for both when
+    colocated) on its bundle of `sites` (rlsched.cluster.ray_cluster.RoleSites; `bundle` another host's), seeing
     the pool's devices. Ray restarts its process up to `max_restarts` times after a death (empty: the tasks
     with restarts left build their roles there again; -1: always). `shares_devices`: a role of another process
     (an engine of its own process) uses these devices too."""
@@ -199,13 +202,13 @@ def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle
 
     from rlsched.cluster.ray_cluster import role_env
 
-    resource = placement.resource
-    bundle = placement.bundles[kind] if bundle is None else bundle
+    resource = sites.resource
+    bundle = sites.bundles[kind] if bundle is None else bundle
     options: dict[str, Any] = {"max_restarts": max_restarts, "num_cpus": 0, "max_concurrency": 4 * max_tasks + 4,
                                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                                   placement.placement_group, placement_group_bundle_index=bundle)}
+                                   sites.placement_group, placement_group_bundle_index=bundle)}
     # The one process that uses the group's accelerators takes them all, so Ray makes them visible to it.
-    devices = placement.bundle_devices[kind]  # on each host, when the group spans hosts
+    devices = sites.bundle_devices[kind]  # on each host, when the group spans hosts
     if resource == "GPU":
         options["num_gpus"] = devices
     elif resource == "CPU":
@@ -215,29 +218,29 @@ def start_host(placement, kind: str, *, num_devices: int, max_tasks: int, bundle
     # Sharing: an engine of its own process (sglang-jax) beside this one on its devices (GPU: then this process must
     # free what it offloads, not keep it in JAX's pool).
     env = role_env(num_devices, resource, shares_devices=shares_devices)
-    return ray.remote(RoleHost).options(**options).remote(placement.cores[kind], env)
+    return ray.remote(GroupProcess).options(**options).remote(sites.cores[kind], env)
 
 
-def start_group_hosts(placement, *, colocated: bool, **sizes) -> dict[str, Any]:
-    """{role: its device group's host} on one host: one process for both roles when `colocated`, else one for the
-    rollout group and one for the train group (`start_host`'s arguments in `sizes`)."""
-    engine = start_host(placement, "engine", **sizes)
-    return {"engine": engine, "actor": engine if colocated else start_host(placement, "actor", **sizes)}
+def start_group_processes(sites, *, colocated: bool, **sizes) -> dict[str, Any]:
+    """{role: its device group's process} on one host: one process for both roles when `colocated`, else one for the
+    rollout group and one for the train group (`start_group_process`'s arguments in `sizes`)."""
+    engine = start_group_process(sites, "engine", **sizes)
+    return {"engine": engine, "actor": engine if colocated else start_group_process(sites, "actor", **sizes)}
 
 
-class HostedRole:
-    """A role held by a device-group host, called like a local one: each method is one blocking round trip."""
+class GroupProcessRole:
+    """A role held by a device-group process, called like a local one: each method is one blocking round trip."""
 
-    def __init__(self, host, key: str, kind: str, timeout_s: float | None = None):
-        self._host, self.key, self.kind = host, key, kind
-        self.pid: int | None = None  # the host's process when the role was built there
+    def __init__(self, process, key: str, kind: str, timeout_s: float | None = None):
+        self._process, self.key, self.kind = process, key, kind
+        self.pid: int | None = None  # the process's pid when the role was built there
         self._timeout_s = timeout_s  # cluster.call_timeout_s: no call waits longer
 
     @classmethod
-    def launch(cls, host, role_cls, spec, channel) -> HostedRole:
-        role = cls(host, f"{spec.name}/{role_cls.kind}", role_cls.kind, timeout_s=spec.call_timeout_s)
-        role._get(host.start.remote(role.key, role_cls, spec, channel), "__init__")
-        role.pid = role._get(host.where.remote(), "__init__")["pid"]  # the process a fence would end
+    def launch(cls, process, role_cls, spec, channel) -> GroupProcessRole:
+        role = cls(process, f"{spec.name}/{role_cls.kind}", role_cls.kind, timeout_s=spec.call_timeout_s)
+        role._get(process.start.remote(role.key, role_cls, spec, channel), "__init__")
+        role.pid = role._get(process.where.remote(), "__init__")["pid"]  # the process a fence would end
         return role
 
     def _get(self, ref, name: str):
@@ -251,7 +254,7 @@ class HostedRole:
                             "timeout if the call is a compile of a large model") from None
         except ray.exceptions.RayActorError as err:
             cause = death_cause(err)
-            raise RoleDied(f"the device group's host process holding its {self.kind} died during {name}(): "
+            raise RoleDied(f"the device group's process holding its {self.kind} died during {name}(): "
                            f"{cause}", self.kind, shared=True) from err
 
     def __getattr__(self, name: str):
@@ -259,37 +262,37 @@ class HostedRole:
             raise AttributeError(name)
 
         def call(*args, **kwargs):
-            return self._get(self._host.call.remote(self.key, name, args, kwargs), name)
+            return self._get(self._process.call.remote(self.key, name, args, kwargs), name)
 
         return call
 
     @property
     def handle(self):
-        return self._host
+        return self._process
 
     def fence_target(self):
-        """What the scheduler stops if it must fence this role's task: the role, dropped by its host if it is idle,
-        else the host's process (`pid`), which Ray restarts for the other tasks there."""
+        """What the scheduler stops if it must fence this role's task: the role, dropped by its process if it is idle,
+        else the process itself (`pid`), which Ray restarts for the other tasks there."""
         from rlsched.scheduling.fencing import Target
 
-        return Target(self.kind, self._host, self.key, pid=self.pid)
+        return Target(self.kind, self._process, self.key, pid=self.pid)
 
     def terminate(self) -> None:
-        """Free the role's arrays in the host (the host goes on for the other tasks)."""
+        """Free the role's arrays in the process (it goes on for the other tasks)."""
         import ray
 
-        with contextlib.suppress(ray.exceptions.RayActorError):  # a dead host: the role's memory went with it
-            ray.get(self._host.drop.remote(self.key))
+        with contextlib.suppress(ray.exceptions.RayActorError):  # a dead process: the role's memory went with it
+            ray.get(self._process.drop.remote(self.key))
 
 
-class HostGroup:
+class GroupProcesses:
     """A device group across hosts held by one process per host (`cluster.processes: per_device_group` with
     `cluster.hosts` > 1): the hosts, in host order, joined into one JAX job whose coordinator is on the first.
 
     What real hardware needs: a TPU host's chips open in one process, so every role that uses them, of every
     task, is held by that host's process, and a mesh over several hosts is one JAX job of those processes. A
-    task's actor whose mesh spans the hosts is built in every host and called SPMD (`HostedGroupRole`); an
-    engine, and an actor within one host, are held by the first host alone (`HostedRole`), on its own devices.
+    task's actor whose mesh spans the hosts is built in every host and called SPMD (`GroupProcessesRole`); an
+    engine, and an actor within one host, are held by the first host alone (`GroupProcessRole`), on its own devices.
     A host that dies breaks the JAX job: every host is stopped and every task of the group fails, as a device
     group's one process does on one host."""
 
@@ -301,33 +304,33 @@ class HostGroup:
         return self.members[0]
 
 
-def start_host_group(placement, *, num_devices: int, max_tasks: int, take_port,
-                     hang_timeout_s: float = HANG_TIMEOUT_S) -> HostGroup:
-    """Start one device-group host per host bundle of `placement` and join them into one JAX job; the port of
+def start_group_across_hosts(sites, *, num_devices: int, max_tasks: int, take_port,
+                     hang_timeout_s: float = HANG_TIMEOUT_S) -> GroupProcesses:
+    """Start one device-group process per host bundle of `sites` and join them into one JAX job; the port of
     its coordinator comes from `take_port(kind, host, busy)` (the scheduler's allocator)."""
-    members = [start_host(placement, "actor", num_devices=num_devices, max_tasks=max_tasks, bundle=b)
-               for b in placement.host_bundles]
-    probe = HostedGroupRole(HostGroup(members, [{} for _ in members], ""), "", "device group",
+    members = [start_group_process(sites, "actor", num_devices=num_devices, max_tasks=max_tasks, bundle=b)
+               for b in sites.host_bundles]
+    probe = GroupProcessesRole(GroupProcesses(members, [{} for _ in members], ""), "", "device group",
                             hang_timeout_s=hang_timeout_s)
     try:
         nodes, coordinator = join_job(members, "device-group", take_port, probe._gather)
     except BaseException:
         probe._end()
         raise
-    return HostGroup(members, nodes, coordinator)
+    return GroupProcesses(members, nodes, coordinator)
 
 
-class HostedGroupRole(RoleGroup):
-    """A task's role whose mesh spans the hosts of a `HostGroup`: built in every host under one key, each method
+class GroupProcessesRole(RoleGroup):
+    """A task's role whose mesh spans the hosts of a `GroupProcesses`: built in every host under one key, each method
     called SPMD on every host (member 0's value), a host's death or hang ending the group as a RoleGroup's does,
     except that the hosts are the device group's: every task there fails with it (`RoleDied(shared=True)`)."""
 
-    def __init__(self, group: HostGroup, key: str, kind: str, *, hang_timeout_s: float = HANG_TIMEOUT_S):
+    def __init__(self, group: GroupProcesses, key: str, kind: str, *, hang_timeout_s: float = HANG_TIMEOUT_S):
         super().__init__(list(group.members), kind, list(group.nodes), hang_timeout_s=hang_timeout_s)
         self.key, self.coordinator = key, group.coordinator
 
     @classmethod
-    def launch(cls, group: HostGroup, role_cls, spec, channel) -> HostedGroupRole:
+    def launch(cls, group: GroupProcesses, role_cls, spec, channel) -> GroupProcessesRole:
         role = cls(group, f"{spec.name}/{role_cls.kind}", role_cls.kind)
         turn = role._ticket("__init__")
         role.guarded = role._gather([m.in_turn.remote(turn, "start", role.key, role_cls, spec, channel)
@@ -335,7 +338,7 @@ class HostedGroupRole(RoleGroup):
         return role
 
     def _ticket(self, name: str) -> int:
-        """An SPMD turn from the first host (RoleHost.in_turn), right before the call is sent to every host."""
+        """An SPMD turn from the first host (GroupProcess.in_turn), right before the call is sent to every host."""
         return self._gather([self.members[0].ticket.remote()], name)[0]
 
     def _send(self, method: str, args: tuple, kwargs: dict) -> list:
@@ -343,7 +346,7 @@ class HostedGroupRole(RoleGroup):
         return [m.in_turn.remote(turn, "call", self.key, method, args, kwargs) for m in self.members]
 
     def _died(self, message: str) -> RoleDied:
-        return RoleDied(message.replace(f"its {self.kind} group", f"its device group's hosts (holding its "
+        return RoleDied(message.replace(f"its {self.kind} group", f"its device group's processes (holding its "
                                         f"{self.kind})"), self.kind, shared=True)
 
     def fence_target(self) -> list:
@@ -357,5 +360,5 @@ class HostedGroupRole(RoleGroup):
         import ray
 
         for m in self.members:
-            with contextlib.suppress(ray.exceptions.RayActorError):  # a dead host: the role's memory went with it
+            with contextlib.suppress(ray.exceptions.RayActorError):  # a dead process: the role's memory went with it
                 ray.get(m.drop.remote(self.key))

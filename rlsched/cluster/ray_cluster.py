@@ -234,7 +234,7 @@ ONE_DEVICE_EACH = {"engine": 1, "actor": 1}  # a group's devices when none are g
 
 
 @dataclasses.dataclass(frozen=True)
-class RolePlacement:
+class RoleSites:
     """Where a task's roles start: a bundle of the device group's placement group and the cores (on CPU,
     the devices) each role's process is pinned to. `None` as a placement means: in this process."""
 
@@ -243,14 +243,14 @@ class RolePlacement:
     cores: dict[str, CoreShare]  # role -> the share of its node's cores its process is pinned to
     resource: str = "CPU"  # the Ray resource a device is ("TPU", "GPU" or "CPU")
     bundle_devices: dict[str, int] = dataclasses.field(default_factory=lambda: dict(ONE_DEVICE_EACH))
-    hosts: dict[str, Any] | None = None  # role -> its device group's host (rlsched.cluster.group_process),
+    processes: dict[str, Any] | None = None  # role -> its device group's process (rlsched.cluster.group_process),
                                          # per_device_group only
     host_bundles: tuple[int, ...] = (0,)  # the group's bundle on each host, in host order (rlsched.cluster.rolegroup)
 
     @property
     def one_process(self) -> bool:
-        """Both roles of a task in one process: a colocated group's host."""
-        return self.hosts is not None and self.bundles["engine"] == self.bundles["actor"]
+        """Both roles of a task in one process: a colocated group's process."""
+        return self.processes is not None and self.bundles["engine"] == self.bundles["actor"]
 
 
 def group_devices(placement: str, num_devices: int, rollout_devices: int) -> dict[str, int]:
@@ -314,14 +314,14 @@ def check_hosts(resource: str, need: float, hosts: int, per_host: int) -> None:
                               "add nodes with `ray start --address ...` or lower cluster.hosts")
 
 
-def role_placement(pg, placement: str, resource: str, devices: dict[str, int] | None = None, *,
-                   hosts: int = 1) -> RolePlacement:
+def role_sites(pg, placement: str, resource: str, devices: dict[str, int] | None = None, *,
+                   hosts: int = 1) -> RoleSites:
     """Disaggregated: the engine on the rollout bundle and cores, the actor on the train ones;
     colocated: both on the one bundle and every core. `hosts` > 1 (colocated): the engine and the actor's first
     member on host 0's bundle, the actor's other members on the next hosts'. Each process works out its cores
     from its own node's (CoreShare)."""
     actor = 0 if placement == "colocated" else 1
-    return RolePlacement(pg, {"engine": 0, "actor": actor},
+    return RoleSites(pg, {"engine": 0, "actor": actor},
                          {"engine": CoreShare(placement, str(Phase.ROLLOUT)),
                           "actor": CoreShare(placement, str(Phase.TRAIN))}, resource,
                          dict(devices or ONE_DEVICE_EACH), host_bundles=tuple(range(hosts)) if hosts > 1 else (actor,))

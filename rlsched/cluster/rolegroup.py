@@ -1,6 +1,6 @@
 """A role whose mesh spans hosts: one Ray actor per host, joined into one JAX job, called SPMD.
 
-    group = RoleGroup.launch(ActorRole, spec, channel=channel, placement=where, take_port=locks.take_port)
+    group = RoleGroup.launch(ActorRole, spec, channel=channel, sites=where, take_port=locks.take_port)
     metrics = group.train(batch, rewards, step)   # every member runs train(...) on the same arguments;
                                                   # the value is member 0's
     group.terminate()                             # every member's process ends
@@ -42,7 +42,7 @@ JOIN_TIMEOUT_S = 120  # jax.distributed.initialize: every member must reach the 
 
 class JobMember:
     """What every process that joins a JAX job across hosts can do: say where it runs, check a port, join.
-    A role group's member (below) and a device group's host across hosts (rlsched.cluster.group_process) are both
+    A role group's member (below) and a device group's process across hosts (rlsched.cluster.group_process) are both
     one."""
 
     def node(self) -> dict[str, Any]:
@@ -110,7 +110,7 @@ class RoleGroup:
         self.guarded: list[bool] = []  # per member: whether its run-file guard is on (workers.multihost)
 
     @classmethod
-    def launch(cls, role_cls, spec, *, channel, placement, take_port, bundles: list[int],
+    def launch(cls, role_cls, spec, *, channel, sites, take_port, bundles: list[int],
                hang_timeout_s: float = HANG_TIMEOUT_S) -> RoleGroup:
         """Start one member per bundle in `bundles` (one per host), join them into a JAX job, build the role."""
         import ray
@@ -118,17 +118,17 @@ class RoleGroup:
 
         from rlsched.cluster.ray_cluster import own_process_resources, role_env
 
-        resource = placement.resource
+        resource = sites.resource
         members = []
         for bundle in bundles:
             options: dict[str, Any] = {
                 "max_restarts": 0, "num_cpus": 0,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement.placement_group,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(sites.placement_group,
                                                                         placement_group_bundle_index=bundle)}
-            options |= own_process_resources(resource, placement.bundle_devices[role_cls.kind])  # as a role's own
+            options |= own_process_resources(resource, sites.bundle_devices[role_cls.kind])  # as a role's own
             # Each member sees its own host's devices; the mesh over all of them comes from the JAX job.
             env = role_env(spec.num_devices, resource, shares_devices=spec.shares_devices)
-            members.append(ray.remote(RoleMember).options(**options).remote(placement.cores[role_cls.kind], env))
+            members.append(ray.remote(RoleMember).options(**options).remote(sites.cores[role_cls.kind], env))
         group = cls(members, role_cls.kind, [{} for _ in members], hang_timeout_s=hang_timeout_s)
         try:
             group.nodes, group.coordinator = join_job(members, role_cls.kind, take_port, group._gather)
@@ -151,7 +151,7 @@ class RoleGroup:
 
     def _send(self, method: str, args: tuple, kwargs: dict) -> list:
         """Send every member the role's `method` call; their refs, in member order (rlsched.cluster.group_process sends
-        it as a turn of a device group's hosts)."""
+        it as a turn of a device group's processes)."""
         return [m.call.remote(method, args, kwargs) for m in self.members]
 
     def _end(self) -> None:
@@ -203,7 +203,7 @@ class RoleGroup:
     # ---- what a driver asks of a role's process -------------------------------------------------------------
 
     def where(self) -> dict[str, Any]:
-        """Member 0's place, with every member's host, node and pid (the task's placement line and timeline)."""
+        """Member 0's place, with every member's host, node and pid (the task's sites line and timeline)."""
         first = self._gather(self._send("where", (), {}), "where")[0]
         return {**first, "members": [dict(n, guarded=g) for n, g in zip(self.nodes, self.guarded, strict=True)],
                 "coordinator": self.coordinator}

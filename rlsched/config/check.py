@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlsched.config.schema import ConfigError, ExperimentConfig, TaskConfig, load_configs
+from rlsched.config.loading import load_configs
+from rlsched.config.schema import ConfigError, ExperimentConfig, TaskConfig
 from workers.models.config import ModelConfig
 
 SYNTHETIC_SAMPLE = 1000  # prompts of an endless synthetic source whose lengths are counted

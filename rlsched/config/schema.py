@@ -1,4 +1,6 @@
-"""Experiment configuration: frozen pydantic models, loaded from YAML, with errors that name the field.
+"""Experiment configuration: the frozen pydantic models of a config file, with errors that name the field. Reading a
+file, `--set` overrides and the error lines are `rlsched.config.loading`; what a task's processes are handed once
+it is resolved (`TaskSpec`, `BatchPlan`) is `rlsched.config.spec`.
 
 One experiment runs many GRPO tasks; each `TaskConfig` is self-contained (model, data, reward,
 rollout, GRPO, optimizer, step counts), so a task can be added or removed without touching the
@@ -8,15 +10,10 @@ Design decisions:
 - Frozen and `extra="forbid"`: a config is read once and never mutated; a misspelt key is an error
   (with a "did you mean" suggestion), never a silently ignored setting that wrecks a reward curve.
 - Strict validation: the value in the file is the value used (`steps: "10"` or `steps: true` is an
-  error, not a coercion). YAML is read with YAML 1.2 float rules so `lr: 1e-6` is a float; PyYAML's
-  default (YAML 1.1) reads it as the string "1e-6".
-- Every error line reads `<file>: <field.path>: <message> (got <value>)`: the path is what you
-  would pass to `--set`, so the fix is one edit away.
+  error, not a coercion).
 - Batch arithmetic (samples per step, mini/micro batches, optimizer and warmup steps) is derived
-  once, at load, in `BatchPlan`: a config whose batches do not divide fails before any model loads,
-  and the trainer logs `BatchPlan.describe()` instead of recomputing it.
-- Overrides (`--set tasks.0.grpo.beta=0.04`) edit the raw YAML dict before validation, so an
-  overridden value goes through exactly the same checks and messages as one from the file.
+  once, at validation, into a `BatchPlan` (rlsched.config.spec): a config whose batches do not divide fails
+  before any model loads, and the trainer logs `BatchPlan.describe()` instead of recomputing it.
 - Engine-specific knobs live in `rollout.engine_args`, passed through untouched: the config does
   not copy every engine's settings field by field.
 - Meshes (`actor.mesh`, `rollout.mesh`) are checked here against what needs no file: device counts
@@ -27,28 +24,19 @@ Design decisions:
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import re
-import types
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from rlsched.config.spec import BatchPlan, TaskSpec
 from workers.models import sharding
 from workers.rollout import OWN_PROCESS_ENGINES
 
 # `rlsched init-model` presets (workers.models.presets.PRESETS, which a test holds equal): named here so the
 # CLI and the config check them without importing the model code.
 MODEL_PRESETS = ("tiny", "small", "tiny-qwen2", "small-qwen2", "tiny-qwen3moe", "small-qwen3moe")
-
-
-def comm_group_name(experiment: str, task: str, src: str = "actor", dst: str = "rollout") -> str:
-    """The name of a task's weight channel (rlsched.cluster.comm): one per (experiment, task, direction)."""
-    return f"{experiment}/{task}/{src}->{dst}"
 
 
 class ConfigError(ValueError):
@@ -354,34 +342,6 @@ class OptimSection(_Section):
     """Adam second-moment decay."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BatchPlan:
-    """A task's batch arithmetic, derived once from its config (see `TaskConfig.batch_plan`)."""
-
-    task: str
-    prompts_per_step: int
-    num_generations: int
-    samples_per_step: int  # prompts_per_step * num_generations
-    mini_batch_size: int  # samples per optimizer step
-    micro_batch_size: int  # samples per forward/backward
-    grad_accumulation: int  # micro-batches per optimizer step
-    epochs_per_step: int
-    optimizer_steps_per_step: int  # per GRPO step, all epochs
-    steps: int  # GRPO steps
-    total_optimizer_steps: int
-    warmup_steps: int
-
-    def describe(self) -> str:
-        epochs = f" x {self.epochs_per_step} epochs" if self.epochs_per_step > 1 else ""
-        return (
-            f"task {self.task}: {self.prompts_per_step} prompts x {self.num_generations} generations = "
-            f"{self.samples_per_step} samples/step; mini-batch {self.mini_batch_size}{epochs} "
-            f"({self.optimizer_steps_per_step} optimizer steps/step, {self.grad_accumulation} micro-batches of "
-            f"{self.micro_batch_size} each); {self.steps} steps = {self.total_optimizer_steps} optimizer steps, "
-            f"{self.warmup_steps} warmup"
-        )
-
-
 def _divisors(n: int) -> str:
     return ", ".join([str(d) for d in range(n, 0, -1) if n % d == 0][:6])
 
@@ -603,256 +563,3 @@ def _rows_text(mesh: MeshSection | RolloutMeshSection) -> str:
 def _mesh_text(mesh: MeshSection | RolloutMeshSection) -> str:
     """'fsdp 4 x tp 2 = 8'."""
     return f"{sharding.describe(mesh.as_dict())} = {_devices(mesh)}"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TaskSpec:
-    """One task of an experiment, resolved once (`ExperimentConfig.task_specs`) and handed, immutable, to
-    every process that works for it: its driver and its roles. Nothing downstream re-derives a seed, a
-    path or a name; the experiment is never re-validated in a worker."""
-
-    experiment: str  # the experiment's name
-    index: int  # position in the experiment's `tasks` (overrides say `tasks.<index>.`)
-    config: TaskConfig  # the task's validated config section
-    seed: int  # the task's own seed, or the experiment seed + index
-    dir: Path  # absolute runs/<experiment>/tasks/<task>: metrics, checkpoints
-    tracking: TrackingSection  # where metrics go besides metrics.jsonl
-    placement: Literal["colocated", "disaggregated"]
-    num_devices: int  # the experiment's device pool (rlsched.config.meshes.role_devices picks each role's from it)
-    processes: Literal["per_role", "per_device_group"] = "per_role"  # cluster.processes once the platform is known
-    hosts: int = 1  # hosts of the device group (cluster.hosts); num_devices is then per host
-    shares_devices: bool = True  # roles of other tasks or of this one may use this task's devices (colocated, or
-    # several tasks on a group; a service's tasks come and go): processes sharing a GPU must free what they offload
-    checkpoint_offset: int = 0  # staggers the tasks' saves (TaskConfig.checkpoint_every)
-    compile_cache: str | None = None  # absolute directory of JAX's persistent compilation cache (None: off)
-    call_timeout_s: float = 3600.0  # longest wait for one call to a role in another process (cluster.call_timeout_s)
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def plan(self) -> BatchPlan:
-        return self.config.batch_plan()
-
-    def role_hosts(self, kind: str) -> int:
-        """How many hosts role `kind` ("actor" / "engine") spans: its mesh's devices over a host's."""
-        mesh = self.config.actor.mesh if kind == "actor" else self.config.rollout.mesh
-        return max(1, -(-_devices(mesh) // self.num_devices))
-
-    @property
-    def comm_group(self) -> str:
-        """This task's weight channel, `<experiment>/<task>/actor->rollout`: never shared between tasks."""
-        return comm_group_name(self.experiment, self.name)
-
-    @property
-    def checkpoint_dir(self) -> Path:
-        return self.dir / "checkpoints"
-
-    @property
-    def run_dir(self) -> Path:
-        """The experiment's runs/<experiment>, which holds this task's directory."""
-        return self.dir.parent.parent
-
-
-def with_absolute_paths(cfg: ExperimentConfig, base: str | Path) -> ExperimentConfig:
-    """`cfg` with its relative paths (experiment.output_dir, each task's model.path and data.path) made
-    absolute against `base`: what a process with another working directory (the scheduler service) is handed."""
-    def absolute(path: str | None) -> str | None:
-        return None if path is None else str((Path(base) / path).absolute())
-
-    tasks = [t.model_copy(update={"model": t.model.model_copy(update={"path": absolute(t.model.path)}),
-                                  "data": t.data.model_copy(update={"path": absolute(t.data.path)})})
-             for t in cfg.tasks]
-    experiment = cfg.experiment.model_copy(update={"output_dir": absolute(cfg.experiment.output_dir)})
-    return cfg.model_copy(update={"tasks": tasks, "experiment": experiment})
-
-
-def select_tasks(cfg: ExperimentConfig, names: Sequence[str] | None) -> ExperimentConfig:
-    """`--tasks a,b`: only these tasks, each keeping the seed it has in the whole experiment."""
-    if not names:
-        return cfg
-    known = [t.name for t in cfg.tasks]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ConfigError(f"--tasks: no task named {', '.join(map(repr, unknown))}; this experiment has {known}")
-    # Pin each task's seed to its place in the full experiment, so a subset computes what it would
-    # have computed as part of the whole.
-    seed = cfg.experiment.seed
-    kept = [t.model_copy(update={"seed": t.resolved_seed(seed, i)}) for i, t in enumerate(cfg.tasks) if t.name in names]
-    return cfg.model_copy(update={"tasks": kept})
-
-
-# --- loading -------------------------------------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats: `1e-6` and `3E5` are numbers, not strings."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
-def _apply_override(raw: dict, override: str) -> str:
-    """Set one `a.b.0.c=value` in the raw dict; returns the dotted path it set."""
-    key, sep, text = override.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {override!r} is malformed; expected path.to.key=value, "
-                          "e.g. tasks.0.grpo.beta=0.04")
-    try:
-        value = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {override!r}: value {text!r} is not valid YAML: {e}") from None
-    parts = key.strip().split(".")
-    node: Any = raw
-    for depth, part in enumerate(parts):
-        last, here = depth == len(parts) - 1, ".".join(parts[:depth]) or "the top level"
-        if isinstance(node, dict):
-            # A new key is allowed: validation then reports it as unknown, with a suggestion.
-            if last:
-                node[part] = value
-            elif node.get(part) is None:
-                node[part] = {}  # absent, or `section:` left empty in the YAML
-            node = node[part]
-        elif isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"override {override!r}: {here} is a list of {len(node)} items; index {part!r} "
-                                  f"is out of range (use 0..{len(node) - 1})")
-            if last:
-                node[int(part)] = value
-            node = node[int(part)]
-        else:
-            raise ConfigError(f"override {override!r}: {here} is {node!r}, not a mapping or list, so it has no "
-                              f"key {part!r}")
-    return key.strip()
-
-
-def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
-    """The model class that validates the mapping at `loc`, for unknown-key suggestions."""
-    cls: type[BaseModel] = ExperimentConfig
-    for part in loc:
-        if isinstance(part, int):
-            continue  # list element: the annotation below was already unwrapped
-        field = cls.model_fields.get(part)
-        if field is None:
-            return None
-        ann = field.annotation
-        while get_origin(ann) in (list, Union, types.UnionType):
-            ann = next(a for a in get_args(ann) if a is not type(None))
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        cls = ann
-    return cls
-
-
-def _short_repr(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _format_error(err: dict, label: str, overridden: dict[str, str]) -> str:
-    loc, value, msg, suffix = tuple(err["loc"]), err.get("input"), err["msg"], ""
-    cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, _FieldError):
-        loc, value, msg = loc + cause.field, cause.value, str(cause)
-    elif err["type"] == "value_error":
-        msg = str(cause)  # without pydantic's "Value error, " prefix
-    elif err["type"] == "extra_forbidden":
-        cls = _model_at(loc[:-1])
-        names = list(cls.model_fields) if cls else []
-        close = difflib.get_close_matches(str(loc[-1]), names, n=1)
-        msg = "unknown key"
-        suffix = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}" if names else ""
-    path = ".".join(str(p) for p in loc) or "<top level>"
-    quoted = "" if err["type"] == "missing" else f" (got {_short_repr(value)})"  # a missing key has no value
-    line = f"{label}: {path}: {msg}{quoted}{suffix}"
-    for prefix, override in overridden.items():
-        if path == prefix or path.startswith(prefix + "."):
-            line += f" [from override {override!r}]"
-    return line
-
-
-def read_raw(path: str | Path) -> dict:
-    """The YAML mapping of a config file, before validation; syntax errors name file:line:col."""
-    path = Path(path)
-    if not path.is_file():
-        what = "does not exist" if not path.exists() else "is a directory" if path.is_dir() else "is not a file"
-        raise ConfigError(f"config file {path} {what}; name an experiment YAML (see configs/)")
-    try:
-        raw = yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"{where}: YAML syntax error: {problem}") from None
-    if not isinstance(raw, dict):
-        got = "an empty file" if raw is None else f"a {type(raw).__name__}"
-        raise ConfigError(f"{path}: the top level must be a mapping with experiment:, tasks: and cluster: (got {got})")
-    return raw
-
-
-def _unshare(node: Any) -> Any:
-    """A copy in which no mapping or list appears twice. YAML anchors (`rollout: *rollout`) load as one shared
-    object; an override of `tasks.1.rollout` must not also change every task that names the same anchor."""
-    if isinstance(node, dict):
-        return {k: _unshare(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_unshare(v) for v in node]
-    return node
-
-
-def _reward_files_absolute(raw: dict, task_dirs: Sequence[Path]) -> None:
-    """Each task's relative `reward.file` made absolute against its config file's directory (task_dirs[i]), so
-    any process, started anywhere, loads the same file."""
-    tasks = raw.get("tasks")
-    for i, task in enumerate(tasks if isinstance(tasks, list) else []):
-        reward = task.get("reward") if isinstance(task, dict) else None
-        file = reward.get("file") if isinstance(reward, dict) else None
-        if isinstance(file, str) and file:
-            base = task_dirs[i] if i < len(task_dirs) else Path.cwd()
-            reward["file"] = str((base / Path(file).expanduser()).absolute())  # an absolute path stays itself
-
-
-def validate(raw: dict, overrides: Sequence[str] = (), *, label: str = "config",
-             task_dirs: Sequence[Path] = ()) -> ExperimentConfig:
-    """Apply `--set` overrides to a raw mapping and validate it; every problem is a `ConfigError`.
-    `task_dirs[i]`: the directory of the file task i came from (a relative reward.file is relative to it; to the
-    working directory when not given)."""
-    raw = _unshare(raw)
-    overridden = {_apply_override(raw, o): o for o in overrides}
-    _reward_files_absolute(raw, [Path(d).absolute() for d in task_dirs])
-    try:
-        return ExperimentConfig.model_validate(raw)
-    except ValidationError as e:
-        lines = [_format_error(err, label, overridden) for err in e.errors()]
-        raise ConfigError("\n".join(lines)) from None
-
-
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """Read, override and validate an experiment config; every problem is a `ConfigError`."""
-    raw = read_raw(path)
-    tasks = raw.get("tasks")
-    return validate(raw, overrides, label=str(path),
-                    task_dirs=[Path(path).parent] * (len(tasks) if isinstance(tasks, list) else 0))
-
-
-def load_configs(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> ExperimentConfig:
-    """Several configs as one experiment: tasks concatenated in order (`tasks.N` overrides index the
-    combined list); experiment: and cluster: come from the first file."""
-    if len(paths) == 1:
-        return load_config(paths[0], overrides)
-    raws = [read_raw(p) for p in paths]
-    merged = dict(raws[0])
-    merged["tasks"] = [t for raw in raws for t in (raw.get("tasks") or [])]
-    dirs = [Path(p).parent for p, raw in zip(paths, raws, strict=True) for _ in (raw.get("tasks") or [])]
-    return validate(merged, overrides, label="+".join(str(p) for p in paths), task_dirs=dirs)
-
-
-def dump_resolved(cfg: ExperimentConfig) -> str:
-    """The config with every default filled in, as YAML; `load_config` of it gives back `cfg`."""
-    header = "# Resolved by rlsched: every default filled in. This file is a valid config on its own.\n"
-    return header + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -23,9 +23,10 @@ from typing import Any
 from rlsched.base.errors import cause_of
 from rlsched.cluster import ray_cluster
 from rlsched.cluster.security import prepare_embedded_cluster
+from rlsched.config.loading import load_configs, select_tasks
 from rlsched.config.meshes import check_platform, resolve_processes
 from rlsched.config.preflight import preflight
-from rlsched.config.schema import ExperimentConfig, TaskConfig, load_configs, select_tasks
+from rlsched.config.schema import ExperimentConfig, TaskConfig
 from rlsched.observe.progress import LineBuffer, ProgressView
 from rlsched.run.stopping import Stopped, StopSignals
 from rlsched.rundir.files import prepare_run_dir, run_summary, write_atomic
@@ -138,7 +139,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
         echo(f"what libraries print in role processes: {logs} (worker-*-<pid>.err; pids in summary.json)")
     resource = ray_cluster.device_resource()
     # Across hosts, per_role makes a role spanning them a group of its own (rlsched.cluster.rolegroup);
-    # per_device_group, one process per host for every role (rlsched.cluster.group_process.HostGroup).
+    # per_device_group, one process per host for every role (rlsched.cluster.group_process.GroupProcesses).
     processes = resolve_processes(cfg.cluster.processes, resource)
     check_platform(resource, cfg, processes)  # what cannot work on this platform: before any role starts
     devices = ray_cluster.group_devices(cfg.cluster.placement, cfg.num_devices,
@@ -149,17 +150,17 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
                                               hosts=cfg.cluster.hosts)
         actors: list = []  # everything this run started, ended in `finally` whatever happens
         try:
-            where = ray_cluster.role_placement(pg, cfg.cluster.placement, resource, devices,
+            where = ray_cluster.role_sites(pg, cfg.cluster.placement, resource, devices,
                                                hosts=cfg.cluster.hosts)
             specs = [dataclasses.replace(s, processes=processes) for s in cfg.task_specs()]
             scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)
             actors.append(scheduler)
             if processes == "per_device_group":  # one process per device group holds every task's roles there
-                where = _start_hosts(cfg, where, actors, echo, scheduler)
+                where = _start_group_processes(cfg, where, actors, echo, scheduler)
             # Drivers need no device: they wait on locks and score rewards between phases. Threads, not asyncio:
             # the step loop blocks one, while the lifeline and the scheduler's eviction requests take others.
             driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
-            drivers = {s.name: driver_cls.remote(s, SchedulerLocks(scheduler, s.name), placement=where,
+            drivers = {s.name: driver_cls.remote(s, SchedulerLocks(scheduler, s.name), sites=where,
                                                  resume=resume, initial_moves=initial_moves[s.name],
                                                  echo=LineBuffer())  # pulled and printed here
                        for s in specs}
@@ -192,25 +193,26 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
     return results
 
 
-def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo, scheduler):
+def _start_group_processes(cfg: ExperimentConfig, where, actors: list, echo, scheduler):
     """`cluster.processes: per_device_group`: a host process per device group (one when colocated), added to
     `actors`; the placement with them. Across hosts (cluster.hosts > 1, colocated): a process per host, joined
     into one JAX job whose coordinator port comes from the scheduler's allocator
-    (rlsched.cluster.group_process.HostGroup)."""
+    (rlsched.cluster.group_process.GroupProcesses)."""
     import ray
 
-    from rlsched.cluster.group_process import start_group_hosts, start_host_group
+    from rlsched.cluster.group_process import start_group_across_hosts, start_group_processes
 
     if cfg.cluster.hosts > 1:
         def take_port(kind: str, host: str, busy: list[int]) -> int:
             return ray.get(scheduler.take_port.remote("device group", kind, host, list(busy)))
 
-        hosts = start_host_group(where, num_devices=cfg.num_devices, max_tasks=len(cfg.tasks), take_port=take_port)
+        hosts = start_group_across_hosts(where, num_devices=cfg.num_devices, max_tasks=len(cfg.tasks),
+                                         take_port=take_port)
         actors += hosts.members
         members = ", ".join(f"{n['host']} pid {n['pid']}" for n in hosts.nodes)
         echo(f"roles held by {len(hosts.members)} device-group processes, one per host, joined into one JAX job "
              f"(coordinator {hosts.coordinator}; {members})")
-        return dataclasses.replace(where, hosts={"engine": hosts, "actor": hosts})
+        return dataclasses.replace(where, processes={"engine": hosts, "actor": hosts})
     # A host that dies is restarted by Ray while a task of it may still restart its roles
     # (rlsched.cluster.group_process), and once more for each task the scheduler may fence by ending the host (each
     # fenced task fails: once each).
@@ -219,11 +221,11 @@ def _start_hosts(cfg: ExperimentConfig, where, actors: list, echo, scheduler):
     sizes = dict(num_devices=cfg.num_devices, max_tasks=len(cfg.tasks),
                  max_restarts=max(t.max_restarts for t in cfg.tasks) + len(cfg.tasks),
                  shares_devices=any(t.rollout.engine in OWN_PROCESS_ENGINES for t in cfg.tasks))
-    group = start_group_hosts(where, colocated=cfg.cluster.placement == "colocated", **sizes)
+    group = start_group_processes(where, colocated=cfg.cluster.placement == "colocated", **sizes)
     hosts = list({id(h): h for h in group.values()}.values())
     actors += hosts
     echo(f"roles held by {len(hosts)} device-group process(es) (cluster.processes: per_device_group)")
-    return dataclasses.replace(where, hosts=group)
+    return dataclasses.replace(where, processes=group)
 
 
 def _poll(drivers: dict, names, view: ProgressView) -> dict[str, dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from rlsched.base.errors import TaskError
-from rlsched.config.schema import TaskSpec
+from rlsched.config.spec import TaskSpec
 from workers import data as D
 from workers import rewards as R
 from workers.batch import TrainBatch, build_train_batch

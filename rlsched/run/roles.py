@@ -1,7 +1,7 @@
 """A task's two data-plane roles, the actor and the rollout engine, and how they are started.
 
-    actor = spawn(ActorRole, spec, channel=channel, placement=None)     # in this process, or
-    actor = spawn(ActorRole, spec, channel=channel, placement=where)    # a Ray actor process of its own,
+    actor = spawn(ActorRole, spec, channel=channel, sites=None)     # in this process, or
+    actor = spawn(ActorRole, spec, channel=channel, sites=where)    # a Ray actor process of its own,
                                                                          # in the group's bundle, pinned
 Design decisions (and why):
 - **One call per role per phase.** A phase's whole work is one method that returns its result, the
@@ -38,8 +38,8 @@ from rlsched.base.errors import RoleDied, TaskError
 from rlsched.cluster import exits
 from rlsched.cluster import pinning as pin
 from rlsched.cluster.comm import WeightChannel, WeightMessage, make_channel
-from rlsched.cluster.ray_cluster import RolePlacement, enter_role_env, init_ray, own_process_resources, role_env
-from rlsched.config.schema import TaskSpec
+from rlsched.cluster.ray_cluster import RoleSites, enter_role_env, init_ray, own_process_resources, role_env
+from rlsched.config.spec import TaskSpec
 from rlsched.observe.timeline import Timeline
 
 
@@ -82,8 +82,8 @@ def role_mesh(spec: TaskSpec, kind: str):
     actor, rollout = spec.config.actor.mesh.as_dict(), spec.config.rollout.mesh.as_dict()
     shape = actor if kind == "actor" else rollout
     if jax.process_count() > 1 and spec.role_hosts(kind) > 1:  # a role across hosts (rlsched.cluster.rolegroup, or a
-        # device group's hosts, rlsched.cluster.group_process): the job's devices, in process order, so tp (innermost)
-        # stays within a host (the config checks it)
+        # device group's processes, rlsched.cluster.group_process): the job's devices, in process order, so tp
+        # (innermost) stays within a host (the config checks it)
         devices = jax.devices()
         if len(devices) != sharding.num_devices(shape):
             raise TaskError(f"task {spec.name}: its {kind}'s mesh ({sharding.describe(shape)}) needs "
@@ -103,17 +103,17 @@ def role_mesh(spec: TaskSpec, kind: str):
 
 
 class _Role:
-    """What both roles do alike: move what they hold (`_held`: a worker with release_memory,
-    resume_memory and memory_bytes) and report its bytes."""
+    """What both roles do alike: move what they hold (`_held`: a worker with offload,
+    onload and memory_bytes) and report its bytes."""
 
     kind = "role"
     _held: Any
 
     def offload(self) -> None:
-        self._held.release_memory()
+        self._held.offload()
 
     def onload(self) -> dict[str, int]:
-        self._held.resume_memory()
+        self._held.onload()
         return self.memory()
 
     def memory(self) -> dict[str, int]:
@@ -174,10 +174,10 @@ class ActorRole(_Role):
     def offload(self) -> None:
         """Offload; weights published and not yet received stay readable from their host copies
         (rlsched.cluster.comm)."""
-        self.channel.follow(self.worker.version, self._moved(self.worker.release_memory))
+        self.channel.follow(self.worker.version, self._moved(self.worker.offload))
 
     def onload(self) -> dict[str, int]:
-        self.channel.follow(self.worker.version, self._moved(self.worker.resume_memory))
+        self.channel.follow(self.worker.version, self._moved(self.worker.onload))
         return self.memory()
 
     def _moved(self, move):
@@ -459,10 +459,10 @@ class RemoteRole:
         ray.kill(self._handle, no_restart=True)
 
 
-def channel_for(spec: TaskSpec, placement: RolePlacement | None, kind: str | None = None) -> WeightChannel:
+def channel_for(spec: TaskSpec, sites: RoleSites | None, kind: str | None = None) -> WeightChannel:
     """The task's comm channel: in memory when both roles share a process (this one, or a colocated group's
     host), else Ray's object store."""
-    local = not _own_process(spec) and (placement is None or placement.one_process)
+    local = not _own_process(spec) and (sites is None or sites.one_process)
     return make_channel(kind or ("local" if local else "object_store"), spec.comm_group)
 
 
@@ -472,31 +472,31 @@ def _own_process(spec: TaskSpec) -> bool:
     return spec.config.rollout.engine in OWN_PROCESS_ENGINES
 
 
-def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlacement | None, take_port=None):
-    """Start role `cls` for `spec`: in this process (`placement` None), except an engine that must have a
-    process of its own (workers.rollout.OWN_PROCESS_ENGINES); in its device group's host (`placement.hosts`,
+def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, sites: RoleSites | None, take_port=None):
+    """Start role `cls` for `spec`: in this process (`sites` None), except an engine that must have a
+    process of its own (workers.rollout.OWN_PROCESS_ENGINES); in its device group's process (`sites.processes`,
     rlsched.cluster.group_process); as a group of one process per host when its mesh spans hosts
     (rlsched.cluster.rolegroup; `take_port(role, host, busy)` gives its coordinator port); or as a Ray actor of its own
-    in `placement`."""
+    in `sites`."""
     from rlsched.cluster.rolegroup import RoleGroup, spans_hosts
 
     own = cls is EngineRole and _own_process(spec)  # an engine that must have a process of its own (sglang-jax)
-    if placement is not None and placement.hosts is not None and not own:  # beside the group's process if `own`
-        from rlsched.cluster.group_process import HostedGroupRole, HostedRole, HostGroup
+    if sites is not None and sites.processes is not None and not own:  # beside the group's process if `own`
+        from rlsched.cluster.group_process import GroupProcesses, GroupProcessesRole, GroupProcessRole
 
-        host = placement.hosts[cls.kind]
-        if isinstance(host, HostGroup):  # a device group across hosts: a role spanning them is built in each
+        host = sites.processes[cls.kind]
+        if isinstance(host, GroupProcesses):  # a device group across hosts: a role spanning them is built in each
             if spans_hosts(spec, cls.kind):
-                return HostedGroupRole.launch(host, cls, spec, channel)
+                return GroupProcessesRole.launch(host, cls, spec, channel)
             host = host.first  # a role within one host: the first host's devices
-        return HostedRole.launch(host, cls, spec, channel)
+        return GroupProcessRole.launch(host, cls, spec, channel)
     if spans_hosts(spec, cls.kind):
-        if placement is None or take_port is None:
+        if sites is None or take_port is None:
             raise TaskError(f"task {spec.name}: its {cls.kind}'s mesh spans hosts (cluster.hosts {spec.hosts}), which "
                             "needs a Ray cluster: run without --in-process")
-        return RoleGroup.launch(cls, spec, channel=channel, placement=placement, take_port=take_port,
-                                bundles=placement.host_bundles[: spec.role_hosts(cls.kind)])
-    if placement is None and not own:
+        return RoleGroup.launch(cls, spec, channel=channel, sites=sites, take_port=take_port,
+                                bundles=sites.host_bundles[: spec.role_hosts(cls.kind)])
+    if sites is None and not own:
         return cls(spec, channel=channel)
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -505,14 +505,14 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, placement: RolePlaceme
     # pinning decides who uses which core, and several tasks' roles take turns on it under the locks.
     options: dict[str, Any] = {"max_restarts": 0, "num_cpus": 0}
     cores, resource = None, "CPU"
-    if placement is None:
+    if sites is None:
         init_ray()  # an in-process run whose engine needs a process of its own: the local Ray
     else:
-        resource = placement.resource
-        options |= own_process_resources(resource, placement.bundle_devices[cls.kind])
+        resource = sites.resource
+        options |= own_process_resources(resource, sites.bundle_devices[cls.kind])
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement.placement_group, placement_group_bundle_index=placement.bundles[cls.kind])
-        cores = placement.cores[cls.kind]
+            sites.placement_group, placement_group_bundle_index=sites.bundles[cls.kind])
+        cores = sites.cores[cls.kind]
     # A role on an rlsched mesh sees the pool and takes its devices from it (role_mesh); an engine that lays
     # itself out (sglang-jax fills its mesh with every device it sees) sees one: its own.
     on_mesh = cls is ActorRole or spec.config.rollout.engine == "jax_sampler"
@@ -529,8 +529,9 @@ def _built_by_call(cls):
     Why: an exception a Ray actor's constructor raises reaches the caller only as text (an ActorDiedError whose
     message holds Ray's ANSI-coloured `ray::ActorRole.__init__()` line and the traceback; the exception itself
     is dropped), while one a method raises arrives as a RayTaskError whose `cause` is the original exception:
-    its own type and message, as a role built in a device group's host (rlsched.cluster.group_process) reports it. The
-    process starts with an empty constructor; `build` runs the role's, in the background (calls queue behind it)."""
+    its own type and message, as a role built in a device group's process (rlsched.cluster.group_process) reports
+    it. The process starts with an empty constructor; `build` runs the role's, in the background (calls queue
+    behind it)."""
     def __init__(self):
         pass
 

@@ -7,7 +7,7 @@ hold TRAIN (onload the actor if asked; advantages, updates, publish v+1; the met
 when due). The same loop runs everywhere; what differs is plugged in:
 
     TaskDriver(spec, FreeLocks(task))                        # --in-process: always-free locks, roles here
-    TaskDriver(spec, SchedulerLocks(scheduler, task), placement=where)   # a Ray actor per task, roles as
+    TaskDriver(spec, SchedulerLocks(scheduler, task), sites=where)   # a Ray actor per task, roles as
                                                                         # Ray actors in the device group
 Design decisions (and why):
 - **The driver holds no weights and never imports JAX.** Weights stay in the roles and travel actor ->
@@ -35,10 +35,10 @@ import time
 from typing import Any
 
 from rlsched.base.errors import RoleDied, TaskError
-from rlsched.cluster.group_process import HostedRole, HostGroup
-from rlsched.cluster.ray_cluster import RolePlacement
+from rlsched.cluster.group_process import GroupProcesses, GroupProcessRole
+from rlsched.cluster.ray_cluster import RoleSites
 from rlsched.cluster.rolegroup import RoleGroup
-from rlsched.config.schema import TaskSpec
+from rlsched.config.spec import TaskSpec
 from rlsched.observe.timeline import Timeline
 from rlsched.observe.tracking import make_trackers
 from rlsched.run.export import export_final
@@ -49,12 +49,12 @@ from rlsched.scheduling.policy import Phase, Role
 
 
 class TaskDriver:
-    def __init__(self, spec: TaskSpec, locks, *, placement: RolePlacement | None = None, resume: bool = False,
+    def __init__(self, spec: TaskSpec, locks, *, sites: RoleSites | None = None, resume: bool = False,
                  echo=None, initial_moves=(), channel: str | None = None):
         self.spec, self.name, self.locks = spec, spec.name, locks
-        self.placement, self.resume, self.echo = placement, resume, echo or _print_flushed
+        self.sites, self.resume, self.echo = sites, resume, echo or _print_flushed
         self.timeline = Timeline("driver", task=spec.name)
-        self.channel = channel_for(spec, placement, channel)
+        self.channel = channel_for(spec, sites, channel)
         self.roles: dict[Role, Any] = {}
         self.residency: dict[Role, Residency] = {}
         self.memory: dict[Role, dict[str, int]] = {Role.ACTOR: {}, Role.ENGINE: {}}  # last probe of each role
@@ -90,7 +90,7 @@ class TaskDriver:
             path = check_model_path(self.spec)
             if m.init_preset is not None and not (path / "config.json").is_file():
                 self.echo(f"[{self.name}] creating a random {m.init_preset} Qwen3 at {path}")
-            self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, placement=self.placement,
+            self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, sites=self.sites,
                    take_port=self.locks.take_port)
             if (path / "config.json").is_file():  # the engine's process starts beside the actor's (a Ray actor
                 self._spawn_engine()               # is created in the background)
@@ -126,13 +126,13 @@ class TaskDriver:
         """Tell the scheduler what it stops before passing on this task's lock or memory, if it must fence it."""
         targets = []
         for r in self.roles.values():
-            if isinstance(r, RemoteRole | HostedRole | RoleGroup):
+            if isinstance(r, RemoteRole | GroupProcessRole | RoleGroup):
                 target = r.fence_target()
                 targets += target if isinstance(target, list) else [target]  # a group: one per member
         self.locks.register_roles(targets)
 
     def _spawn_engine(self) -> None:
-        self.roles[Role.ENGINE] = spawn(EngineRole, self.spec, channel=self.channel, placement=self.placement,
+        self.roles[Role.ENGINE] = spawn(EngineRole, self.spec, channel=self.channel, sites=self.sites,
                    take_port=self.locks.take_port)
 
     def _resume_from(self, meta: dict[str, Any] | None) -> None:
@@ -227,16 +227,16 @@ class TaskDriver:
 
     def _lost_with(self, died: RoleDied) -> list[Role]:
         """The roles of this task that died with `died`'s process, the actor first: its role alone, or every role
-        of this task a device group's host held (both, when colocated). None when that host cannot come back
+        of this task a device group's process held (both, when colocated). None when that host cannot come back
         (a group across hosts: rlsched.cluster.group_process)."""
         role = Role(died.role)
         if not died.shared:
             return [role]
         dead = self.roles[role]
-        if not isinstance(dead, HostedRole) or isinstance(self.placement.hosts[str(role)], HostGroup):
+        if not isinstance(dead, GroupProcessRole) or isinstance(self.sites.processes[str(role)], GroupProcesses):
             return []
         return [r for r in (Role.ACTOR, Role.ENGINE)
-                if isinstance(self.roles.get(r), HostedRole) and self.roles[r].handle == dead.handle]
+                if isinstance(self.roles.get(r), GroupProcessRole) and self.roles[r].handle == dead.handle]
 
     def _replace(self, role: Role) -> None:
         """A new process for `role`, put where the dead one was (on device or on host). A new actor restores the
@@ -246,7 +246,7 @@ class TaskDriver:
         with self._moving:  # an eviction waits for the new process, then moves it
             with contextlib.suppress(Exception):  # make sure nothing of the old one is left (it may be gone)
                 self.roles[role].terminate()
-            self.roles[role] = fresh = spawn(cls, self.spec, channel=self.channel, placement=self.placement,
+            self.roles[role] = fresh = spawn(cls, self.spec, channel=self.channel, sites=self.sites,
                    take_port=self.locks.take_port)
             if role is Role.ACTOR:
                 meta, self.published = fresh.start(True)  # the latest complete checkpoint, if any
@@ -274,7 +274,7 @@ class TaskDriver:
         closes = [("trackers", lambda: self.tracker and self.tracker.finish(exit_code))]
         for role, r in self.roles.items():
             closes.append((f"{role} close", r.close))
-            if isinstance(r, RemoteRole | HostedRole | RoleGroup):
+            if isinstance(r, RemoteRole | GroupProcessRole | RoleGroup):
                 closes.append((f"{role} process", r.terminate))
         closes.append(("locks", self.locks.close))
         for what, close in closes:
@@ -492,7 +492,7 @@ class TaskDriver:
     def role_handles(self) -> dict[str, Any]:
         """{"engine": handle, "actor": handle} of this task's role actors (for tools and fault tests)."""
         self._started.wait()
-        return {str(role): r.handle for role, r in self.roles.items() if isinstance(r, RemoteRole | HostedRole)}
+        return {str(role): r.handle for role, r in self.roles.items() if isinstance(r, RemoteRole | GroupProcessRole)}
 
 
 def _place_text(role: str, place: dict[str, Any]) -> str:

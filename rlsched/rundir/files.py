@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlsched.config.schema import ExperimentConfig, dump_resolved
+from rlsched.config.loading import dump_resolved
+from rlsched.config.schema import ExperimentConfig
 
 
 class RunDirError(ValueError):

@@ -10,7 +10,7 @@ Design decisions (and why):
   phase) or be given memory that is not free. So the scheduler stops them first, and waits until Ray
   reports each process dead, and only then lets the policy count the lock and bytes free.
 - **What stopping means depends on where the role lives.** A role in a process of its own: `ray.kill` and
-  wait for the process to be gone. A role held by a device-group host (rlsched.cluster.group_process) with no call
+  wait for the process to be gone. A role held by a device-group process (rlsched.cluster.group_process) with no call
   running: the host drops it and refuses its later calls. One with a call running (the hung call that let its lease
   expire) cannot be stopped as a thread: the host's process is ended (`ray.kill`, Ray restarts it on the same
   devices) and the stop is done once the old process is gone (the host answers from a new pid). A host that
@@ -30,7 +30,7 @@ import dataclasses
 import time
 from typing import Any
 
-ASK_S = 5.0  # how long a device-group host has to answer whether a role is idle before it is taken to be stuck
+ASK_S = 5.0  # how long a device-group process has to answer whether a role is idle before it is taken to be stuck
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Target:
 
 async def stop(targets: list[Target], timeout_s: float = 30.0, on_end=None) -> list[str]:
     """Stop every target; return what could not be confirmed stopped (empty when all are gone). `on_end(target)`
-    is called before a device-group host's process is ended for a target."""
+    is called before a device-group process is ended for a target."""
     import ray
 
     for t in targets:
@@ -86,7 +86,7 @@ async def stop(targets: list[Target], timeout_s: float = 30.0, on_end=None) -> l
 
 
 async def _ended(handle, pid: int, deadline: float) -> bool:
-    """End a device-group host's process `pid` (Ray restarts it, empty, on the same devices); True once it is
+    """End a device-group process `pid` (Ray restarts it, empty, on the same devices); True once it is
     gone: the host answers from another process, or is dead for good."""
     import ray
 

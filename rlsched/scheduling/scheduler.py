@@ -285,7 +285,7 @@ class Scheduler:
         return dict(self._failed)
 
     def collateral(self, host: Any, pid: int) -> str | None:
-        """Why device-group host `host`'s process `pid` was ended by a fence of another task, or None (it died by
+        """Why device-group process `host`'s process `pid` was ended by a fence of another task, or None (it died by
         itself): a task that lost its roles there rebuilds them without counting it as a restart of its own."""
         return self._ended.get((host, pid))
 
@@ -405,7 +405,7 @@ class SchedulerLocks:
         return self._ask(self.scheduler.failed.remote(), "failed()").get(self.task)
 
     def collateral(self, host, pid: int) -> str | None:
-        """Why device-group host `host`'s process `pid` was ended to fence another task, or None."""
+        """Why device-group process `host`'s process `pid` was ended to fence another task, or None."""
 
         return self._ask(self.scheduler.collateral.remote(host, pid), "collateral()")
 

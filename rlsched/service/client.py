@@ -25,7 +25,8 @@ from typing import Any
 
 from rlsched.base.errors import TaskError, UsageError
 from rlsched.base.units import format_bytes
-from rlsched.config.schema import ConfigError, ExperimentConfig, load_configs, select_tasks, with_absolute_paths
+from rlsched.config.loading import load_configs, select_tasks, with_absolute_paths
+from rlsched.config.schema import ConfigError, ExperimentConfig
 from rlsched.service import daemon
 from rlsched.service.server import SETTINGS_KEYS, TERMINAL
 
@@ -171,10 +172,10 @@ def _service_lines(report: dict[str, Any]) -> list[str]:
     if auth.get("mode") is not None:
         lines.append(f"Ray's token authentication: {auth['mode']}; at start a client without the token was "
                      + {True: "refused", False: "LET IN", None: "neither let in nor refused"}[auth.get("enforced")])
-    for host in report.get("hosts", []):  # cluster.processes: per_device_group
-        lines.append(f"device-group process: {host['error']}" if "error" in host else
-                     f"device-group process pid {host['pid']}: {len(host['roles'])} role(s), "
-                     f"{format_bytes(host['device_bytes'])} on its devices")
+    for process in report.get("group_processes", []):  # cluster.processes: per_device_group
+        lines.append(f"device-group process: {process['error']}" if "error" in process else
+                     f"device-group process pid {process['pid']}: {len(process['roles'])} role(s), "
+                     f"{format_bytes(process['device_bytes'])} on its devices")
     return lines
 
 

@@ -47,7 +47,8 @@ from typing import Any
 
 from rlsched.base.units import format_bytes
 from rlsched.cluster import ray_cluster
-from rlsched.config.schema import ConfigError, ExperimentConfig, dump_resolved
+from rlsched.config.loading import dump_resolved
+from rlsched.config.schema import ConfigError, ExperimentConfig
 from rlsched.rundir.files import RunDirError, json_safe, task_dir, write_atomic
 from rlsched.rundir.lock import RunLock
 from rlsched.service.bounded import RecentAnswers, TailLines
@@ -148,40 +149,40 @@ class Service:
                                                  settings.get("rollout_devices") or settings["num_devices"] // 2 or 1)
         self.pg = ray_cluster.make_placement_group("rlsched-service", settings["placement"], self.resource,
                                                    self.devices)
-        self.where = ray_cluster.role_placement(self.pg, settings["placement"], self.resource,
+        self.where = ray_cluster.role_sites(self.pg, settings["placement"], self.resource,
                                                 self.devices)
         from rlsched.config.meshes import resolve_processes
 
         self.processes = self.settings["processes"] = resolve_processes(settings.get("processes") or "auto",
                                                                         self.resource)
-        self.hosts: dict[str, Any] = {}  # role -> its device group's process, for the service's life
+        self.group_processes: dict[str, Any] = {}  # role -> its device group's process, for the service's life
         if self.processes == "per_device_group":
-            self.where = self._start_hosts()
+            self.where = self._start_group_processes()
         self._save()
         self._monitor = threading.Thread(target=self._watch, name="rlsched-service-monitor", daemon=True)
         self._monitor.start()
 
-    def _start_hosts(self):
+    def _start_group_processes(self):
         """One process per device group (colocated: one) that holds every task's roles there for the service's
         life (rlsched.cluster.group_process). Ray restarts it whenever it dies (a fence ends it on purpose): the tasks
         there with restarts left, and those a fence of another task cost their roles, build them again in it."""
-        from rlsched.cluster.group_process import start_group_hosts
+        from rlsched.cluster.group_process import start_group_processes
 
         # Sharing: an engine of a process of its own (sglang-jax) may come with any submission.
-        self.hosts = start_group_hosts(self.where, colocated=self.settings["placement"] == "colocated",
-                                       num_devices=self.settings["num_devices"], max_tasks=MAX_TASKS, max_restarts=-1,
-                                       shares_devices=True)
-        return dataclasses.replace(self.where, hosts=self.hosts)
+        self.group_processes = start_group_processes(
+            self.where, colocated=self.settings["placement"] == "colocated", num_devices=self.settings["num_devices"],
+            max_tasks=MAX_TASKS, max_restarts=-1, shares_devices=True)
+        return dataclasses.replace(self.where, processes=self.group_processes)
 
-    def _host_bytes(self) -> list[dict[str, Any]]:
+    def _group_process_bytes(self) -> list[dict[str, Any]]:
         """Each device group's process: its pid, the roles it holds and its device bytes (live arrays)."""
         import ray
 
         out = []
-        for host in {id(h): h for h in self.hosts.values()}.values():
+        for process in {id(h): h for h in self.group_processes.values()}.values():
             try:
-                out.append(ray.get(host.held.remote(), timeout=30))
-            except Exception as err:  # noqa: BLE001 - a host restarting or gone: said, not raised
+                out.append(ray.get(process.held.remote(), timeout=30))
+            except Exception as err:  # noqa: BLE001 - a process restarting or gone: said, not raised
                 out.append({"error": f"{type(err).__name__}: {err}".splitlines()[0]})
         return out
 
@@ -293,13 +294,13 @@ class Service:
             return self._requests.setdefault(request_id, answer)
 
     def status(self) -> dict[str, Any]:
-        """Every task's row (its phase and lock from one poll of its driver: status_rows), the hosts' and the
-        pools' bytes, and the service's own health (`degraded`: the monitor's error, until it recovers). The
-        scheduler's own view of the locks is `locks` (`rlsched locks`)."""
+        """Every task's row (its phase and lock from one poll of its driver: status_rows), the device-group
+        processes' and the pools' bytes, and the service's own health (`degraded`: the monitor's error, until it
+        recovers). The scheduler's own view of the locks is `locks` (`rlsched locks`)."""
         with self._lock:
             rows = status_rows([t.row() for t in self.tasks.values()], time.time())
             degraded = None if self._degraded is None else dict(self._degraded)
-        return {"tasks": rows, "settings": self.settings, "hosts": self._host_bytes(),
+        return {"tasks": rows, "settings": self.settings, "group_processes": self._group_process_bytes(),
                 "used_bytes": self._used_bytes(), "budget_bytes": self._budget_bytes(), "degraded": degraded}
 
     def sizes(self) -> dict[str, Any]:
@@ -453,7 +454,7 @@ class Service:
             self._end(name, FAILED, f"the scheduler refused it: {err}")
             return
         driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
-        driver = driver_cls.remote(spec, SchedulerLocks(self.scheduler, name), placement=self.where,
+        driver = driver_cls.remote(spec, SchedulerLocks(self.scheduler, name), sites=self.where,
                                    resume=sub.resume, initial_moves=moves, echo=LineBuffer())
         self.scheduler.watch.remote(name, [driver.lifeline.remote()])
         self.scheduler.register_driver.remote(name, driver)

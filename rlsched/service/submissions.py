@@ -26,7 +26,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from rlsched.config.schema import ExperimentConfig, validate
+from rlsched.config.loading import validate
+from rlsched.config.schema import ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@
 """
 
 from workers.rollout.base import (
-    EngineReleasedError,
+    EngineOffloadedError,
     FinishReason,
     RolloutEngine,
     RolloutInputError,
@@ -48,6 +48,6 @@ def make_engine(name: str, model_path: str | None = None, **kwargs) -> RolloutEn
 
 
 __all__ = [
-    "ENGINES", "OWN_PROCESS_ENGINES", "XLA_CPU_THREADS", "EngineReleasedError", "FinishReason", "RolloutEngine",
+    "ENGINES", "OWN_PROCESS_ENGINES", "XLA_CPU_THREADS", "EngineOffloadedError", "FinishReason", "RolloutEngine",
     "RolloutInputError", "RolloutOutput", "Sample", "SamplingParams", "make_engine",
 ]

@@ -19,11 +19,11 @@ Contract (every implementation, tested in tests/test_rollout_contract.py):
   steady state is at most one leaf.
 - `memory_bytes()` is {"params": bytes, "kv": bytes} the engine holds on its devices now, counted
   from its live arrays (on CPU there are no device memory statistics).
-- Memory: `release_memory()` frees the engine's device memory (weights and KV cache);
-  `resume_memory()` takes it back. Whether weight *contents* survive is backend-specific (sglang
+- Memory: `offload()` frees the engine's device memory (weights and KV cache);
+  `onload()` takes it back. Whether weight *contents* survive is backend-specific (sglang
   releases rather than saves; jax_sampler keeps them on host and moves them back on first use, or
   never when `update_weights` replaces them first), so callers treat a resumed engine as unverified
-  until its checksum is checked or weights are re-synced. `generate` on a released engine raises EngineReleasedError.
+  until its checksum is checked or weights are re-synced. `generate` on an offloaded engine raises EngineOffloadedError.
 - Errors are raised before any work starts: empty prompt lists or prompts, prompts longer than
   `max_prompt_len`, token ids outside the vocabulary, and invalid sampling parameters.
 """
@@ -47,8 +47,8 @@ class RolloutInputError(ValueError):
     """A generate() request that cannot be served; the message names the field and the fix."""
 
 
-class EngineReleasedError(RuntimeError):
-    """generate() or update_weights() on an engine whose memory was released."""
+class EngineOffloadedError(RuntimeError):
+    """generate() or update_weights() on an engine that is offloaded (call onload first)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,9 +135,9 @@ class RolloutEngine(Protocol):
 
     def memory_bytes(self) -> dict[str, int]: ...
 
-    def release_memory(self) -> None: ...
+    def offload(self) -> None: ...
 
-    def resume_memory(self) -> None: ...
+    def onload(self) -> None: ...
 
 
 def validate_request(prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *, max_prompt_len: int,

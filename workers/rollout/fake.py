@@ -14,7 +14,7 @@ import numpy as np
 
 from workers.models import params as P
 from workers.rollout.base import (
-    EngineReleasedError,
+    EngineOffloadedError,
     FinishReason,
     RolloutOutput,
     Sample,
@@ -29,17 +29,17 @@ class FakeEngine:
     def __init__(self, *, vocab_size: int = 384, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  seconds_per_token: float = 0.0, stop_probability: float = 0.5, seed: int = 0,
                  param_shapes: Mapping[str, tuple[int, ...]] | None = None, stall_on_call: int | None = None,
-                 stall_seconds: float = 0.0, fail_release_on_call: int | None = None, delay_start_s: float = 0.0):
+                 stall_seconds: float = 0.0, fail_offload_on_call: int | None = None, delay_start_s: float = 0.0):
         """`stall_on_call`/`stall_seconds`: the n-th generate (1-based) sleeps that long first, as a hung
-        engine would; `fail_release_on_call`: the n-th release_memory raises, as a failed offload would;
+        engine would; `fail_offload_on_call`: the n-th offload raises, as a failed offload would;
         `delay_start_s`: the first `prepare` sleeps that long, as a slow start would (a task that asks for its
         first lock after another's).
         Faults for the scheduler's tests (rollout.engine_args)."""
         self.vocab_size, self.max_prompt_len, self.max_new_tokens = vocab_size, max_prompt_len, max_new_tokens
-        self.stall_on_call, self.stall_seconds, self.fail_release_on_call = stall_on_call, stall_seconds, \
-            fail_release_on_call
+        self.stall_on_call, self.stall_seconds, self.fail_offload_on_call = stall_on_call, stall_seconds, \
+            fail_offload_on_call
         self.delay_start_s, self._prepared = delay_start_s, False
-        self.releases = 0
+        self.offloads = 0
         self.seconds_per_token, self.stop_probability = seconds_per_token, stop_probability
         self._rng = np.random.default_rng(seed)
         # Optional expected weight layout, so update_weights can be checked like a real engine.
@@ -70,13 +70,13 @@ class FakeEngine:
         return self._checksum
 
     @property
-    def released(self) -> bool:
+    def offloaded(self) -> bool:
         return self._released
 
     def update_weights(self, flat_params: Mapping[str, object], version: int, *,
                        checksum: str | None = None) -> dict[str, int]:
         if self._released:
-            raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
+            raise EngineOffloadedError("the engine is offloaded; call onload() first")
         if self._shapes is not None:
             got = {k: tuple(np.shape(v)) for k, v in flat_params.items()}
             if got != self._shapes:
@@ -94,13 +94,13 @@ class FakeEngine:
         """What a real engine would hold: the last weights installed (no device memory here)."""
         return {"params": 0 if self._released else self._params_bytes, "kv": 0}
 
-    def release_memory(self) -> None:
-        self.releases += 1
-        if self.releases == self.fail_release_on_call:
-            raise RuntimeError(f"injected fault: release_memory call {self.releases} fails")
+    def offload(self) -> None:
+        self.offloads += 1
+        if self.offloads == self.fail_offload_on_call:
+            raise RuntimeError(f"injected fault: offload call {self.offloads} fails")
         self._released = True
 
-    def resume_memory(self) -> None:
+    def onload(self) -> None:
         self._released = False
 
     def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
@@ -114,7 +114,7 @@ class FakeEngine:
         prompts = validate_request(prompt_ids, params, max_prompt_len=self.max_prompt_len,
                                    max_new_tokens=self.max_new_tokens, vocab_size=self.vocab_size)
         if self._released:
-            raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
+            raise EngineOffloadedError("the engine is offloaded; call onload() first")
         self.calls += 1
         if self.calls == self.stall_on_call:
             time.sleep(self.stall_seconds)  # an injected hang

@@ -38,7 +38,7 @@ from workers.models.checkpoint import load_pretrained
 from workers.models.decoder import CausalLM, init_cache
 from workers.offload import bytes_by_device, offload, onload, per_device_bytes, reserved_bytes
 from workers.rollout.base import (
-    EngineReleasedError,
+    EngineOffloadedError,
     FinishReason,
     RolloutOutput,
     Sample,
@@ -64,7 +64,7 @@ class JaxSampler:
     def __init__(self, model: CausalLM, *, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  max_batch_size: int = 64, weight_version: int = 0, seed: int = 0, take_ownership: bool = False,
                  mesh=None):
-        """take_ownership: the engine may free the model's buffers (release_memory, update_weights);
+        """take_ownership: the engine may free the model's buffers (offload, update_weights);
         by default it copies them, so the caller's model stays usable.
         mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default: this
         process's first device."""
@@ -79,7 +79,7 @@ class JaxSampler:
         self._rows = S.batch_rows(dict(self.mesh.shape))  # request rows split this many ways
         self._graphdef, state = nnx.split(model)
         self._shardings = S.state_shardings(state, self.mesh, kv_heads=cfg.num_key_value_heads)
-        # Committed placement from the start, as update_weights/resume_memory produce: otherwise the
+        # Committed placement from the start, as update_weights/onload produce: otherwise the
         # first weight update changes the arrays' committedness and recompiles every program.
         self._state = jax.tree.map(lambda x, sh: S.place(x, sh, copy=not take_ownership), state, self._shardings)
         self._host_state = None  # set while released, and while resumed but not yet used
@@ -112,12 +112,12 @@ class JaxSampler:
     def _live_state(self):
         if self._state is None:
             if self._host_state is None or not self._deferred:
-                raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
+                raise EngineOffloadedError("the engine is offloaded; call onload() first")
             self.restore_weights()
         return self._state
 
     def restore_weights(self) -> int:
-        """Move weights that wait on host since `resume_memory` to the devices; the bytes moved per device
+        """Move weights that wait on host since `onload` to the devices; the bytes moved per device
         (0 when they are there already). Called on first use (generate, checksum) if not before."""
         if self._state is not None or not self._deferred:
             return 0
@@ -172,7 +172,7 @@ class JaxSampler:
 
     def _update_from_host(self, flat_params, version: int, checksum: str | None) -> dict[str, int]:
         """`update_weights` while the old weights wait on host: the new leaves land in their device memory
-        (reserved by `resume_memory`) and the host copy is dropped only once they verify."""
+        (reserved by `onload`) and the host copy is dropped only once they verify."""
         waiting = self._host_state
         incoming = P.from_flat(waiting.tree, flat_params, source=f"update_weights(version={version})")
         treedef = jax.tree.structure(waiting.tree)
@@ -204,7 +204,7 @@ class JaxSampler:
         return digest
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this engine holds on its devices by kind (weights waiting on host since `resume_memory` count:
+        """Bytes this engine holds on its devices by kind (weights waiting on host since `onload` count:
         their device memory is the engine's); the KV cache exists only inside `generate`."""
         if self._state is not None:
             params = per_device_bytes(self._state)
@@ -212,7 +212,7 @@ class JaxSampler:
             params = reserved_bytes(self._host_state) if self._deferred else 0
         return {"params": params, "kv": 0}
 
-    def release_memory(self) -> None:
+    def offload(self) -> None:
         """Move weights to host memory (pinned host where the backend has it) and free them on the
         device; the KV cache lives only inside a generate call, so it is already gone."""
         if self._state is None:
@@ -221,7 +221,7 @@ class JaxSampler:
         self._host_state = offload(self._state)
         self._state = None
 
-    def resume_memory(self) -> None:
+    def onload(self) -> None:
         """Take the device memory back. The weights move on first use (`restore_weights`: generate or a
         checksum), or never, when `update_weights` replaces them first (the colocated step: onload, then
         sync to the actor's newer version); their host copy is then the swap's undo copy. The cached
@@ -241,7 +241,7 @@ class JaxSampler:
         return _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
 
     @property
-    def released(self) -> bool:
+    def offloaded(self) -> bool:
         return self._state is None and not self._deferred
 
     # ---- generation ---------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from outside, against the engine's own objects (single-process mode):
 - **Families**: qwen3, qwen2 and qwen3_moe (`sglang_compat.SGLANG_CLASSES`; others are refused when the
   config is checked, `sglang_compat.check_model`). The engine runs the family's class whatever the
   checkpoint's config.json lists under `architectures`, so the names above are the ones it holds.
-- **Memory**: `release_memory` offloads the weights to host memory (workers.offload) and frees the
-  KV cache; `resume_memory` brings the weights back and allocates a zeroed KV cache. The radix
+- **Memory**: `offload` offloads the weights to host memory (workers.offload) and frees the
+  KV cache; `onload` brings the weights back and allocates a zeroed KV cache. The radix
   (prefix) cache is disabled: a cached prefix would carry KV computed with *old* weights into a
   rollout after a weight update, and across a release.
 - **Seeds**: every sample gets its own `sampling_seed` derived from (call seed, prompt, sample), and
@@ -52,7 +52,7 @@ from workers.models import params as P
 from workers.models.config import ModelConfig
 from workers.offload import device_bytes, offload, onload
 from workers.rollout.base import (
-    EngineReleasedError,
+    EngineOffloadedError,
     FinishReason,
     RolloutOutput,
     Sample,
@@ -207,7 +207,7 @@ class SglangJaxEngine:
 
     def _check_live(self) -> None:
         if self._host_weights is not None:
-            raise EngineReleasedError("the engine's memory is released; call resume_memory() first")
+            raise EngineOffloadedError("the engine is offloaded; call onload() first")
 
     def _validate(self, flat: Mapping[str, object], source: str) -> None:
         expected = set(self._names)
@@ -269,7 +269,7 @@ class SglangJaxEngine:
         kv = self._runner.token_to_kv_pool.kv_buffer
         return {"params": int(sum(x.nbytes for x in self._leaves)), "kv": int(sum(x.nbytes for x in kv))}
 
-    def release_memory(self) -> None:
+    def offload(self) -> None:
         """Weights to host memory (pinned host where the backend has it); the KV cache is freed, not
         saved: no request is in flight between calls and the prefix cache is off, so nothing in it
         is ever read again."""
@@ -281,7 +281,7 @@ class SglangJaxEngine:
         for x in kv:
             x.delete()
 
-    def resume_memory(self) -> None:
+    def onload(self) -> None:
         """Weights back to their devices and shardings, a fresh (zeroed) KV cache. The cached
         checksum is dropped: the next `weight_checksum` hashes what is on the device."""
         if self._host_weights is None:
@@ -295,7 +295,7 @@ class SglangJaxEngine:
         self._sync_model()
 
     @property
-    def released(self) -> bool:
+    def offloaded(self) -> bool:
         return self._host_weights is not None
 
     # ---- generation ---------------------------------------------------------------------------
