@@ -86,7 +86,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"  # an export reads and writes files: it must never claim an accelerator
     from rlsched.run.export import export
 
-    print(export(args.run_dir, args.out, task=args.task, step=args.step, overwrite=args.overwrite).describe())
+    print(export(args.run_dir, args.out, task=args.task, step=args.step, overwrite=args.overwrite,
+                 merge=args.merge).describe())
     return 0
 
 
@@ -510,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default=None, help="which task (needed when the run has several)")
     p.add_argument("--step", type=int, default=None, help="which checkpoint (default: the last)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    p.add_argument("--merge", action="store_true", help="a LoRA task: write its base with the adapter merged in "
+                   "(default: the adapter alone, as PEFT's adapter_config.json + adapter_model.safetensors)")
     p.set_defaults(func=_cmd_export)
     return parser
 

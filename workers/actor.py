@@ -20,6 +20,10 @@ Design decisions:
   with explicit in/out shardings from workers.models.sharding: parameters and optimizer moments as
   the table says, batch rows over dp x fsdp x ep, metrics replicated. The state comes back in the layout it
   went in, so nothing is ever gathered whole onto one device between steps.
+- A LoRA actor (`lora`: workers.models.lora) trains its adapter only: the TrainState's params are the adapter's
+  A and B matrices (a flat dict, each laid out like the projection it adapts), the optimizer holds their moments
+  only, and the base's params are a frozen argument of every program (never differentiated, never donated). Its
+  KL reference is the base with the adapter off, so it keeps no reference copy; what it publishes is the adapter.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from flax import nnx
 from workers import grpo
 from workers.batch import TrainBatch
 from workers.compiling import compile_once, shared
+from workers.models import lora as L
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.decoder import CausalLM
@@ -71,7 +76,7 @@ class ActorSettings:
 
 
 class TrainState(NamedTuple):
-    params: Any  # nnx.State of the policy
+    params: Any  # nnx.State of the policy; a LoRA actor's: its adapter, {<module>.lora_a / .lora_b: array}
     opt_state: Any  # optax state
     step: jax.Array  # optimizer steps taken (int32 scalar)
 
@@ -96,10 +101,24 @@ def make_optimizer(s: ActorSettings) -> optax.GradientTransformation:
                        optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay))
 
 
-def token_logprobs(graphdef, params, tokens, attention_mask, temperature) -> jax.Array:
-    """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32."""
-    model = nnx.merge(graphdef, params)
-    return _logprobs_of(model(tokens, attention_mask=attention_mask), tokens, temperature)
+def policy_logits(graphdef, params, base, lora, tokens, attention_mask, *, router_loss: bool = False):
+    """The policy's float32 logits (B, T, V) for tokens, attention_mask (B, T); with `router_loss`, also the MoE
+    load-balancing loss. `base` None: `params` is the whole model's state. Else `base` is the frozen model's state
+    and `params` one LoRA adapter (flat) of LoraSpec `lora`, applied to every row."""
+    if base is None:
+        model, adapters = nnx.merge(graphdef, params), None
+    else:
+        model = nnx.merge(graphdef, base)
+        adapters = L.stack([params], [lora], jnp.zeros(tokens.shape[0], jnp.int32))
+    if router_loss:
+        return model.with_router_loss(tokens, attention_mask=attention_mask, adapters=adapters)
+    return model(tokens, attention_mask=attention_mask, adapters=adapters)
+
+
+def token_logprobs(graphdef, params, tokens, attention_mask, base=None, *, temperature, lora=None) -> jax.Array:
+    """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32 (`policy_logits`' model)."""
+    logits = policy_logits(graphdef, params, base, lora, tokens, attention_mask)
+    return _logprobs_of(logits, tokens, temperature)
 
 
 def _logprobs_of(logits, tokens, temperature) -> jax.Array:
@@ -116,11 +135,12 @@ def router_aux_coef(settings: ActorSettings, config) -> float:
     return float(config.router_aux_loss_coef if coef is None else coef)
 
 
-def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorSettings):
+def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, settings: ActorSettings,
+               lora: L.LoraSpec | None = None):
     """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics).
 
     batch keys: tokens, attention_mask (A, M, T); loss_mask (A, M, T-1); advantages (A, M);
-    optional old_logp, ref_logp (A, M, T-1).
+    optional old_logp, ref_logp (A, M, T-1). `base`: a LoRA actor's frozen model (state.params its adapter).
     """
     s = settings
     denominator = grpo.loss_denominator(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]), s.aggregation)
@@ -128,11 +148,11 @@ def train_step(state: TrainState, batch: dict, *, graphdef, tx, settings: ActorS
     micro_batches = batch["tokens"].shape[0]
 
     def micro_loss(params, mb):
-        model = nnx.merge(graphdef, params)
+        forward = partial(policy_logits, graphdef, params, base, lora, mb["tokens"], mb["attention_mask"])
         if aux_coef:  # the router's load-balancing loss, averaged over the mini-batch's micro-batches
-            logits, aux = model.with_router_loss(mb["tokens"], attention_mask=mb["attention_mask"])
+            logits, aux = forward(router_loss=True)
         else:
-            logits, aux = model(mb["tokens"], attention_mask=mb["attention_mask"]), jnp.zeros((), jnp.float32)
+            logits, aux = forward(), jnp.zeros((), jnp.float32)
         logp = _logprobs_of(logits, mb["tokens"], s.temperature)
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
         loss, m = grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
@@ -182,11 +202,13 @@ def _no_span(name: str, **attrs):
 
 
 class ActorWorker:
-    """Holds the policy's TrainState (and frozen reference params when beta > 0) on its mesh."""
+    """Holds the policy's TrainState (and frozen reference params when beta > 0) on its mesh; a LoRA actor holds
+    its adapter's TrainState and the frozen base it adapts (which is also its reference)."""
 
-    def __init__(self, model: CausalLM, settings: ActorSettings, *, seed: int = 0, mesh=None):
+    def __init__(self, model: CausalLM, settings: ActorSettings, *, seed: int = 0, mesh=None,
+                 lora: L.LoraSpec | None = None):
         """mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default:
-        this process's first device."""
+        this process's first device. `lora`: train a fresh adapter (B = 0: step 0 is the base) on `model`."""
         if settings.mini_batch_size % settings.micro_batch_size:
             raise ValueError(f"mini_batch_size {settings.mini_batch_size} is not a multiple of micro_batch_size "
                              f"{settings.micro_batch_size}")
@@ -201,24 +223,35 @@ class ActorWorker:
         self.tx = make_optimizer(settings)
         param_sh = S.state_shardings(params, self.mesh, kv_heads=self.config.num_key_value_heads)
         params = jax.device_put(params, param_sh)
+        self.lora = lora
+        # A LoRA actor's frozen base (None for a full-weight actor): an argument of every program, never donated
+        self.base, self.base_shardings = (params, param_sh) if lora is not None else (None, None)
+        if lora is not None:  # what it trains is the adapter, laid out like the projections it adapts
+            adapter = L.init_adapter(self.config, lora, jax.random.key(seed))
+            param_sh = S.adapter_shardings(P.to_flat(param_sh), adapter)
+            params = jax.device_put(adapter, param_sh)
         repl = S.replicated(self.mesh)
         opt_sh = optax.tree_map_params(self.tx, lambda _, sh: sh, jax.eval_shape(self.tx.init, params), param_sh,
                                        transform_non_params=lambda _: repl)
         self.shardings = TrainState(param_sh, opt_sh, repl)
         opt_state = jax.jit(self.tx.init, in_shardings=(param_sh,), out_shardings=opt_sh)(params)
         self.state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), repl))
-        # A separate copy: the policy's buffers are donated to train_step and change every update.
-        self.ref_params = jax.tree.map(jnp.copy, params) if settings.beta > 0 else None
+        # A separate copy: the policy's buffers are donated to train_step and change every update. A LoRA actor's
+        # reference is its base, adapter off.
+        self.ref_params = self.base if lora is not None else \
+            jax.tree.map(jnp.copy, params) if settings.beta > 0 else None
         self.version = 0
         self.seed = seed
         self._host = None  # (state, ref_params) while offloaded
         self._programs: dict = {}
         self._prepared: dict = {}  # (kind, batch keys, shapes) -> executable compiled ahead (`prepare`)
-        self._abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                                      self.state, self.shardings)
+        abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+        self._abstract = abstract(self.state, self.shardings)
+        self._abstract_base = () if lora is None else (abstract(self.base, self.base_shardings),)
         # What this worker's programs depend on besides the batch: actors of tasks with the same model, settings
         # and layout (a sweep over seeds or data) share their executables within a process (compiling.shared).
-        self._signature = ("actor", self.graphdef, settings, self.mesh, jax.tree.structure(self._abstract),
+        self._signature = ("actor", self.graphdef, settings, lora, self.mesh, jax.tree.structure(self._abstract),
                            tuple(jax.tree.leaves(self._abstract)))
 
     def _program(self, kind: str, keys: tuple[str, ...] = ()):
@@ -226,15 +259,21 @@ class ActorWorker:
         if (kind, keys) in self._programs:
             return self._programs[kind, keys]
         repl, param_sh = S.replicated(self.mesh), self.shardings.params
+        base_sh = () if self.lora is None else (self.base_shardings,)  # a LoRA actor's frozen base: an argument
         if kind == "train":  # batch arrays (A, M, ...): rows (M) over dp x fsdp x ep
             batch_sh = {k: S.batch_sharding(self.mesh, 2 if k == "advantages" else 3, leading=1) for k in keys}
-            fn = jax.jit(partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings),
-                         in_shardings=(self.shardings, batch_sh), out_shardings=(self.shardings, repl),
+            fn = jax.jit(partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings,
+                                 lora=self.lora),
+                         in_shardings=(self.shardings, batch_sh, *base_sh), out_shardings=(self.shardings, repl),
                          donate_argnums=0)
-        else:  # (params, tokens, mask) -> logprobs (B, T-1), rows over dp x fsdp x ep
+        elif kind == "logprobs":  # (params, tokens, mask[, base]) -> logprobs (B, T-1), rows over dp x fsdp x ep
+            rows = S.batch_sharding(self.mesh, 2)
+            fn = jax.jit(partial(token_logprobs, self.graphdef, temperature=self.settings.temperature, lora=self.lora),
+                         in_shardings=(param_sh, rows, rows, *base_sh), out_shardings=rows)
+        else:  # "reference" of a LoRA actor: the base alone, (base, tokens, mask) -> logprobs
             rows = S.batch_sharding(self.mesh, 2)
             fn = jax.jit(partial(token_logprobs, self.graphdef, temperature=self.settings.temperature),
-                         in_shardings=(param_sh, rows, rows), out_shardings=rows)
+                         in_shardings=(self.base_shardings, rows, rows), out_shardings=rows)
         self._programs[kind, keys] = fn
         return fn
 
@@ -243,14 +282,16 @@ class ActorWorker:
         without the state on the devices; returns how many were compiled now (0: all were ready)."""
         s, compiled = self.settings, 0
         m, off_policy = s.micro_batch_size, self._off_policy(size)
-        if off_policy or s.beta > 0:
-            shapes = {"tokens": ((m, length), np.int32), "attention_mask": ((m, length), np.bool_)}
-            key = ("logprobs", (), _shapes_key(shapes))
+        shapes = {"tokens": ((m, length), np.int32), "attention_mask": ((m, length), np.bool_)}
+        rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
+        reference = "reference" if self.lora is not None else "logprobs"
+        for kind in dict.fromkeys(k for k, wanted in (("logprobs", off_policy), (reference, s.beta > 0)) if wanted):
+            key = (kind, (), _shapes_key(shapes))
             if key not in self._prepared:
-                rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
+                args = (*self._abstract_base, *rows) if kind == "reference" else \
+                    (self._abstract.params, *rows, *self._abstract_base)
                 self._prepared[key], built = shared(
-                    (self._signature, key),
-                    lambda: compile_once(self._program("logprobs").lower(self._abstract.params, *rows)))
+                    (self._signature, key), lambda kind=kind, args=args: compile_once(self._program(kind).lower(*args)))
                 compiled += built
         acc = s.mini_batch_size // m
         mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
@@ -263,7 +304,8 @@ class ActorWorker:
         if key not in self._prepared:
             batch = {k: jax.ShapeDtypeStruct(*v) for k, v in mini.items()}
             self._prepared[key], built = shared(
-                (self._signature, key), lambda: compile_once(self._program("train", keys).lower(self._abstract, batch)))
+                (self._signature, key),
+                lambda: compile_once(self._program("train", keys).lower(self._abstract, batch, *self._abstract_base)))
             compiled += built
         return compiled
 
@@ -272,6 +314,10 @@ class ActorWorker:
         shapes = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
         prepared = self._prepared.get((kind, keys, _shapes_key(shapes)))
         return (prepared or self._program(kind, keys))(*args)
+
+    def _base_args(self) -> tuple:
+        """The programs' trailing argument: a LoRA actor's frozen base, nothing for a full-weight actor."""
+        return () if self.lora is None else (self.base,)
 
     def _off_policy(self, size: int) -> bool:
         """Whether the policy moves between this batch's optimizer steps (then old_logp must be frozen)."""
@@ -284,11 +330,13 @@ class ActorWorker:
         params = self.ref_params if reference else self.state.params
         if params is None:
             raise ValueError("no reference params: this actor was built with beta == 0")
+        # A LoRA actor's policy is its base with its adapter; its reference is the base alone
+        kind, base = ("reference", ()) if reference and self.lora is not None else ("logprobs", self._base_args())
         m, out = self.settings.micro_batch_size, []
         for i in range(0, batch.size, m):
             rows = {"tokens": batch.tokens[i : i + m], "attention_mask": batch.attention_mask[i : i + m]}
             on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, 2)) for k, v in rows.items()}
-            out.append(self._run("logprobs", (), rows, params, on_mesh["tokens"], on_mesh["attention_mask"]))
+            out.append(self._run(kind, (), rows, params, on_mesh["tokens"], on_mesh["attention_mask"], *base))
         return np.concatenate([host_value(x) for x in out])
 
     # ---- update ---------------------------------------------------------------------------------
@@ -354,7 +402,8 @@ class ActorWorker:
                 # Across processes each one lays its devices' rows out of the same host batch (workers.multihost)
                 on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, v.ndim - 1, leading=1))
                            for k, v in mini.items()}
-                self.state, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh)
+                self.state, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh,
+                                                *self._base_args())
                 history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
 
@@ -364,28 +413,36 @@ class ActorWorker:
         """The policy's params (never the optimizer state) as they lie on the mesh, with their version and
         logical checksum, hashed on the devices: nothing is copied here. Whoever moves them copies one leaf
         at a time (rlsched.cluster.comm)."""
-        flat = P.to_flat(self.state.params)
+        flat = self._flat(self.state.params)
         return WeightSnapshot(flat, self.version, P.checksum(flat))
+
+    def _flat(self, params) -> dict[str, Any]:
+        """Params by flat name: a model's nnx state flattened, or a LoRA adapter (flat already)."""
+        return dict(params) if self.lora is not None else P.to_flat(params)
 
     def params_flat(self) -> dict[str, Any]:
         """The policy's params by flat name wherever they lie: on the mesh, or in host memory while offloaded
         (the host copies `offload` made; valid until `onload` brings them back and frees them)."""
-        return P.to_flat(self._host.tree[0].params if self._host is not None else self.state.params)
+        return self._flat(self._host.tree[0].params if self._host is not None else self.state.params)
 
     # ---- memory ---------------------------------------------------------------------------------
 
     def offload(self) -> None:
         """Offload: params, optimizer state and reference params to host memory (pinned host where
         the backend has it), freed on the device."""
-        if self._host is None:
-            self._host = offload((self.state, self.ref_params))
-            self.state = self.ref_params = None
+        if self._host is None:  # a LoRA actor's base goes too (its reference is the base: one copy moves)
+            self._host = offload((self.state, self.base if self.lora is not None else self.ref_params))
+            self.state = self.ref_params = self.base = None
 
     def onload(self) -> None:
         """Onload what offload saved."""
         if self._host is not None:
-            self.state, self.ref_params = onload(self._host)
+            self.state, frozen = onload(self._host)
             self._host = None
+            if self.lora is not None:
+                self.base = self.ref_params = frozen
+            else:
+                self.ref_params = frozen
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes on the devices by kind (params, opt, ref), from the live arrays this worker holds."""
@@ -394,7 +451,13 @@ class ActorWorker:
 
         if self.state is None:
             return {"params": 0, "opt": 0, "ref": 0}
+        if self.lora is not None:  # the base (its reference too) and the adapter are the params it holds
+            return {"params": size(self.base) + size(self.state.params), "opt": size(self.state.opt_state), "ref": 0}
         return {"params": size(self.state.params), "opt": size(self.state.opt_state), "ref": size(self.ref_params)}
 
     def model(self) -> CausalLM:
-        return nnx.merge(self.graphdef, self.state.params)
+        """The policy as one model (a LoRA actor's: its base with the adapter merged in)."""
+        if self.lora is None:
+            return nnx.merge(self.graphdef, self.state.params)
+        merged = L.merged(P.to_flat(self.base), jax.device_get(self.state.params), self.lora)
+        return nnx.merge(self.graphdef, P.from_flat(self.base, merged))

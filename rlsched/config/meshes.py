@@ -123,6 +123,14 @@ def check_meshes(cfg: ExperimentConfig, model_config: ModelConfigs | None = read
                 sglang_compat.check_model(model)
             except sglang_compat.UnsupportedModelError as err:
                 raise ConfigError(f"tasks.{i}.rollout.engine: {err} (model: {_model_source(task)})") from None
+        if task.lora is not None:  # an MLP target needs a dense MLP in every layer
+            from workers.models.config import ModelConfigError
+            from workers.models.lora import check_targets  # numpy and the model's config only
+
+            try:
+                check_targets(model, task.lora.targets)
+            except ModelConfigError as err:
+                raise ConfigError(f"tasks.{i}.{err} (model: {_model_source(task)})") from None
         g, positions = task.grpo, model.max_position_embeddings
         if g.max_prompt_len + g.max_new_tokens > positions:
             raise ConfigError(f"tasks.{i}.grpo.max_new_tokens: max_prompt_len {g.max_prompt_len} + max_new_tokens "

@@ -9,6 +9,8 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     grads        actor: as params (gradients have their parameter's shape, dtype and layout)
     optimizer    actor: AdamW's two moments (as params) + two int32 step counts (Adam's and the schedule's)
     reference    actor, when grpo.beta > 0: the frozen reference copy of the params
+    (a LoRA task, tasks[i].lora: params are the base's plus its adapter's; grads and optimizer are the adapter's
+    (float32, counted whole on every device: at most a few MiB); no reference, the base is it)
     kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp x ep) x (max_prompt_len +
                  max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule
     activations  actor, an ESTIMATE: rows per device (micro-batch / (dp x fsdp x ep)) x (max_prompt_len +
@@ -67,13 +69,25 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     """Per device of the actor's mesh, by kind (see the module docstring)."""
     mesh, item = task.actor.mesh.as_dict(), ITEMSIZE[task.model.dtype]
     params = param_bytes(model.param_shapes(), mesh, kv_heads=model.num_key_value_heads, itemsize=item)
-    out = {"params": params, "grads": params, "optimizer": 2 * params + ADAM_COUNTS}
-    if task.grpo.beta > 0:
+    if task.lora is not None:  # the base is frozen: only the adapter has gradients and moments
+        adapter = lora_bytes(task, model)
+        out = {"params": params + adapter, "grads": adapter, "optimizer": 2 * adapter + ADAM_COUNTS}
+    else:
+        out = {"params": params, "grads": params, "optimizer": 2 * params + ADAM_COUNTS}
+    if task.grpo.beta > 0 and task.lora is None:
         out["reference"] = params
     rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
     tokens = rows * (task.grpo.max_prompt_len + task.grpo.max_new_tokens)
     out["activations"] = tokens * activation_values(model, mesh) * 4
     return out
+
+
+def lora_bytes(task: TaskConfig, model: ModelConfig) -> int:
+    """A LoRA task's adapter (float32), whole: what it adds to its base on every device of a role."""
+    from workers.models.lora import LoraSpec, adapter_bytes  # numpy and the model's config only
+
+    spec = LoraSpec(task.lora.rank, task.lora.alpha, tuple(task.lora.targets))
+    return adapter_bytes(model, spec, itemsize=4)
 
 
 def activation_values(model: ModelConfig, mesh: dict[str, int]) -> int:
@@ -97,8 +111,10 @@ def engine_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     shape = (rows, task.grpo.max_prompt_len + task.grpo.max_new_tokens, k, model.head_dim)  # (B, S, K, D)
     layer = sharding.shard_bytes(shape, sharding.spec(sharding.KV_CACHE, shape, mesh, kv_heads=k, what="KV cache"),
                                  mesh, item)
-    return {"params": param_bytes(model.param_shapes(), mesh, kv_heads=k, itemsize=item),
-            "kv_cache": 2 * model.num_hidden_layers * layer}
+    params = param_bytes(model.param_shapes(), mesh, kv_heads=k, itemsize=item)
+    if task.lora is not None:
+        params += lora_bytes(task, model)
+    return {"params": params, "kv_cache": 2 * model.num_hidden_layers * layer}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -85,8 +85,11 @@ def _section_text(path: str, model: type[BaseModel], doc: str | None) -> str:
         sub = _section_model(info.annotation)
         if sub is not None:
             where = f"section `{key}[i]`, one per entry" if get_origin(info.annotation) is list else f"section `{key}`"
-            facts = [where + " (below)", "required" if info.is_required() else "optional", *_constraints(info)]
+            facts = [where + " (below)", "required" if info.is_required() else
+                     "optional, default `null` (none)" if info.default is None else "optional", *_constraints(info)]
             lines += [f"- **`{key}`**: {'; '.join(facts)}.", ""]
+            doc = field_doc(model, name) if info.default is None else None  # what having the section means
+            lines += [_paragraphs(doc, indent="  "), ""] if doc else []
             continue
         text = field_doc(model, name)
         if not text:
@@ -103,9 +106,12 @@ def _paragraphs(text: str, indent: str) -> str:
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The model of a field that holds a section (`X` or `list[X]`), else None."""
+    """The model of a field that holds a section (`X`, `list[X]` or `X | None`), else None."""
     if get_origin(annotation) is list:
         annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, types.UnionType):
+        models = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = models[0] if len(models) == 1 else None
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 

@@ -289,6 +289,24 @@ class RolloutSection(_Section):
         return self
 
 
+class LoraSection(_Section):
+    rank: int = Field(8, ge=1)
+    """Rank r of the adapter on each targeted projection (its bytes grow in proportion to it)."""
+    alpha: float = Field(16.0, gt=0)
+    """The adapter's output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
+        default_factory=lambda: ["q", "k", "v", "o"])
+    """Projections adapted in every layer: attention q, k, v, o and the MLP's gate, up, down (not on a
+    mixture-of-experts layer)."""
+
+    @model_validator(mode="after")
+    def _targets_once(self) -> LoraSection:
+        if not self.targets or len(set(self.targets)) != len(self.targets):
+            raise _FieldError("targets", list(self.targets), "name each projection once, at least one "
+                              "(q, k, v, o, gate, up, down)")
+        return self
+
+
 class GRPOSection(_Section):
     prompts_per_step: int = Field(16, ge=1)
     """Prompts sampled per GRPO step."""
@@ -382,6 +400,10 @@ class TaskConfig(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     optim: OptimSection = Field(default_factory=OptimSection)
+    lora: LoraSection | None = None
+    """Train a LoRA adapter on `model.path` (the base, frozen) instead of every weight: the optimizer holds the
+    adapter's moments only, the KL reference is the base, and the engine receives the adapter only. None: a
+    full-weight task."""
     steps: int = Field(ge=1)
     """GRPO steps to run."""
     checkpoint_every: int = Field(0, ge=0)
@@ -416,6 +438,14 @@ class TaskConfig(_Section):
     def _check_batches(self) -> TaskConfig:
         # Private attributes may be set on frozen models; this is the one place the plan is computed.
         self._batch_plan = _plan(self.name, self.grpo, self.steps, self.optim.warmup_ratio)
+        return self
+
+    @model_validator(mode="after")
+    def _lora_needs_an_engine_that_loads_adapters(self) -> TaskConfig:
+        if self.lora is not None and self.rollout.engine == "sglang_jax":
+            raise _FieldError("rollout.engine", self.rollout.engine,
+                              "the released sglang-jax cannot load LoRA adapters; a LoRA task rolls out with "
+                              "rollout.engine=jax_sampler (it serves several tasks' adapters in one batch)")
         return self
 
     def batch_plan(self) -> BatchPlan:

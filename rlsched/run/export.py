@@ -8,6 +8,11 @@
 
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads it with no missing or unexpected keys.
 
+A LoRA task's checkpoint (tasks[i].lora) holds its adapter only: it is written as PEFT writes one
+(OUT/adapter_config.json + OUT/adapter_model.safetensors, workers.models.peft_files), which
+`peft.PeftModel.from_pretrained(base, OUT)` loads; with `merge`, as the base with the adapter merged in, a full
+model directory as above.
+
 Design decisions (and why):
 - **Leaf by leaf, never the whole model.** A checkpoint holds the actor's TrainState (rlsched.run.checkpoints); only
   its `.params` leaves are read. safetensors puts a header (every tensor's name, dtype, shape and offsets) before
@@ -295,15 +300,22 @@ def _checked(ckpt: Checkpoint):
 
 
 def export(path: str | Path, out: str | Path, *, task: str | None = None, step: int | None = None,
-           overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> Exported:
+           overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES, merge: bool = False) -> Exported:
     """Write checkpoint `step` (default: the last) of `task` in the run (or task, or checkpoint) at `path` as a
-    Hugging Face model directory at `out` (see the module docstring)."""
+    Hugging Face model directory at `out` (see the module docstring); a LoRA task's as a PEFT adapter, or with
+    `merge` as its merged model."""
     out = Path(out).absolute()
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} is a file; the export writes a directory there")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty; pass --overwrite to replace it, or choose another directory")
     ckpt = find_checkpoint(path, task=task, step=step)
+    lora = _lora_of(ckpt)
+    if lora is not None:
+        return _export_adapter(ckpt, lora, out, merge=merge)
+    if merge:
+        raise ExportError(f"--merge merges a LoRA adapter into its base, but task {ckpt.task} trains every weight "
+                          "(no tasks[i].lora): its export is the whole model already; drop --merge")
     cfg, leaves = _checked(ckpt)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -328,6 +340,35 @@ def export(path: str | Path, out: str | Path, *, task: str | None = None, step: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Exported(ckpt, out, files, cfg.num_params, cfg.dtype)
+
+
+def _lora_of(ckpt: Checkpoint):
+    """The LoraSpec of a LoRA task (its hparams.json's `lora`), else None."""
+    from workers.models.lora import LoraSpec
+
+    section = json.loads((ckpt.path.parent.parent / "hparams.json").read_text()).get("lora")
+    return None if section is None else LoraSpec(section["rank"], section["alpha"], tuple(section["targets"]))
+
+
+def _export_adapter(ckpt: Checkpoint, spec, out: Path, *, merge: bool) -> Exported:
+    """A LoRA checkpoint's adapter as PEFT's files, or merged into its base (workers.models.peft_files: both
+    atomic, both checked against the base's config.json first)."""
+    from workers.models import peft_files
+    from workers.models.config import ModelConfig
+    from workers.models.lora import adapter_shapes
+
+    cfg = ModelConfig.from_dir(ckpt.model_dir)
+    adapter = {leaf.name: np.asarray(leaf.read()) for leaf in _leaves(ckpt)}
+    try:
+        if merge:
+            peft_files.save_merged(out, ckpt.model_dir, adapter, spec)
+        else:
+            peft_files.save_adapter(out, adapter, spec, cfg, base_model=str(ckpt.model_dir))
+    except peft_files.AdapterError as err:
+        raise ExportError(f"{ckpt.describe()}: {err}") from None
+    files = ["model.safetensors"] if merge else [peft_files.ADAPTER_WEIGHTS]
+    params = cfg.num_params if merge else sum(int(np.prod(s)) for s in adapter_shapes(cfg, spec).values())
+    return Exported(ckpt, out, files, params, cfg.dtype if merge else "float32")
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

@@ -56,6 +56,14 @@ def actor_settings(spec: TaskSpec):
         router_aux_loss_coef=spec.config.actor.router_aux_loss_coef)
 
 
+def lora_spec(spec: TaskSpec):
+    """A LoRA task's adapter (workers.models.lora.LoraSpec) from its config, else None."""
+    from workers.models.lora import LoraSpec
+
+    section = spec.config.lora
+    return None if section is None else LoraSpec(section.rank, section.alpha, tuple(section.targets))
+
+
 @dataclasses.dataclass(frozen=True)
 class PhaseResult:
     """What one phase call of a role returns."""
@@ -163,7 +171,8 @@ class ActorRole(_Role):
         _make_preset_model(m, init_model, across=spec.role_hosts("actor") > 1)
         model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
         self.spec = spec
-        self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=role_mesh(spec, "actor"))
+        self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=role_mesh(spec, "actor"),
+                                  lora=lora_spec(spec))
         self.channel = channel
         self.checkpointer = TaskCheckpointer(spec.checkpoint_dir, max_to_keep=spec.config.keep_last,
                                              background=spec.config.checkpoint_async)

@@ -224,6 +224,19 @@ def state_shardings(state, mesh_, *, kv_heads: int):
     return nnx.from_flat_state(out)
 
 
+def adapter_shardings(kernel_shardings: Mapping[str, Any], adapter: Mapping[str, Any]) -> dict[str, Any]:
+    """A LoRA adapter's layout (workers.models.lora), following the projections it adapts: `<module>.lora_a`
+    (in, r) splits its rows as the kernel (in, out) does, `<module>.lora_b` (r, out) its columns; the rank is
+    never split. `kernel_shardings`: {flat name: NamedSharding} of the base (state_shardings, flattened)."""
+    out = {}
+    for name in adapter:
+        module, part = name.rsplit(".", 1)
+        kernel = kernel_shardings[f"{module}.kernel"]
+        spec = tuple(kernel.spec) + (None,) * (2 - len(kernel.spec))
+        out[name] = named(kernel.mesh, (spec[0], None) if part == "lora_a" else (None, spec[1]))
+    return out
+
+
 def kv_cache_sharding(mesh_, *, kv_heads: int):
     """(B, S, K, D): rows over dp x fsdp x ep, heads over tp (whole when tp does not divide them)."""
     shape = dict(mesh_.shape)
