@@ -257,3 +257,56 @@ def test_bad_stacks_are_refused_clearly():
     graphdef, _ = _model("tiny")
     with pytest.raises(ValueError, match=r"the batch has 3 rows"):
         _logits_fn(graphdef)(state, tokens, mask, stack([adapter], [spec], [0, 0]))
+
+
+# ---- the built-in engine: one generate call serves rows of several adapters -------------------------------------
+
+def test_the_engine_serves_each_prompt_with_its_adapter_as_if_alone(tiny_model):
+    from workers.rollout import RolloutInputError, SamplingParams
+    from workers.rollout.jax_sampler import JaxSampler
+
+    model, tok = tiny_model
+    cfg = model.config
+    specs = [LoraSpec(2, 4.0, ("q", "v")), LoraSpec(4, 8.0, ALL), LoraSpec(8, 8.0, ("o", "down"))]
+    adapters = [_random_adapter(cfg, s, seed=30 + i, std=0.5) for i, s in enumerate(specs)]
+    prompts = [tok.encode(p) for p in ("Hello", "What is 12 + 30?", "a", "The quick brown fox")]
+    rows = [-1, 0, 1, 2]
+    greedy = SamplingParams(n=2, temperature=0.0, max_new_tokens=8)
+
+    def tokens_and_logprobs(out):
+        return ([s.token_ids.tolist() for s in out.samples], [s.logprobs for s in out.samples])
+
+    engine = JaxSampler(model, max_prompt_len=32, max_new_tokens=8, max_batch_size=8)
+    with pytest.raises(RolloutInputError, match=r"in \[-1, 0\)"):
+        engine.generate(prompts, greedy, adapter_rows=[0, 0, 0, 0])  # no adapters set yet
+    engine.set_adapters(adapters, specs)
+    mixed_tokens, mixed_lps = tokens_and_logprobs(engine.generate(prompts, greedy, adapter_rows=rows))
+    base_tokens, _ = tokens_and_logprobs(engine.generate(prompts, greedy))
+    for i, k in enumerate(rows):
+        if k < 0:  # the base: the engine's program without adapters
+            alone = JaxSampler(model, max_prompt_len=32, max_new_tokens=8).generate([prompts[i]], greedy)
+        else:  # an engine holding only this adapter (K = 1)
+            single = JaxSampler(model, max_prompt_len=32, max_new_tokens=8)
+            single.set_adapters([adapters[k]], [specs[k]])
+            alone = single.generate([prompts[i]], greedy, adapter_rows=[0])
+            assert mixed_tokens[2 * i] != base_tokens[2 * i], f"adapter {k} changes nothing: the test proves nothing"
+        alone_tokens, alone_lps = tokens_and_logprobs(alone)
+        for j in range(2):  # both samples of the prompt
+            assert mixed_tokens[2 * i + j] == alone_tokens[j], (i, k)
+            np.testing.assert_allclose(mixed_lps[2 * i + j], alone_lps[j], rtol=1e-5, atol=1e-5)
+
+    # The adapter's rows are its merged model's (an engine with K + scale A B loaded as full weights).
+    merged_engine = JaxSampler(model, max_prompt_len=32, max_new_tokens=8)
+    merged_engine.update_weights(merged(P.host_params(model), adapters[1], specs[1]), version=1)
+    merged_tokens, merged_lps = tokens_and_logprobs(merged_engine.generate([prompts[2]], greedy))
+    assert merged_tokens[0] == mixed_tokens[4]
+    np.testing.assert_allclose(merged_lps[0], mixed_lps[4], rtol=1e-4, atol=1e-4)
+
+    # New adapter values and another mix of rows run the programs compiled already.
+    compiled = engine.programs_compiled()
+    engine.set_adapters([{k: -v for k, v in a.items()} for a in adapters], specs)
+    again, _ = tokens_and_logprobs(engine.generate(prompts, greedy, adapter_rows=[2, 1, -1, 0]))
+    assert engine.programs_compiled() == compiled
+    assert again != mixed_tokens
+    with pytest.raises(RolloutInputError, match=r"one integer per prompt \(4\)"):
+        engine.generate(prompts, greedy, adapter_rows=[0, 1])

@@ -15,8 +15,9 @@ Design decisions:
   attention projections of every family can be adapted).
 - B starts at zero (as PEFT does): a fresh adapter computes exactly what its base computes, so step 0 of a LoRA
   task is its base model and the KL reference is the base with the adapter off.
-- Several adapters run in one forward as an `AdapterBatch` (workers.models.lora_batch, JAX; its names are
-  reachable from here): K adapters stacked per module and the adapter of each batch row (-1: the base).
+- Several adapters run in one forward as an `AdapterBatch` (workers.models.lora_batch: JAX, kept apart so that
+  the control plane checks a LoRA config without importing JAX): K adapters stacked per module and the adapter
+  of each batch row (-1: the base).
 """
 
 from __future__ import annotations
@@ -108,15 +109,3 @@ def merged(base: Mapping[str, np.ndarray], adapter: Mapping[str, np.ndarray], sp
         out[f"{module}.kernel"] = (kernel.astype(np.float32) + spec.scale * (a @ b)).astype(kernel.dtype)
     return out
 
-
-# The batched use of adapters (JAX) lives in workers.models.lora_batch; its names are reachable from here,
-# imported on first use, so that the control plane can check a LoRA config without importing JAX.
-_BATCHED = ("AdapterBatch", "init_adapter", "stack", "with_rows", "check_modules")
-
-
-def __getattr__(name: str):
-    if name in _BATCHED:
-        from workers.models import lora_batch
-
-        return getattr(lora_batch, name)
-    raise AttributeError(f"module 'workers.models.lora' has no attribute {name!r}")

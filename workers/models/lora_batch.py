@@ -12,8 +12,11 @@ Design decisions:
 - **Padding to one rank.** Adapters of ranks r_k are stacked to r = max r_k with zero columns of A and rows
   of B: the zero columns contribute exactly 0, so a padded adapter computes what it computes alone.
 - **Float32, exact zero for the base.** The update is computed in float32 and cast to the activation dtype
-  before it is added (bf16 models); rows of -1 get `where(.., 0)`, an exact 0, so they compute bit for bit
-  what the base computes.
+  before it is added (bf16 models); rows of -1 get `where(.., 0)`, an exact 0 (so does a zero B). In one
+  program, rows of -1 and rows of a fresh adapter therefore compute the same bits; against the program
+  without adapters (`adapters=None`) they agree to float rounding only (a few 1e-6 in float32): XLA fuses the
+  added 0 into the q/k norms' reductions and sums in another order. A KL reference that must equal the
+  policy exactly at step 0 is computed by the same program with `with_rows(batch, [-1] * B)`.
 - **Values are arguments.** a, b, scale and rows are pytree leaves: new adapter values or a new row mix never
   recompile; only K, r and the batch size are shapes.
 
@@ -36,7 +39,7 @@ from workers.models.lora import MLP_TARGETS, TARGETS, LoraSpec, adapted_modules
 
 def init_adapter(cfg: ModelConfig, spec: LoraSpec, key: jax.Array) -> dict[str, jax.Array]:
     """A fresh adapter's flat float32 parameters, as PEFT initialises LoRA: A kaiming-uniform (a = sqrt(5) over
-    fan_in = in, i.e. uniform in +-1/sqrt(in)) and B zero, so it computes exactly what the base computes."""
+    fan_in = in, i.e. uniform in +-1/sqrt(in)) and B zero, so it adds exactly 0: it computes the base."""
     out = {}
     modules = adapted_modules(cfg, spec)
     for module, k in zip(modules, jax.random.split(key, len(modules)), strict=True):
@@ -126,7 +129,7 @@ def stack(adapters: Sequence[Mapping[str, object]], specs: Sequence[LoraSpec], r
 def with_rows(batch: AdapterBatch, rows) -> AdapterBatch:
     """The same adapters for other rows. Concrete rows are checked against K (-1 <= row < K)."""
     if not isinstance(rows, jax.core.Tracer):
-        host = np.asarray(rows)
+        host = np.asarray(rows) if len(rows) else np.zeros(0, np.int32)
         k = int(batch.scale.shape[0])
         if host.ndim != 1 or not np.issubdtype(host.dtype, np.integer) or (host.size and (
                 host.min() < -1 or host.max() >= k)):
