@@ -261,6 +261,7 @@ def test_bad_stacks_are_refused_clearly():
 
 # ---- the built-in engine: one generate call serves rows of several adapters -------------------------------------
 
+@pytest.mark.slow  # compiles a generate program per engine and adapter set (~10-20 s cold)
 def test_the_engine_serves_each_prompt_with_its_adapter_as_if_alone(tiny_model):
     from workers.rollout import RolloutInputError, SamplingParams
     from workers.rollout.jax_sampler import JaxSampler
@@ -279,9 +280,13 @@ def test_the_engine_serves_each_prompt_with_its_adapter_as_if_alone(tiny_model):
     engine = JaxSampler(model, max_prompt_len=32, max_new_tokens=8, max_batch_size=8)
     with pytest.raises(RolloutInputError, match=r"in \[-1, 0\)"):
         engine.generate(prompts, greedy, adapter_rows=[0, 0, 0, 0])  # no adapters set yet
-    engine.set_adapters(adapters, specs)
-    mixed_tokens, mixed_lps = tokens_and_logprobs(engine.generate(prompts, greedy, adapter_rows=rows))
     base_tokens, _ = tokens_and_logprobs(engine.generate(prompts, greedy))
+    assert tokens_and_logprobs(engine.generate(prompts, greedy, adapter_rows=[-1] * 4))[0] == base_tokens
+    engine.offload()
+    engine.set_adapters(adapters, specs)  # while offloaded: they wait on host with the weights
+    assert engine.num_adapters == 3
+    engine.onload()
+    mixed_tokens, mixed_lps = tokens_and_logprobs(engine.generate(prompts, greedy, adapter_rows=rows))
     for i, k in enumerate(rows):
         if k < 0:  # the base: the engine's program without adapters
             alone = JaxSampler(model, max_prompt_len=32, max_new_tokens=8).generate([prompts[i]], greedy)
@@ -308,5 +313,35 @@ def test_the_engine_serves_each_prompt_with_its_adapter_as_if_alone(tiny_model):
     again, _ = tokens_and_logprobs(engine.generate(prompts, greedy, adapter_rows=[2, 1, -1, 0]))
     assert engine.programs_compiled() == compiled
     assert again != mixed_tokens
+    # Offloaded with the weights, the adapters come back with them.
+    engine.offload()
+    assert engine.offloaded and engine.num_adapters == 3
+    engine.onload()
+    assert tokens_and_logprobs(engine.generate(prompts, greedy, adapter_rows=[2, 1, -1, 0]))[0] == again
     with pytest.raises(RolloutInputError, match=r"one integer per prompt \(4\)"):
         engine.generate(prompts, greedy, adapter_rows=[0, 1])
+
+
+@pytest.mark.slow  # compiles a generate program per engine and adapter set (~10-20 s cold)
+def test_the_engine_serves_adapters_on_a_mesh_as_on_one_device(tiny_model):
+    """Rows over dp, kernels over tp, the stacked adapters replicated: the same tokens as one device's engine,
+    both through a prepared (ahead-of-time compiled) program and a jitted one."""
+    from workers.models import sharding as S
+    from workers.rollout import SamplingParams
+    from workers.rollout.jax_sampler import JaxSampler
+
+    model, tok = tiny_model
+    specs = [LoraSpec(2, 4.0, ("q", "o")), LoraSpec(4, 8.0, ("k", "v", "up"))]
+    adapters = [_random_adapter(model.config, s, seed=40 + i, std=0.5) for i, s in enumerate(specs)]
+    prompts = [tok.encode(p) for p in ("Hello", "1 + 2 =", "abc")]
+    rows, greedy = [1, -1, 0], SamplingParams(n=2, temperature=0.0, max_new_tokens=6)
+    results = []
+    for mesh in (None, S.mesh({"dp": 2, "tp": 2}, jax.devices()[:4])):
+        engine = JaxSampler(model, max_prompt_len=16, max_new_tokens=8, mesh=mesh)
+        engine.set_adapters(adapters, specs)
+        if mesh is not None:
+            assert engine.prepare(prompts, greedy, adapter_rows=rows) == 1
+        out = engine.generate(prompts, greedy, adapter_rows=rows)
+        results.append(([s.token_ids.tolist() for s in out.samples], np.stack([s.logprobs for s in out.samples])))
+    assert results[0][0] == results[1][0]
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)

@@ -270,6 +270,8 @@ class JaxSampler:
         repl = S.replicated(self.mesh)
         self._adapters = jax.tree.map(lambda x: S.place(x, repl, copy=True), batch)
         self._host_adapters = None
+        if self.offloaded:  # they wait on host with the weights
+            self._host_adapters, self._adapters = offload(self._adapters), None
 
     @property
     def num_adapters(self) -> int:
@@ -380,8 +382,8 @@ class JaxSampler:
                                     f"{list(adapter_rows)!r}")
         if rows.size and (rows.min() < -1 or rows.max() >= k):
             raise RolloutInputError(f"adapter_rows {rows.tolist()}: each must be in [-1, {k}) (-1: the base; "
-                             f"{k} adapters set by set_adapters)")
-        return rows.astype(np.int32)
+                                    f"{k} adapters set by set_adapters)")
+        return None if adapters is None else rows.astype(np.int32)  # no adapters: every row is -1, the base
 
 
 _PROGRAMS: dict = {}
