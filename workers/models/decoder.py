@@ -18,6 +18,9 @@ Design decisions:
 - Compute follows the parameter dtype (float32 or bfloat16); RMSNorm statistics, softmax and the
   returned logits are float32, as in the reference implementation.
 - RoPE uses the config's `rope_theta` (a known JAX port hard-codes 1e6; Qwen3 presets differ).
+- LoRA adapters (workers.models.lora.AdapterBatch) are an explicit argument of every call, passed down to the
+  projections they target (no module state): one program serves any adapters and any row -> adapter mix, and
+  `adapters=None` traces exactly the program without them.
 
 Shapes: B batch, T query tokens, S key slots, H hidden, N query heads, K kv heads, D head_dim, V vocab.
 """
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from workers.models.config import ModelConfig
+from workers.models.lora_batch import AdapterBatch, check_modules
 from workers.models.moe import MoeBlock, load_balancing_loss
 
 _NEG_INF = -1e30  # finite: a fully masked row (padding query) must not produce NaN
@@ -55,7 +59,8 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int) -> list[LayerCache]:
 
 
 class Linear(nnx.Module):
-    """y = x K (+ b), K stored (in, out): the transpose of torch's weight."""
+    """y = x K (+ b) (+ delta), K stored (in, out): the transpose of torch's weight. `delta` (..., out): what
+    LoRA adapters add (AdapterBatch.delta), already in x's dtype."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = _dtype(cfg)
@@ -63,9 +68,14 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), jnp.float32).astype(dt))
         self.bias = nnx.Param(jnp.zeros((d_out,), dt)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, delta: jax.Array | None = None) -> jax.Array:
         y = jnp.einsum("...i,io->...o", x, self.kernel[...])
-        return y + self.bias[...] if self.bias is not None else y
+        y = y + self.bias[...] if self.bias is not None else y
+        return y + delta if delta is not None else y
+
+
+def _delta(adapters: AdapterBatch | None, module: str, x: jax.Array) -> jax.Array | None:
+    return None if adapters is None else adapters.delta(module, x)
 
 
 class RMSNorm(nnx.Module):
@@ -102,16 +112,18 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(d, cfg=cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg=cfg) if cfg.qk_norm else None
 
-    def __call__(self, x, positions, mask, cache: LayerCache | None, cache_index):
-        """x: (B, T, H); positions: (B, T); mask: (B, T, S) bool -> (B, T, H), updated cache."""
+    def __call__(self, x, positions, mask, cache: LayerCache | None, cache_index,
+                 adapters: AdapterBatch | None = None, prefix: str = ""):
+        """x: (B, T, H); positions: (B, T); mask: (B, T, S) bool -> (B, T, H), updated cache. `prefix`: this
+        module's path (`model.layers.<i>.self_attn`), naming its projections in `adapters`."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = self.q_proj(x).reshape(b, t, n, d)
-        kk = self.k_proj(x).reshape(b, t, k, d)
+        q = self.q_proj(x, _delta(adapters, f"{prefix}.q_proj", x)).reshape(b, t, n, d)
+        kk = self.k_proj(x, _delta(adapters, f"{prefix}.k_proj", x)).reshape(b, t, k, d)
         if self.q_norm is not None:
             q, kk = self.q_norm(q), self.k_norm(kk)
-        v = self.v_proj(x).reshape(b, t, k, d)
+        v = self.v_proj(x, _delta(adapters, f"{prefix}.v_proj", x)).reshape(b, t, k, d)
         q, kk = rope(q, positions, cfg.rope_theta), rope(kk, positions, cfg.rope_theta)
         if cache is not None:
             # All rows write the same slots: the caller aligns rows by left padding.
@@ -124,7 +136,7 @@ class Attention(nnx.Module):
         scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, n * d)
-        return self.o_proj(out), cache
+        return self.o_proj(out, _delta(adapters, f"{prefix}.o_proj", out)), cache
 
 
 class MLP(nnx.Module):
@@ -134,8 +146,11 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, i, bias=False, cfg=cfg, rngs=rngs)
         self.down_proj = Linear(i, h, bias=False, cfg=cfg, rngs=rngs)
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, adapters: AdapterBatch | None = None, prefix: str = ""):
+        """x (B, T, H) -> (B, T, H); `prefix`: this module's path (`model.layers.<i>.mlp`)."""
+        gate = self.gate_proj(x, _delta(adapters, f"{prefix}.gate_proj", x))
+        h = jax.nn.silu(gate) * self.up_proj(x, _delta(adapters, f"{prefix}.up_proj", x))  # (B, T, I)
+        return self.down_proj(h, _delta(adapters, f"{prefix}.down_proj", h))
 
 
 class DecoderLayer(nnx.Module):
@@ -146,11 +161,15 @@ class DecoderLayer(nnx.Module):
         self.moe = cfg.moe_layer(layer)
         self.mlp = MoeBlock(cfg, rngs, _dtype(cfg)) if self.moe else MLP(cfg, rngs)
 
-    def __call__(self, x, positions, mask, cache, cache_index, router_logits=None):
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index)
+    def __call__(self, x, positions, mask, cache, cache_index, router_logits=None,
+                 adapters: AdapterBatch | None = None, prefix: str = ""):
+        """`prefix`: this layer's path (`model.layers.<i>`), naming its projections in `adapters` (the MLP
+        projections of a MoE layer are never adapted: lora.check_modules refuses them)."""
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, adapters,
+                                     f"{prefix}.self_attn")
         x = x + attn
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, router_logits) if self.moe else self.mlp(h)), cache
+        return x + (self.mlp(h, router_logits) if self.moe else self.mlp(h, adapters, f"{prefix}.mlp")), cache
 
 
 class Embedding(nnx.Module):
@@ -182,7 +201,9 @@ class CausalLM(nnx.Module):
       rollout engine. Writes the T new tokens' keys/values at slots [cache_index, cache_index + T)
       of every row and returns final hidden states (B, T, H) plus the new cache; `kv_mask` (B, S)
       marks valid slots. Apply `model.logits(hidden)` to the positions you need.
-    - `model.router_aux_loss(...)`: see there (0 for a model without experts).
+    - `model.with_router_loss(...)`: see there.
+    - Every call takes `adapters=` (workers.models.lora.AdapterBatch, one adapter index per batch row, -1 for
+      the base): the LoRA adapters each row runs with. None (the default) is the base model.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -191,17 +212,19 @@ class CausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False, cfg=cfg, rngs=rngs)
 
-    def __call__(self, input_ids, *, positions=None, attention_mask=None) -> jax.Array:
+    def __call__(self, input_ids, *, positions=None, attention_mask=None,
+                 adapters: AdapterBatch | None = None) -> jax.Array:
         positions, mask = self._defaults(input_ids, positions, attention_mask)
-        hidden, _ = self.forward(input_ids, positions, mask, None, 0)
+        hidden, _ = self.forward(input_ids, positions, mask, None, 0, adapters=adapters)
         return self.logits(hidden)
 
-    def with_router_loss(self, input_ids, *, positions=None, attention_mask=None) -> tuple[jax.Array, jax.Array]:
+    def with_router_loss(self, input_ids, *, positions=None, attention_mask=None,
+                         adapters: AdapterBatch | None = None) -> tuple[jax.Array, jax.Array]:
         """As `model(...)`, plus the load-balancing loss of its MoE layers over the real tokens
         (workers.models.moe.load_balancing_loss): (float32 logits (B, T, V), float32 scalar; 0 without experts)."""
         positions, mask = self._defaults(input_ids, positions, attention_mask)
         collected: list = []
-        hidden, _ = self.forward(input_ids, positions, mask, None, 0, router_logits=collected)
+        hidden, _ = self.forward(input_ids, positions, mask, None, 0, router_logits=collected, adapters=adapters)
         k = getattr(self.config, "num_experts_per_tok", 1)
         return self.logits(hidden), load_balancing_loss(collected, k, mask)
 
@@ -215,9 +238,11 @@ class CausalLM(nnx.Module):
         return positions, attention_mask.astype(bool)
 
     def forward(self, input_ids, positions, kv_mask, cache: list[LayerCache] | None, cache_index,
-                router_logits: list | None = None):
+                router_logits: list | None = None, adapters: AdapterBatch | None = None):
         """input_ids, positions: (B, T); kv_mask: (B, S) -> hidden (B, T, H), cache. MoE layers append their
-        router logits (B, T, E) to `router_logits` when given."""
+        router logits (B, T, E) to `router_logits` when given. `adapters.rows` (B,): each row's adapter."""
+        if adapters is not None:
+            check_modules(self.config, adapters, input_ids.shape[0])
         t = input_ids.shape[1]
         s = kv_mask.shape[1]
         # Causal in slot space: query i (at slot cache_index + i) sees slots <= its own.
@@ -228,7 +253,7 @@ class CausalLM(nnx.Module):
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.model.layers):
             x, layer_cache = layer(x, positions, mask, cache[i] if cache is not None else None, cache_index,
-                                   router_logits)
+                                   router_logits, adapters, f"model.layers.{i}")
             if cache is not None:
                 new_cache.append(layer_cache)
         return self.model.norm(x), new_cache

@@ -15,6 +15,9 @@ Design decisions:
   attention projections of every family can be adapted).
 - B starts at zero (as PEFT does): a fresh adapter computes exactly what its base computes, so step 0 of a LoRA
   task is its base model and the KL reference is the base with the adapter off.
+- Several adapters run in one forward as an `AdapterBatch` (workers.models.lora_batch: JAX, kept apart so that
+  the control plane checks a LoRA config without importing JAX): K adapters stacked per module and the adapter
+  of each batch row (-1: the base).
 """
 
 from __future__ import annotations
@@ -105,3 +108,4 @@ def merged(base: Mapping[str, np.ndarray], adapter: Mapping[str, np.ndarray], sp
         b = np.asarray(adapter[f"{module}.lora_b"], np.float32)
         out[f"{module}.kernel"] = (kernel.astype(np.float32) + spec.scale * (a @ b)).astype(kernel.dtype)
     return out
+

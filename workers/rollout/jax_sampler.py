@@ -17,10 +17,15 @@ Design decisions:
 - The engine lives on a mesh (dp x tp, one device by default): weights laid out by
   workers.models.sharding, request rows over dp, the KV cache's heads over tp (whole on every device
   when tp exceeds the KV heads). The program is compiled with those shardings explicitly.
+- LoRA adapters of one base: `set_adapters` puts K adapters on the devices, stacked
+  (workers.models.lora_batch.AdapterBatch), and `generate(..., adapter_rows=)` runs each prompt's rows with its
+  adapter (-1: the base). The adapters are an argument of the program: new adapter values, or another mix of
+  rows, never recompile; only K, the padded rank and the adapted modules are part of the program's key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -36,10 +41,13 @@ from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
 from workers.models.decoder import CausalLM, init_cache
+from workers.models.lora import LoraSpec
+from workers.models.lora_batch import AdapterBatch, check_modules, stack
 from workers.offload import bytes_by_device, offload, onload, per_device_bytes, reserved_bytes
 from workers.rollout.base import (
     EngineOffloadedError,
     FinishReason,
+    RolloutInputError,
     RolloutOutput,
     Sample,
     SamplingParams,
@@ -91,6 +99,8 @@ class JaxSampler:
         # What the weights look like, for compiling without them (`prepare`)
         self._abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                       self._state, self._shardings)
+        self._adapters: AdapterBatch | None = None  # set_adapters: K stacked adapters, replicated on the mesh
+        self._host_adapters = None  # the adapters while offloaded
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str | None = None, **kwargs) -> JaxSampler:
@@ -215,6 +225,8 @@ class JaxSampler:
     def offload(self) -> None:
         """Move weights to host memory (pinned host where the backend has it) and free them on the
         device; the KV cache lives only inside a generate call, so it is already gone."""
+        if self._adapters is not None:
+            self._host_adapters, self._adapters = offload(self._adapters), None
         if self._state is None:
             self._deferred = False  # resumed but never used: the weights are on host already
             return
@@ -244,13 +256,42 @@ class JaxSampler:
     def offloaded(self) -> bool:
         return self._state is None and not self._deferred
 
+    # ---- LoRA adapters --------------------------------------------------------------------------
+
+    def set_adapters(self, adapters: Sequence[Mapping[str, object]], specs: Sequence[LoraSpec]) -> None:
+        """Serve these K adapters (flat `<module>.lora_a` / `.lora_b`, workers.models.lora's layout), adapter k
+        being `adapter_rows` index k in `generate`; replaces the ones set before ([] drops them). Values of the
+        same K, ranks and targets as before reuse the compiled programs."""
+        if not adapters and not specs:
+            self._adapters = self._host_adapters = None
+            return
+        batch = stack(adapters, specs, [])
+        check_modules(self.config, batch, 0)  # a module this base does not have is refused here, not at generate
+        repl = S.replicated(self.mesh)
+        self._adapters = jax.tree.map(lambda x: S.place(x, repl, copy=True), batch)
+        self._host_adapters = None
+        if self.offloaded:  # they wait on host with the weights
+            self._host_adapters, self._adapters = offload(self._adapters), None
+
+    @property
+    def num_adapters(self) -> int:
+        """K, the adapters `set_adapters` put here (0: none)."""
+        adapters = self._adapters if self._adapters is not None else getattr(self._host_adapters, "tree", None)
+        return 0 if adapters is None else int(adapters.scale.shape[0])
+
+    def _live_adapters(self) -> AdapterBatch | None:
+        if self._adapters is None and self._host_adapters is not None:
+            self._adapters, self._host_adapters = onload(self._host_adapters), None
+        return self._adapters
+
     # ---- generation ---------------------------------------------------------------------------
 
-    def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
-        """Compile the programs `generate(prompt_ids, params)` will run, ahead of it and without the weights on
-        the devices; returns how many were compiled now (0: all were ready)."""
+    def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+                adapter_rows: Sequence[int] | None = None) -> int:
+        """Compile the programs `generate(prompt_ids, params, adapter_rows)` will run, ahead of it and without the
+        weights on the devices; returns how many were compiled now (0: all were ready)."""
         compiled = 0
-        for key, args in self._chunks(prompt_ids, params, seed=0):
+        for key, args in self._chunks(prompt_ids, params, 0, adapter_rows, self._abstract_adapters()):
             if key not in _COMPILED:  # engines in one process (a device group's) share it; built once if asked at once
                 _COMPILED[key], built = shared(("generate", *key), partial(self._compile, args))
                 compiled += built
@@ -259,16 +300,30 @@ class JaxSampler:
     def _compile(self, args):
         return compile_once(self._jitted().lower(self._abstract, *args))
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+    def _abstract_adapters(self) -> AdapterBatch | None:
+        adapters = self._adapters if self._adapters is not None else getattr(self._host_adapters, "tree", None)
+        if adapters is None:
+            return None
+        repl = S.replicated(self.mesh)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=repl), adapters)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+                 adapter_rows: Sequence[int] | None = None) -> RolloutOutput:
+        """adapter_rows: one adapter index per prompt (set_adapters' order; -1: the base), for all its n samples;
+        None runs the base for every prompt."""
         t0 = time.perf_counter()
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
-        chunks = list(self._chunks(prompt_ids, params, seed))  # a bad request is refused first
+        # A bad request is refused first
+        chunks = list(self._chunks(prompt_ids, params, seed, adapter_rows, self._abstract_adapters()))
         state = self._live_state()
+        adapters = self._live_adapters() if adapter_rows is not None else None
         samples: list[Sample] = []
         for key, args in chunks:
             self.compiled_shapes.add(key[-4:])
             prepared = _COMPILED.get(key)
             # A prepared executable has the static bucket (the last argument) built in
+            if adapters is not None:  # the chunk's rows, with the adapters on the devices
+                args = (*args[:-2], dataclasses.replace(adapters, rows=args[-2].rows), args[-1])
             out = prepared(state, *args[:-1]) if prepared is not None else self._jitted()(state, *args)
             out_tokens, out_logprobs, lengths, stopped = jax.device_get(out)
             samples.extend(
@@ -279,12 +334,16 @@ class JaxSampler:
         return RolloutOutput(samples=samples, weight_version=self._version,
                              generate_seconds=time.perf_counter() - t0)
 
-    def _chunks(self, prompt_ids, params: SamplingParams, seed: int):
+    def _chunks(self, prompt_ids, params: SamplingParams, seed: int, adapter_rows=None,
+                adapters: AdapterBatch | None = None):
         """Per chunk of at most max_batch_size rows: (its program's key, the program's arguments after the
-        weights: tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p, max_new, stop, and the
-        static new-token bucket)."""
+        weights: tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p, max_new, stop, the
+        adapters (None, or `adapters` (abstract) with the chunk's rows) and the static new-token bucket)."""
         prompts = validate_request(prompt_ids, params, max_prompt_len=self.max_prompt_len,
                                    max_new_tokens=self.max_new_tokens, vocab_size=self.config.vocab_size)
+        per_prompt = self._check_adapter_rows(adapter_rows, len(prompts), adapters)
+        signature = None if per_prompt is None else (
+            int(adapters.scale.shape[0]), tuple((m, adapters.a[m].shape[-1]) for m in adapters.a))
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]  # prompt-major
         stop = np.full(_STOP_SLOTS * max(1, -(-len(params.stop_token_ids) // _STOP_SLOTS)), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
@@ -298,18 +357,39 @@ class JaxSampler:
             mask = np.zeros((batch, plen), bool)
             prompt_idx = np.zeros(batch, np.int32)
             sample_idx = np.zeros(batch, np.int32)
+            rows_adapter = np.full(batch, -1, np.int32)  # padding rows run the base
             for r, (i, j) in enumerate(chunk):
                 p = prompts[i]
                 tokens[r, plen - len(p):], mask[r, plen - len(p):] = p, True
                 prompt_idx[r], sample_idx[r] = i, j
+                if per_prompt is not None:
+                    rows_adapter[r] = per_prompt[i]
             active = np.arange(batch) < len(chunk)
-            key = (self._graphdef, self.mesh, self.config.num_key_value_heads, batch, plen, new_bucket, len(stop))
+            key = (self._graphdef, self.mesh, self.config.num_key_value_heads, signature, batch, plen, new_bucket,
+                   len(stop))
+            # The adapters as their shapes (set by generate to those on the devices), with this chunk's rows
+            chunk_adapters = None if per_prompt is None else dataclasses.replace(adapters, rows=rows_adapter)
             yield key, (tokens, mask, active, np.uint32(seed), prompt_idx, sample_idx, np.float32(params.temperature),
-                        np.float32(params.top_p), np.int32(params.max_new_tokens), stop, new_bucket)
+                        np.float32(params.top_p), np.int32(params.max_new_tokens), stop, chunk_adapters, new_bucket)
+
+    def _check_adapter_rows(self, adapter_rows, prompts: int, adapters: AdapterBatch | None) -> np.ndarray | None:
+        if adapter_rows is None:
+            return None
+        k = 0 if adapters is None else int(adapters.scale.shape[0])
+        rows = np.asarray(adapter_rows)
+        if rows.shape != (prompts,) or not np.issubdtype(rows.dtype, np.integer):
+            raise RolloutInputError(f"adapter_rows: give one integer per prompt ({prompts}), got "
+                                    f"{list(adapter_rows)!r}")
+        if rows.size and (rows.min() < -1 or rows.max() >= k):
+            raise RolloutInputError(f"adapter_rows {rows.tolist()}: each must be in [-1, {k}) (-1: the base; "
+                                    f"{k} adapters set by set_adapters)")
+        return None if adapters is None else rows.astype(np.int32)  # no adapters: every row is -1, the base
 
 
 _PROGRAMS: dict = {}
-_COMPILED: dict = {}  # (architecture, mesh, kv heads, batch, prompt, new-token and stop buckets) -> executable
+# (architecture, mesh, kv heads, adapters' (K, module ranks) or None, batch, prompt, new-token and stop buckets)
+# -> executable
+_COMPILED: dict = {}
 
 
 def _program(graphdef, mesh, kv_heads: int, state_shardings):
@@ -320,15 +400,16 @@ def _program(graphdef, mesh, kv_heads: int, state_shardings):
     if key not in _PROGRAMS:
         rows, vec, repl = S.batch_sharding(mesh, 2), S.batch_sharding(mesh, 1), S.replicated(mesh)
         body = partial(_generate_program, graphdef, kv_sharding=S.kv_cache_sharding(mesh, kv_heads=kv_heads))
-        _PROGRAMS[key] = jax.jit(body, static_argnums=(11,),
-                                 in_shardings=(state_shardings, rows, rows, vec, repl, vec, vec, *[repl] * 4),
+        _PROGRAMS[key] = jax.jit(body, static_argnums=(12,),
+                                 in_shardings=(state_shardings, rows, rows, vec, repl, vec, vec, *[repl] * 5),
                                  out_shardings=(rows, rows, vec, vec))
     return _PROGRAMS[key]
 
 
 def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p,
-                      max_new, stop, new_bucket: int, *, kv_sharding):
-    """tokens/mask (B, P) left-padded -> tokens (B, N), logprobs (B, N), lengths (B,), stopped (B,)."""
+                      max_new, stop, adapters: AdapterBatch | None, new_bucket: int, *, kv_sharding):
+    """tokens/mask (B, P) left-padded -> tokens (B, N), logprobs (B, N), lengths (B,), stopped (B,).
+    adapters.rows (B,): each row's LoRA adapter (-1: the base); None: no adapters."""
     model = nnx.merge(graphdef, state)
     b, plen = tokens.shape
     base = jax.random.key(seed)
@@ -339,7 +420,7 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
 
     cache = [jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, kv_sharding), layer)
              for layer in init_cache(model.config, b, plen + new_bucket)]
-    hidden, cache = model.forward(tokens, positions, kv_mask, cache, 0)
+    hidden, cache = model.forward(tokens, positions, kv_mask, cache, 0, adapters=adapters)
     logits = model.logits(hidden[:, -1])  # left padding: the last column is every row's last prompt token
 
     def emit(t, logits, out_tok, out_lp, done, length, stopped):
@@ -365,7 +446,7 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
     def body(c):
         t, cache, out_tok, out_lp, done, length, stopped = c
         prev = out_tok[:, t - 1][:, None]  # (B, 1)
-        h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask, cache, plen + t - 1)
+        h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask, cache, plen + t - 1, adapters=adapters)
         return (t + 1, cache, *emit(t, model.logits(h[:, 0]), out_tok, out_lp, done, length, stopped))
 
     _, _, out_tok, out_lp, _, length, stopped = jax.lax.while_loop(cond, body, (1, cache, *carry))
