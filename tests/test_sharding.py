@@ -225,7 +225,7 @@ def _moe_gradients(model, shape):
     weights = np.asarray(mini["advantages"]).reshape(-1)[:, None] * np.asarray(mask[:, 1:], np.float32)
 
     def objective(params):
-        return (token_logprobs(actor.graphdef, params, tokens, mask, 1.0) * weights).sum()
+        return (token_logprobs(actor.graphdef, params, tokens, mask, temperature=1.0) * weights).sum()
 
     grads = jax.jit(jax.grad(objective))(actor.state.params)
     return {k: np.asarray(v) for k, v in P.to_flat(grads).items()}

@@ -43,6 +43,7 @@ from workers import grpo
 from workers.batch import TrainBatch
 from workers.compiling import compile_once, shared
 from workers.models import lora as L
+from workers.models import lora_batch as LB
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.decoder import CausalLM
@@ -101,23 +102,28 @@ def make_optimizer(s: ActorSettings) -> optax.GradientTransformation:
                        optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay))
 
 
-def policy_logits(graphdef, params, base, lora, tokens, attention_mask, *, router_loss: bool = False):
+def policy_logits(graphdef, params, base, lora, tokens, attention_mask, *, router_loss: bool = False, row=0):
     """The policy's float32 logits (B, T, V) for tokens, attention_mask (B, T); with `router_loss`, also the MoE
     load-balancing loss. `base` None: `params` is the whole model's state. Else `base` is the frozen model's state
-    and `params` one LoRA adapter (flat) of LoraSpec `lora`, applied to every row."""
+    and `params` one LoRA adapter (flat) of LoraSpec `lora`, applied to every row; `row` -1 turns it off (the
+    base: a LoRA actor's reference)."""
     if base is None:
         model, adapters = nnx.merge(graphdef, params), None
     else:
         model = nnx.merge(graphdef, base)
-        adapters = L.stack([params], [lora], jnp.zeros(tokens.shape[0], jnp.int32))
+        adapters = LB.stack([params], [lora], jnp.full(tokens.shape[0], row, jnp.int32))
     if router_loss:
         return model.with_router_loss(tokens, attention_mask=attention_mask, adapters=adapters)
     return model(tokens, attention_mask=attention_mask, adapters=adapters)
 
 
-def token_logprobs(graphdef, params, tokens, attention_mask, base=None, *, temperature, lora=None) -> jax.Array:
-    """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32 (`policy_logits`' model)."""
-    logits = policy_logits(graphdef, params, base, lora, tokens, attention_mask)
+def token_logprobs(graphdef, params, tokens, attention_mask, base=None, row=0, *, temperature,
+                   lora=None) -> jax.Array:
+    """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32 (`policy_logits`' model). A LoRA
+    actor passes `row` as a traced int32 (0: its policy, -1: its reference, the base): both are one executable,
+    so a fresh adapter's logprobs equal its reference's bit for bit (XLA fuses a program without the adapter
+    otherwise, about 1e-6 away)."""
+    logits = policy_logits(graphdef, params, base, lora, tokens, attention_mask, row=row)
     return _logprobs_of(logits, tokens, temperature)
 
 
@@ -227,7 +233,7 @@ class ActorWorker:
         # A LoRA actor's frozen base (None for a full-weight actor): an argument of every program, never donated
         self.base, self.base_shardings = (params, param_sh) if lora is not None else (None, None)
         if lora is not None:  # what it trains is the adapter, laid out like the projections it adapts
-            adapter = L.init_adapter(self.config, lora, jax.random.key(seed))
+            adapter = LB.init_adapter(self.config, lora, jax.random.key(seed))
             param_sh = S.adapter_shardings(P.to_flat(param_sh), adapter)
             params = jax.device_put(adapter, param_sh)
         repl = S.replicated(self.mesh)
@@ -237,7 +243,7 @@ class ActorWorker:
         opt_state = jax.jit(self.tx.init, in_shardings=(param_sh,), out_shardings=opt_sh)(params)
         self.state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), repl))
         # A separate copy: the policy's buffers are donated to train_step and change every update. A LoRA actor's
-        # reference is its base, adapter off.
+        # reference is its base, adapter off (the `logprobs` program with row -1).
         self.ref_params = self.base if lora is not None else \
             jax.tree.map(jnp.copy, params) if settings.beta > 0 else None
         self.version = 0
@@ -248,7 +254,8 @@ class ActorWorker:
         abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
         self._abstract = abstract(self.state, self.shardings)
-        self._abstract_base = () if lora is None else (abstract(self.base, self.base_shardings),)
+        self._abstract_base = () if lora is None else (abstract(self.base, self.base_shardings),
+                                                       jax.ShapeDtypeStruct((), jnp.int32, sharding=repl))
         # What this worker's programs depend on besides the batch: actors of tasks with the same model, settings
         # and layout (a sweep over seeds or data) share their executables within a process (compiling.shared).
         self._signature = ("actor", self.graphdef, settings, lora, self.mesh, jax.tree.structure(self._abstract),
@@ -259,21 +266,18 @@ class ActorWorker:
         if (kind, keys) in self._programs:
             return self._programs[kind, keys]
         repl, param_sh = S.replicated(self.mesh), self.shardings.params
-        base_sh = () if self.lora is None else (self.base_shardings,)  # a LoRA actor's frozen base: an argument
+        # A LoRA actor's frozen base (and the logprobs' adapter row): arguments, never constants
+        base_sh = () if self.lora is None else (self.base_shardings, repl)
         if kind == "train":  # batch arrays (A, M, ...): rows (M) over dp x fsdp x ep
             batch_sh = {k: S.batch_sharding(self.mesh, 2 if k == "advantages" else 3, leading=1) for k in keys}
             fn = jax.jit(partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings,
                                  lora=self.lora),
-                         in_shardings=(self.shardings, batch_sh, *base_sh), out_shardings=(self.shardings, repl),
+                         in_shardings=(self.shardings, batch_sh, *base_sh[:1]), out_shardings=(self.shardings, repl),
                          donate_argnums=0)
-        elif kind == "logprobs":  # (params, tokens, mask[, base]) -> logprobs (B, T-1), rows over dp x fsdp x ep
+        else:  # (params, tokens, mask[, base, row]) -> logprobs (B, T-1), rows over dp x fsdp x ep
             rows = S.batch_sharding(self.mesh, 2)
             fn = jax.jit(partial(token_logprobs, self.graphdef, temperature=self.settings.temperature, lora=self.lora),
                          in_shardings=(param_sh, rows, rows, *base_sh), out_shardings=rows)
-        else:  # "reference" of a LoRA actor: the base alone, (base, tokens, mask) -> logprobs
-            rows = S.batch_sharding(self.mesh, 2)
-            fn = jax.jit(partial(token_logprobs, self.graphdef, temperature=self.settings.temperature),
-                         in_shardings=(self.base_shardings, rows, rows), out_shardings=rows)
         self._programs[kind, keys] = fn
         return fn
 
@@ -283,15 +287,13 @@ class ActorWorker:
         s, compiled = self.settings, 0
         m, off_policy = s.micro_batch_size, self._off_policy(size)
         shapes = {"tokens": ((m, length), np.int32), "attention_mask": ((m, length), np.bool_)}
-        rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
-        reference = "reference" if self.lora is not None else "logprobs"
-        for kind in dict.fromkeys(k for k, wanted in (("logprobs", off_policy), (reference, s.beta > 0)) if wanted):
-            key = (kind, (), _shapes_key(shapes))
+        if off_policy or s.beta > 0:
+            key = ("logprobs", (), _shapes_key(shapes))
             if key not in self._prepared:
-                args = (*self._abstract_base, *rows) if kind == "reference" else \
-                    (self._abstract.params, *rows, *self._abstract_base)
+                rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
+                args = (self._abstract.params, *rows, *self._abstract_base)
                 self._prepared[key], built = shared(
-                    (self._signature, key), lambda kind=kind, args=args: compile_once(self._program(kind).lower(*args)))
+                    (self._signature, key), lambda: compile_once(self._program("logprobs").lower(*args)))
                 compiled += built
         acc = s.mini_batch_size // m
         mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
@@ -305,7 +307,8 @@ class ActorWorker:
             batch = {k: jax.ShapeDtypeStruct(*v) for k, v in mini.items()}
             self._prepared[key], built = shared(
                 (self._signature, key),
-                lambda: compile_once(self._program("train", keys).lower(self._abstract, batch, *self._abstract_base)))
+                lambda: compile_once(self._program("train", keys).lower(self._abstract, batch,
+                                                                       *self._abstract_base[:1])))
             compiled += built
         return compiled
 
@@ -330,13 +333,14 @@ class ActorWorker:
         params = self.ref_params if reference else self.state.params
         if params is None:
             raise ValueError("no reference params: this actor was built with beta == 0")
-        # A LoRA actor's policy is its base with its adapter; its reference is the base alone
-        kind, base = ("reference", ()) if reference and self.lora is not None else ("logprobs", self._base_args())
+        # A LoRA actor's policy is its base with its adapter; its reference is the base alone (its adapter's row off)
+        base = () if self.lora is None else (self.base, np.int32(-1 if reference else 0))
+        params = self.state.params if self.lora is not None else params
         m, out = self.settings.micro_batch_size, []
         for i in range(0, batch.size, m):
             rows = {"tokens": batch.tokens[i : i + m], "attention_mask": batch.attention_mask[i : i + m]}
             on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, 2)) for k, v in rows.items()}
-            out.append(self._run(kind, (), rows, params, on_mesh["tokens"], on_mesh["attention_mask"], *base))
+            out.append(self._run("logprobs", (), rows, params, on_mesh["tokens"], on_mesh["attention_mask"], *base))
         return np.concatenate([host_value(x) for x in out])
 
     # ---- update ---------------------------------------------------------------------------------

@@ -442,10 +442,12 @@ class TaskConfig(_Section):
 
     @model_validator(mode="after")
     def _lora_needs_an_engine_that_loads_adapters(self) -> TaskConfig:
-        if self.lora is not None and self.rollout.engine == "sglang_jax":
+        if self.lora is not None and self.rollout.engine != "jax_sampler":
+            why = "the released sglang-jax cannot load LoRA adapters" if self.rollout.engine == "sglang_jax" else \
+                "the fake engine holds no weights to adapt"
             raise _FieldError("rollout.engine", self.rollout.engine,
-                              "the released sglang-jax cannot load LoRA adapters; a LoRA task rolls out with "
-                              "rollout.engine=jax_sampler (it serves several tasks' adapters in one batch)")
+                              f"{why}; a LoRA task rolls out with rollout.engine=jax_sampler (it serves several "
+                              "tasks' adapters in one batch)")
         return self
 
     def batch_plan(self) -> BatchPlan:

@@ -227,12 +227,14 @@ def _state_bin_leaves(ckpt: Checkpoint) -> list[_Leaf]:
     data = np.memmap(blob, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     out = []
     for entry in index:
-        key = entry["key"]  # .params['model']['layers'][0]['self_attn']['q_proj']['kernel'].value
-        if not key.startswith(".params[") or not key.endswith(".value"):
+        # .params['model']['layers'][0]['self_attn']['q_proj']['kernel'].value (a model's nnx state), or
+        # .params['model.layers.0.self_attn.q_proj.lora_a'] (a LoRA adapter: a flat dict)
+        key = entry["key"]
+        if not key.startswith(".params["):
             continue  # the optimizer's state and the step count
         if entry["offset"] + entry["nbytes"] > size:
             raise ExportError(f"{ckpt.describe()}: state.bin is truncated at {key}")
-        name = ".".join(a or b for a, b in _KEY_PART.findall(key[len(".params"): -len(".value")]))
+        name = ".".join(a or b for a, b in _KEY_PART.findall(key[len(".params"):].removesuffix(".value")))
         dtype, shape = _np_dtype(entry["dtype"]), tuple(entry["shape"])
         view = data[entry["offset"]: entry["offset"] + entry["nbytes"]]
         out.append(_Leaf(name, dtype, shape, lambda v=view, d=dtype, s=shape: v.view(d).reshape(s)))

@@ -302,7 +302,7 @@ class EngineRole(_Role):
         self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
                                   max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
                                   max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
-                                  **mesh, **r.engine_args)
+                                  lora=lora_spec(spec), **mesh, **r.engine_args)
         self._held = self.engine
 
     def rollout(self, message: WeightMessage, prompt_ids, params) -> PhaseResult:

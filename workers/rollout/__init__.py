@@ -26,13 +26,21 @@ OWN_PROCESS_ENGINES = frozenset({"sglang_jax"})
 XLA_CPU_THREADS = {"sglang_jax": 2}
 
 
-def make_engine(name: str, model_path: str | None = None, **kwargs) -> RolloutEngine:
-    """Build a rollout engine by name; kwargs go to the engine's constructor."""
+def make_engine(name: str, model_path: str | None = None, *, lora=None, **kwargs) -> RolloutEngine:
+    """Build a rollout engine by name; kwargs go to the engine's constructor. `lora` (a workers.models.lora
+    LoraSpec): a LoRA task's engine, the base from `model_path` and the task's adapter (jax_sampler only)."""
+    if lora is not None and name != "jax_sampler":
+        raise ValueError(f"a LoRA task's rollout runs on the jax_sampler engine, not {name!r}")
     if name == "jax_sampler":
         from workers.rollout.jax_sampler import JaxSampler
 
         if model_path is None:
             raise ValueError("the jax_sampler engine needs a model_path")
+        if lora is not None:
+            from workers.rollout.adapter_engine import AdapterEngine
+
+            version = kwargs.pop("weight_version", -1)
+            return AdapterEngine(JaxSampler.from_pretrained(model_path, **kwargs), lora, weight_version=version)
         return JaxSampler.from_pretrained(model_path, **kwargs)
     if name == "fake":
         from workers.rollout.fake import FakeEngine

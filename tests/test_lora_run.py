@@ -1,0 +1,76 @@
+"""A LoRA task through the CLI, as a user runs one: `rlsched train` with `tasks[i].lora` under Ray, its
+adapter synced to the engine every step, its bytes as planned, `rlsched export` of its adapter and merged model,
+and the config errors a LoRA task can meet."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from rlsched.observe.tracking import read_metrics
+from workers.models import lora as L
+from workers.models.config import ModelConfig
+
+
+def _cli(*args, cwd=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "rlsched.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_lora_task_trains_under_ray_and_exports_its_adapter(tmp_path, tiny_model_dir):
+    from pathlib import Path
+
+    config = Path(__file__).parent.parent / "configs" / "demo_addition.yaml"
+    done = _cli("train", str(config), "--set", f"experiment.output_dir={tmp_path}",
+                "--set", f"tasks.0.model.path={tiny_model_dir}", "--set", "tasks.0.model.init_preset=null",
+                "--set", "tasks.0.lora.rank=8", "--set", "tasks.0.lora.targets=[q,v,down]",
+                "--set", "tasks.0.steps=3", "--set", "tasks.0.checkpoint_every=3",
+                "--set", "tasks.0.grpo.prompts_per_step=4", "--set", "tasks.0.grpo.num_generations=4",
+                "--set", "tasks.0.grpo.mini_batch_size=8")
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = tmp_path / "demo-addition"
+    metrics = read_metrics(run / "tasks" / "addition" / "metrics.jsonl")
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1, 2]  # each step rolled out the last adapter
+    spec = L.LoraSpec(8, 16.0, ("q", "v", "down"))
+    adapter = L.adapter_bytes(ModelConfig.from_dir(tiny_model_dir), spec)
+    assert metrics[-1]["mem/actor/held/opt"] == 2 * adapter + 8  # AdamW's moments of the adapter (+ 2 counts)
+    line = next(x for x in done.stdout.splitlines() if "measured / planned" in x)
+    pairs = re.findall(r"([\d.]+ \w+) / ([\d.]+ \w+)", line)
+    assert len(pairs) == 3 and all(measured == planned for measured, planned in pairs), line  # params, opt, engine
+
+    exported = _cli("export", str(run), str(tmp_path / "adapter"))
+    assert exported.returncode == 0, exported.stderr
+    config_json = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config_json["peft_type"], config_json["r"], config_json["lora_alpha"]) == ("LORA", 8, 16.0)
+    assert sorted(config_json["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    merged = _cli("export", str(run), str(tmp_path / "merged"), "--merge")
+    assert merged.returncode == 0, merged.stderr
+    assert ModelConfig.from_dir(tmp_path / "merged").param_shapes() == ModelConfig.from_dir(tiny_model_dir) \
+        .param_shapes()
+
+
+def test_lora_config_errors_name_the_key(tmp_path):
+    from pathlib import Path
+
+    config = Path(__file__).parent.parent / "configs" / "demo_addition.yaml"
+    moe = tmp_path / "moe"
+    made = _cli("init-model", "--preset", "tiny-qwen3moe", str(moe))
+    assert made.returncode == 0, made.stderr
+    cases = [
+        (["tasks.0.lora.rank=0"], "tasks.0.lora.rank: Input should be greater than or equal to 1"),
+        (["tasks.0.lora.targets=[q,q]"], "tasks.0.lora.targets: name each projection once"),
+        (["tasks.0.lora.rank=4", "tasks.0.rollout.engine=sglang_jax"],
+         "tasks.0.rollout.engine: the released sglang-jax cannot load LoRA adapters; a LoRA task rolls out with "
+         "rollout.engine=jax_sampler"),
+        (["tasks.0.lora.targets=[q,gate]", f"tasks.0.model.path={moe}", "tasks.0.model.init_preset=null"],
+         "tasks.0.lora.targets ['gate']: Qwen3-MoE (4 experts, top 2) layers [1] are mixtures of experts"),
+    ]
+    for overrides, message in cases:
+        checked = _cli("check", str(config), *[a for o in overrides for a in ("--set", o)], timeout=120)
+        assert checked.returncode == 2 and message in checked.stdout + checked.stderr, (overrides, checked.stdout,
+                                                                                       checked.stderr)

@@ -1,0 +1,118 @@
+"""One LoRA task's rollout engine: the built-in sampler holding the base (the task's `model.path`, loaded once and
+never replaced) and serving the task's adapter (workers.models.lora) on every row.
+
+    engine = AdapterEngine(JaxSampler.from_pretrained(path, ...), spec)
+    engine.update_weights(adapter_flat, version, checksum=...)   # what a LoRA actor publishes: its adapter alone
+    engine.generate(prompt_ids, params)                          # every row with the adapter
+
+Design decisions:
+- **A sync moves the adapter only**, verified as full weights are: the incoming names must be exactly the
+  adapter's (a base tensor, a missing module or an extra one is refused before anything changes), and the
+  checksum is of what the engine will use, read back from the sampler's stacked adapter after the swap, so a
+  sync that silently did nothing (the bug LoRA weight syncs are known for) fails the checksum instead of
+  rolling out with stale weights. A refused sync keeps the previous adapter and version.
+- **A zero adapter stands in until the first sync**, so `prepare` compiles the program `generate` will run
+  (the adapter's shapes are known from the spec) and nothing recompiles at the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from workers.models import params as P
+from workers.models import sharding as S
+from workers.models.lora import LoraSpec, adapter_shapes
+from workers.rollout.base import RolloutOutput, SamplingParams
+
+
+class AdapterEngine:
+    """A RolloutEngine (workers.rollout.base) for one LoRA task over a JaxSampler that holds its base."""
+
+    name = "jax_sampler"
+
+    def __init__(self, sampler, spec: LoraSpec, *, weight_version: int = -1):
+        self.sampler, self.spec = sampler, spec
+        self.config, self.mesh = sampler.config, sampler.mesh
+        self._shapes = adapter_shapes(sampler.config, spec)
+        self._version, self._checksum = weight_version, None
+        zero = {name: np.zeros(shape, np.float32) for name, shape in self._shapes.items()}
+        sampler.set_adapters([zero], [spec])
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def weight_checksum(self) -> str:
+        if self._checksum is None:
+            self._checksum = P.checksum(self._served())
+        return self._checksum
+
+    def update_weights(self, flat: Mapping[str, object], version: int, *, checksum: str | None = None) -> dict:
+        """Serve adapter `flat` ({<module>.lora_a / .lora_b: array}, host or device) as weights `version`."""
+        got = {name: tuple(np.shape(x)) for name, x in flat.items()}
+        if got != self._shapes:
+            missing, unexpected = sorted(self._shapes.keys() - got.keys()), sorted(got.keys() - self._shapes.keys())
+            wrong = [f"{n} {got[n]} vs {self._shapes[n]}" for n in sorted(got.keys() & self._shapes.keys())
+                     if got[n] != self._shapes[n]]
+            raise P.WeightMismatchError(f"update_weights(version={version}): not this engine's LoRA adapter (rank "
+                                        f"{self.spec.rank} on {list(self.spec.targets)}): missing {missing[:4]}, "
+                                        f"unexpected {unexpected[:4]}, other shapes {wrong[:4]}")
+        before = self._served()
+        repl = S.replicated(self.mesh)
+        self.sampler.set_adapters([{n: S.place(x, repl, copy=True) for n, x in flat.items()}], [self.spec])
+        digest = P.checksum(self._served())  # what landed, read back from the sampler
+        if checksum is not None and digest != checksum:
+            self.sampler.set_adapters([before], [self.spec])
+            raise P.WeightMismatchError(f"update_weights(version={version}): the adapter that landed hashes to "
+                                        f"{digest}, the sender's to {checksum}; keeping v{self._version}")
+        self._version, self._checksum = int(version), digest
+        nbytes = sum(int(np.prod(s)) * 4 for s in self._shapes.values())
+        return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": max(
+            int(np.prod(s)) * 4 for s in self._shapes.values()), "peak_extra_bytes": nbytes}
+
+    def _served(self) -> dict[str, jax.Array]:
+        """The adapter the sampler serves, in the flat layout: its slot 0 of the stacked a/b, unpadded."""
+        stacked = self.sampler._live_adapters()  # noqa: SLF001 - the one reader of the sampler's stacked adapters
+        out = {}
+        for name, (rows, cols) in self._shapes.items():
+            module, part = name.rsplit(".", 1)
+            out[name] = (stacked.a if part == "lora_a" else stacked.b)[module][0, :rows, :cols]
+        return out
+
+    def restore_weights(self) -> int:
+        return self.sampler.restore_weights()
+
+    # ---- memory ----------------------------------------------------------------------------------------------
+
+    def memory_bytes(self) -> dict[str, int]:
+        """The base's bytes and the adapter's (replicated: whole on every device), by kind."""
+        held = self.sampler.memory_bytes()
+        adapter = 0 if self.sampler.offloaded else sum(int(np.prod(s)) * 4 for s in self._shapes.values())
+        return {"params": held["params"] + adapter, "kv": held["kv"]}
+
+    def offload(self) -> None:
+        self.sampler.offload()
+
+    def onload(self) -> None:
+        self.sampler.onload()
+
+    @property
+    def offloaded(self) -> bool:
+        return self.sampler.offloaded
+
+    # ---- generation ------------------------------------------------------------------------------------------
+
+    def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        return self.sampler.prepare(prompt_ids, params, adapter_rows=[0] * len(prompt_ids))
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        output = self.sampler.generate(prompt_ids, params, adapter_rows=[0] * len(prompt_ids))
+        # The sampler's own version is its base's; the task's weights are the adapter's
+        return dataclasses.replace(output, weight_version=self._version)
