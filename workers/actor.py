@@ -211,24 +211,34 @@ class ActorWorker:
     """Holds the policy's TrainState (and frozen reference params when beta > 0) on its mesh; a LoRA actor holds
     its adapter's TrainState and the frozen base it adapts (which is also its reference)."""
 
-    def __init__(self, model: CausalLM, settings: ActorSettings, *, seed: int = 0, mesh=None,
-                 lora: L.LoraSpec | None = None):
+    def __init__(self, model: CausalLM | None, settings: ActorSettings, *, seed: int = 0, mesh=None,
+                 lora: L.LoraSpec | None = None, base=None):
         """mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default:
-        this process's first device. `lora`: train a fresh adapter (B = 0: step 0 is the base) on `model`."""
+        this process's first device. `lora`: train a fresh adapter (B = 0: step 0 is the base) on `model`.
+        `base` (a LoRA actor only, `model` None): a workers.shared_base.Lease on the base, laid out on `mesh`, whose
+        arrays other holders read too: this actor never offloads or frees them, and `release` gives the lease back."""
         if settings.mini_batch_size % settings.micro_batch_size:
             raise ValueError(f"mini_batch_size {settings.mini_batch_size} is not a multiple of micro_batch_size "
                              f"{settings.micro_batch_size}")
-        self.settings = dataclasses.replace(settings, router_aux_loss_coef=router_aux_coef(settings, model.config))
-        self.config = model.config
+        if (base is None) == (model is None) or (base is not None and lora is None):
+            raise ValueError("give an ActorWorker its model, or (a LoRA actor) a shared base's lease, not both")
+        self.config = model.config if base is None else base.config
+        self.settings = dataclasses.replace(settings, router_aux_loss_coef=router_aux_coef(settings, self.config))
         self.mesh = mesh if mesh is not None else S.mesh({}, jax.devices()[:1])
         rows = S.batch_rows(dict(self.mesh.shape))
         if settings.micro_batch_size % rows:
             raise S.ShardingError(f"micro_batch_size {settings.micro_batch_size} does not split over "
                                   f"{S.describe_rows(dict(self.mesh.shape))}")
-        self.graphdef, params = nnx.split(model)
         self.tx = make_optimizer(settings)
-        param_sh = S.state_shardings(params, self.mesh, kv_heads=self.config.num_key_value_heads)
-        params = jax.device_put(params, param_sh)
+        self._lease = base
+        if base is None:
+            self.graphdef, params = nnx.split(model)
+            param_sh = S.state_shardings(params, self.mesh, kv_heads=self.config.num_key_value_heads)
+            params = jax.device_put(params, param_sh)
+        else:  # the shared base's arrays as they are (workers.shared_base): laid out for this very mesh
+            if base.mesh != self.mesh:
+                raise ValueError(f"the shared base is laid out on {base.mesh}, this actor's mesh is {self.mesh}")
+            self.graphdef, params, param_sh = base.graphdef, base.params, base.shardings
         self.lora = lora
         # A LoRA actor's frozen base (None for a full-weight actor): an argument of every program, never donated
         self.base, self.base_shardings = (params, param_sh) if lora is not None else (None, None)
@@ -431,10 +441,18 @@ class ActorWorker:
 
     # ---- memory ---------------------------------------------------------------------------------
 
+    @property
+    def shares_base(self) -> bool:
+        """Whether this actor's base is a shared one (workers.shared_base): resident for its base group's life."""
+        return self._lease is not None
+
     def offload(self) -> None:
         """Offload: params, optimizer state and reference params to host memory (pinned host where
-        the backend has it), freed on the device."""
-        if self._host is None:  # a LoRA actor's base goes too (its reference is the base: one copy moves)
+        the backend has it), freed on the device. A shared base stays where it is: only the adapter's state moves."""
+        if self._host is None and self.shares_base:
+            self._host = offload((self.state, None))
+            self.state = None
+        elif self._host is None:  # a LoRA actor's own base goes too (its reference is the base: one copy moves)
             self._host = offload((self.state, self.base if self.lora is not None else self.ref_params))
             self.state = self.ref_params = self.base = None
 
@@ -443,7 +461,9 @@ class ActorWorker:
         if self._host is not None:
             self.state, frozen = onload(self._host)
             self._host = None
-            if self.lora is not None:
+            if self.shares_base:
+                pass  # the base never left
+            elif self.lora is not None:
                 self.base = self.ref_params = frozen
             else:
                 self.ref_params = frozen
@@ -455,9 +475,23 @@ class ActorWorker:
 
         if self.state is None:
             return {"params": 0, "opt": 0, "ref": 0}
+        if self.shares_base:  # the adapter alone: the shared base is counted once, by `shared_bytes`
+            return {"params": size(self.state.params), "opt": size(self.state.opt_state), "ref": 0}
         if self.lora is not None:  # the base (its reference too) and the adapter are the params it holds
             return {"params": size(self.base) + size(self.state.params), "opt": size(self.state.opt_state), "ref": 0}
         return {"params": size(self.state.params), "opt": size(self.state.opt_state), "ref": size(self.ref_params)}
+
+    def shared_bytes(self) -> int:
+        """Per device, the shared base this actor reads (0 without one): resident for its base group's life, held
+        once in the process however many actors and engines read it."""
+        return self._lease.nbytes() if self.shares_base and not self._lease.released else 0
+
+    def release(self) -> None:
+        """Give a shared base's lease back (idempotent; nothing for an actor with its own base). The actor can no
+        longer compute after it."""
+        if self._lease is not None:
+            self._lease.release()
+            self.base = self.ref_params = None
 
     def model(self) -> CausalLM:
         """The policy as one model (a LoRA actor's: its base with the adapter merged in)."""

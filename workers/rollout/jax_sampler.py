@@ -287,11 +287,13 @@ class JaxSampler:
     # ---- generation ---------------------------------------------------------------------------
 
     def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
-                adapter_rows: Sequence[int] | None = None) -> int:
+                adapter_rows: Sequence[int] | None = None, adapters: AdapterBatch | None = None) -> int:
         """Compile the programs `generate(prompt_ids, params, adapter_rows)` will run, ahead of it and without the
-        weights on the devices; returns how many were compiled now (0: all were ready)."""
+        weights on the devices; returns how many were compiled now (0: all were ready). `adapters`: the shapes of
+        the adapters generate will serve (abstract), when they differ from those set now."""
         compiled = 0
-        for key, args in self._chunks(prompt_ids, params, 0, adapter_rows, self._abstract_adapters()):
+        adapters = adapters if adapters is not None else self._abstract_adapters()
+        for key, args in self._chunks(prompt_ids, params, 0, adapter_rows, adapters):
             if key not in _COMPILED:  # engines in one process (a device group's) share it; built once if asked at once
                 _COMPILED[key], built = shared(("generate", *key), partial(self._compile, args))
                 compiled += built

@@ -1,0 +1,171 @@
+"""LoRA tasks of one base group share the base in one process (workers.shared_base): their actors read the same
+device arrays, counted once; one engine per base group serves each task's adapter from its slot
+(workers.rollout.shared_engine); each task computes and generates what it would alone."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from workers import shared_base
+from workers.actor import ActorWorker
+from workers.models import load_pretrained
+from workers.models import lora as L
+from workers.models import params as P
+from workers.models import sharding as S
+from workers.offload import device_bytes, per_device_bytes
+from workers.rollout.adapter_engine import AdapterEngine
+from workers.rollout.base import EngineOffloadedError, SamplingParams
+from workers.rollout.jax_sampler import JaxSampler
+from workers.rollout.shared_engine import groups, open_view
+
+from workers.actor import ActorSettings
+from workers.batch import build_train_batch
+
+SPEC = L.LoraSpec(rank=4, alpha=8.0, targets=("q", "v", "o", "down"))
+OTHER = L.LoraSpec(rank=2, alpha=4.0, targets=("k", "up"))  # another rank and targets in the same group
+SETTINGS = ActorSettings(lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
+                         b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.04, aggregation="token-mean",
+                         temperature=1.0, micro_batch_size=4, mini_batch_size=8, epochs=1, router_aux_loss_coef=None)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [40, 41]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, n=1, seed=0)
+SAMPLED = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=7)
+
+
+def _mesh():
+    return S.mesh({}, jax.devices()[:1])
+
+
+def _adapter(cfg, spec, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.normal(0, 0.3, s).astype(np.float32) for n, s in L.adapter_shapes(cfg, spec).items()}
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    return build_train_batch([rng.integers(1, 200, 6) for _ in range(8)], [rng.integers(1, 200, 4) for _ in range(8)],
+                             np.tile([0.0, 1.0, 0.5, 1.0], 2).astype(np.float32), pad_id=0)
+
+
+def _tokens(output) -> list[list[int]]:
+    return [[int(t) for t in s.token_ids] for s in output.samples]
+
+
+def _same(got, want) -> None:
+    assert _tokens(got) == _tokens(want)
+    for g, w in zip(got.samples, want.samples, strict=True):
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
+
+
+def test_two_lora_actors_of_one_key_share_the_base_and_offload_only_their_adapters(tiny_model_dir):
+    batch = _batch()
+    alone = ActorWorker(load_pretrained(tiny_model_dir)[0], SETTINGS, lora=SPEC, seed=3)  # its own base
+    alone.train(batch, step=1)
+    want = {"policy": alone.logprobs(batch), "ref": alone.logprobs(batch, reference=True)}
+
+    before = device_bytes()
+    a = ActorWorker(None, SETTINGS, lora=SPEC, seed=3, mesh=_mesh(),
+                    base=shared_base.acquire(tiny_model_dir, dtype=None, mesh=_mesh()))
+    b = ActorWorker(None, SETTINGS, lora=SPEC, seed=4, mesh=_mesh(),
+                    base=shared_base.acquire(tiny_model_dir, dtype=None, mesh=_mesh()))
+    key = shared_base.base_key(tiny_model_dir, None, _mesh())
+    assert shared_base.held()[key] == 2
+    assert all(x is y for x, y in zip(jax.tree.leaves(a.base), jax.tree.leaves(b.base), strict=True))  # same arrays
+    base = a.shared_bytes()
+    assert base == per_device_bytes(a.base) > 0 and b.shared_bytes() == base
+    # Each reports its adapter and moments only; the process's live bytes hold the base once
+    ma, mb = a.memory_bytes(), b.memory_bytes()
+    assert ma["params"] == per_device_bytes(a.state.params) < base // 10
+    assert sum(ma.values()) + 4 == per_device_bytes(a.state)  # (+ the int32 step count of its TrainState)
+    assert device_bytes() - before == base + per_device_bytes(a.state) + per_device_bytes(b.state)
+
+    a.train(batch, step=1)
+    b.train(batch, step=1)  # a different seed: a different adapter, on the same base
+    np.testing.assert_array_equal(a.logprobs(batch), want["policy"])  # what it computes alone, bit for bit
+    np.testing.assert_array_equal(a.logprobs(batch, reference=True), want["ref"])
+    b_policy = b.logprobs(batch)
+    assert not np.array_equal(b_policy, want["policy"])
+
+    a.offload()  # moves a's adapter state only: the base stays for b
+    assert a.memory_bytes() == {"params": 0, "opt": 0, "ref": 0}
+    assert all(not x.is_deleted() for x in jax.tree.leaves(b.base))
+    np.testing.assert_array_equal(b.logprobs(batch), b_policy)
+    b.train(batch, step=2)  # b trains on while a is offloaded
+    a.onload()
+    np.testing.assert_array_equal(a.logprobs(batch), want["policy"])
+
+    a.release()
+    assert shared_base.held()[key] == 1  # b still holds it: the base survives the first release
+    b.logprobs(batch)
+    leaves = jax.tree.leaves(b.base)
+    b.release()
+    b.release()  # idempotent
+    assert key not in shared_base.held() and all(x.is_deleted() for x in leaves)  # the last release frees it
+
+
+def test_a_lease_dropped_without_release_gives_the_base_back(tiny_model_dir):
+    lease = shared_base.acquire(tiny_model_dir, dtype="float32", mesh=_mesh())
+    key = lease.key
+    assert shared_base.held()[key] == 1
+    del lease  # a role a fence dropped: garbage collection releases its lease
+    import gc
+
+    gc.collect()
+    assert key not in shared_base.held()
+
+
+@pytest.mark.slow
+def test_two_engine_views_each_generate_what_their_task_would_alone(tiny_model_dir):
+    kw = dict(max_prompt_len=16, max_new_tokens=8)
+    one = open_view(tiny_model_dir, dtype=None, mesh=_mesh(), spec=SPEC, max_batch_size=64, **kw)
+    two = open_view(tiny_model_dir, dtype=None, mesh=_mesh(), spec=OTHER, max_batch_size=64, **kw)
+    assert one.group is two.group and len(groups()) == 1 and (one.slot_index, two.slot_index) == (0, 1)
+    base = one.group.lease.params
+    assert all(x is y for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(one.sampler._state), strict=True))
+    cfg = one.config
+    first, second = _adapter(cfg, SPEC, 1), _adapter(cfg, OTHER, 2)
+    one.update_weights(first, 1, checksum=P.checksum(first))
+    two.update_weights(second, 1, checksum=P.checksum(second))
+    assert one.memory_bytes()["params"] == sum(x.nbytes for x in first.values())  # its adapter, not the base
+
+    # Each alone: a task's own engine (its own base copy, its adapter in slot 0 of one)
+    def alone(spec, adapter):
+        engine = AdapterEngine(JaxSampler.from_pretrained(tiny_model_dir, **kw), spec)
+        engine.update_weights(adapter, 1)
+        return engine.generate(PROMPTS, GREEDY), engine.generate(PROMPTS, SAMPLED)
+
+    want_one, want_two = alone(SPEC, first), alone(OTHER, second)
+    _same(one.generate(PROMPTS, GREEDY), want_one[0])
+    _same(one.generate(PROMPTS, SAMPLED), want_one[1])
+    _same(two.generate(PROMPTS, GREEDY), want_two[0])
+    assert _tokens(want_one[0]) != _tokens(want_two[0])  # the two adapters differ in what they generate
+
+    newer = _adapter(cfg, OTHER, 3)  # the other task's adapter changes: the first generates as before
+    two.update_weights(newer, 2, checksum=P.checksum(newer))
+    _same(one.generate(PROMPTS, GREEDY), want_one[0])
+    assert one.weight_version == 1 and two.weight_version == 2
+
+    # A view's offload moves its adapter only; the other view and the base stay and generate as before
+    want_two_new = two.generate(PROMPTS, GREEDY)
+    one.offload()
+    assert one.offloaded and one.memory_bytes()["params"] == 0
+    with pytest.raises(EngineOffloadedError):
+        one.generate(PROMPTS, GREEDY)
+    _same(two.generate(PROMPTS, GREEDY), want_two_new)
+    assert all(not x.is_deleted() for x in jax.tree.leaves(base))
+    one.onload()
+    assert one.weight_checksum == P.checksum(first)
+    _same(one.generate(PROMPTS, GREEDY), want_one[0])
+
+    # A sync that landed nothing (or something else) fails and keeps the slot's adapter
+    with pytest.raises(P.WeightMismatchError, match="keeping v1"):
+        one.update_weights(_adapter(cfg, SPEC, 9), 5, checksum=P.checksum(first))
+    assert one.weight_version == 1 and one.weight_checksum == P.checksum(first)
+
+    key = one.group.lease.key
+    one.close()
+    assert shared_base.held()[key] == 1 and len(groups()) == 1
+    _same(two.generate(PROMPTS, GREEDY), want_two_new)
+    two.close()
+    assert key not in shared_base.held() and not groups() and all(x.is_deleted() for x in jax.tree.leaves(base))

@@ -1,0 +1,290 @@
+"""One rollout engine per base group in a process: a JaxSampler over the shared base (workers.shared_base) with K
+adapter slots, and a per-task view of it that keeps a LoRA task's engine contract (workers.rollout.adapter_engine).
+
+    view = open_view(path, dtype=..., mesh=mesh, spec=spec, seed=3, max_prompt_len=..., ...)  # slot k of the group's
+    view.update_weights(adapter_flat, version, checksum=...)  # this task's adapter alone, verified by read-back
+    view.generate(prompt_ids, params)                           # every row with slot k's adapter
+    view.close()                                                # the group's last view frees the sampler and base
+
+Design decisions:
+- **A slot per task, the stack per call.** Each view's adapter lives in its slot as its own device arrays
+  (replicated on the mesh), so a view's offload frees exactly its adapter and nobody else's. The K adapters are
+  stacked (workers.models.lora_batch.stack) into the sampler for a call (generate, prepare, the read-back of a
+  sync) and dropped after it, as the KV cache is: between calls the process holds the base once and each task's
+  adapter once. An offloaded or closed slot is stacked as zeros, so K (part of the program's key) stays put while
+  tasks come and go; a closed slot is reused by the next view.
+- **A view's rows run its slot only.** Row b's delta gathers adapter rows[b] alone (AdapterBatch.delta), so what
+  the other slots hold never reaches a view's rows: a view generates what its task would alone.
+- **A sync is verified as a task's own engine verifies it**: names and shapes must be the adapter's, and the
+  checksum is read back from the slot as the sampler stacks it, so a swap that changed nothing fails.
+- **The base is never offloaded, swapped or freed by a view.** It is resident for the group's life: the group's
+  sampler holds a lease (workers.shared_base) and releases it when its last view closes.
+- One lock per group serialises the calls that stack (roles of several tasks call from their own threads in a
+  device group's process); compiling runs outside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from workers import shared_base
+from workers.models import params as P
+from workers.models import sharding as S
+from workers.models.lora import LoraSpec, adapter_shapes
+from workers.offload import offload, onload
+from workers.rollout.base import EngineOffloadedError, RolloutOutput, SamplingParams
+
+
+@dataclasses.dataclass
+class _Slot:
+    spec: LoraSpec
+    shapes: dict[str, tuple[int, int]]
+    device: dict[str, jax.Array] | None  # on the mesh (replicated); None while offloaded
+    host: object = None  # workers.offload.Offloaded while offloaded
+
+
+class SharedSampler:
+    """A JaxSampler over a shared base serving the adapters of K slots. Built by `open_view`."""
+
+    def __init__(self, lease: shared_base.Lease, *, max_prompt_len: int, max_new_tokens: int, max_batch_size: int):
+        from workers.rollout.jax_sampler import JaxSampler
+
+        self.lease = lease
+        # take_ownership: the base's own arrays, not a copy (it lays them out as they already are)
+        self.sampler = JaxSampler(nnx.merge(lease.graphdef, lease.params), max_prompt_len=max_prompt_len,
+                                  max_new_tokens=max_new_tokens, max_batch_size=max_batch_size, take_ownership=True,
+                                  mesh=lease.mesh)
+        self.config, self.mesh = self.sampler.config, self.sampler.mesh
+        self.slots: list[_Slot | None] = []
+        self.lock = threading.RLock()
+
+    # ---- slots -------------------------------------------------------------------------------------------------
+
+    def add(self, spec: LoraSpec) -> int:
+        """A slot for a new task's adapter, zero until its first sync; its index."""
+        shapes = adapter_shapes(self.config, spec)
+        repl = S.replicated(self.mesh)
+        zero = {n: jax.device_put(np.zeros(s, np.float32), repl) for n, s in shapes.items()}
+        with self.lock:
+            slot = _Slot(spec, shapes, zero)
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            if free:
+                self.slots[free[0]] = slot
+                return free[0]
+            self.slots.append(slot)
+            return len(self.slots) - 1
+
+    def remove(self, k: int) -> bool:
+        """Free slot k; whether it was the last live one (then the group is done)."""
+        with self.lock:
+            self.slots[k] = None
+            return all(s is None for s in self.slots)
+
+    def slot(self, k: int) -> _Slot:
+        return self.slots[k]
+
+    def _stack(self) -> None:
+        """Put the K slots' adapters into the sampler (an offloaded or free slot as zeros)."""
+        live = next(s for s in self.slots if s is not None)
+        adapters, specs = [], []
+        for s in self.slots:
+            held = s if s is not None else live  # a free slot: zeros shaped as a live one's
+            adapters.append(s.device if s is not None and s.device is not None
+                            else {n: np.zeros(x, np.float32) for n, x in held.shapes.items()})
+            specs.append(held.spec)
+        self.sampler.set_adapters(adapters, specs)
+
+    def _unstack(self) -> None:
+        self.sampler.set_adapters([], [])
+
+    def served(self, k: int) -> dict[str, jax.Array]:
+        """Slot k's adapter as the sampler serves it (read back from the stack, unpadded), in the flat layout."""
+        with self.lock:
+            self._stack()
+            try:
+                stacked = self.sampler._live_adapters()  # noqa: SLF001 - the one reader of the sampler's stack
+                out = {}
+                for name, (rows, cols) in self.slots[k].shapes.items():
+                    module, part = name.rsplit(".", 1)
+                    out[name] = jax.numpy.copy((stacked.a if part == "lora_a" else stacked.b)[module][k, :rows, :cols])
+                return out
+            finally:
+                self._unstack()
+
+    # ---- generation --------------------------------------------------------------------------------------------
+
+    def prepare(self, prompt_ids, params: SamplingParams, k: int) -> int:
+        with self.lock:
+            self._stack()
+            abstract = self.sampler._abstract_adapters()  # noqa: SLF001 - the stack's shapes, to compile without it
+            self._unstack()
+        return self.sampler.prepare(prompt_ids, params, adapter_rows=[k] * len(prompt_ids), adapters=abstract)
+
+    def generate(self, prompt_ids, params: SamplingParams, k: int) -> RolloutOutput:
+        with self.lock:
+            self._stack()
+            try:
+                return self.sampler.generate(prompt_ids, params, adapter_rows=[k] * len(prompt_ids))
+            finally:
+                self._unstack()
+
+    def close(self) -> None:
+        self._unstack()
+        self.sampler = None  # its state is the base's arrays: the lease frees them, never the sampler
+        self.lease.release()
+
+
+_LOCK = threading.Lock()
+_GROUPS: dict[tuple, SharedSampler] = {}
+
+
+def open_view(path, *, dtype: str | None, mesh, spec: LoraSpec, max_prompt_len: int, max_new_tokens: int,
+              max_batch_size: int, seed: int = 0, weight_version: int = -1) -> AdapterView:
+    """A LoRA task's engine: a slot of its base group's sampler in this process (made now if it has none)."""
+    key = (shared_base.base_key(path, dtype, mesh), max_prompt_len, max_new_tokens, max_batch_size)
+    with _LOCK:
+        group = _GROUPS.get(key)
+        if group is None:
+            lease = shared_base.acquire(path, dtype=dtype, mesh=mesh)
+            try:
+                group = _GROUPS[key] = SharedSampler(lease, max_prompt_len=max_prompt_len,
+                                                     max_new_tokens=max_new_tokens, max_batch_size=max_batch_size)
+            except BaseException:
+                lease.release()
+                raise
+        k = group.add(spec)
+    return AdapterView(group, k, key, seed=seed, weight_version=weight_version)
+
+
+def _close_slot(key: tuple, group: SharedSampler, k: int) -> None:
+    with _LOCK:
+        if group.remove(k) and _GROUPS.get(key) is group:
+            del _GROUPS[key]
+            group.close()
+
+
+def groups() -> dict[tuple, int]:
+    """{key: live slots} of the shared samplers in this process (for tools and tests)."""
+    with _LOCK:
+        return {key: sum(s is not None for s in g.slots) for key, g in _GROUPS.items()}
+
+
+class AdapterView:
+    """One LoRA task's rollout engine (the RolloutEngine contract of workers.rollout.adapter_engine.AdapterEngine)
+    over slot `k` of its base group's SharedSampler."""
+
+    name = "jax_sampler"
+
+    def __init__(self, group: SharedSampler, k: int, key: tuple, *, seed: int, weight_version: int):
+        self.group, self.slot_index = group, k
+        self.sampler = group.sampler
+        self.config, self.mesh, self.spec = group.config, group.mesh, group.slot(k).spec
+        self._shapes = group.slot(k).shapes
+        self._version, self._checksum = weight_version, None
+        self._rng = np.random.default_rng(seed)
+        self._closer = weakref.finalize(self, _close_slot, key, group, k)
+
+    @property
+    def _slot(self) -> _Slot:
+        return self.group.slot(self.slot_index)
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def weight_checksum(self) -> str:
+        if self._checksum is None:
+            self._checksum = P.checksum(self._served())
+        return self._checksum
+
+    def _served(self) -> dict[str, jax.Array]:
+        if self._slot.device is None:
+            raise EngineOffloadedError("the engine is offloaded; call onload() first")
+        return self.group.served(self.slot_index)
+
+    def update_weights(self, flat: Mapping[str, object], version: int, *, checksum: str | None = None) -> dict:
+        """Serve adapter `flat` ({<module>.lora_a / .lora_b: array}, host or device) as weights `version`, in this
+        task's slot only; a refused sync keeps the previous adapter and version."""
+        got = {name: tuple(np.shape(x)) for name, x in flat.items()}
+        if got != self._shapes:
+            missing, unexpected = sorted(self._shapes.keys() - got.keys()), sorted(got.keys() - self._shapes.keys())
+            wrong = [f"{n} {got[n]} vs {self._shapes[n]}" for n in sorted(got.keys() & self._shapes.keys())
+                     if got[n] != self._shapes[n]]
+            raise P.WeightMismatchError(f"update_weights(version={version}): not this engine's LoRA adapter (rank "
+                                        f"{self.spec.rank} on {list(self.spec.targets)}): missing {missing[:4]}, "
+                                        f"unexpected {unexpected[:4]}, other shapes {wrong[:4]}")
+        slot, repl = self._slot, S.replicated(self.mesh)
+        with self.group.lock:
+            before = slot.device  # None while offloaded: the host copy stays untouched until the new one verifies
+            slot.device = {n: S.place(x, repl, copy=True) for n, x in flat.items()}
+            digest = P.checksum(self.group.served(self.slot_index))  # what landed, read back as it is served
+            if checksum is not None and digest != checksum:
+                slot.device = before
+                raise P.WeightMismatchError(f"update_weights(version={version}): the adapter that landed hashes "
+                                            f"to {digest}, the sender's to {checksum}; keeping v{self._version}")
+            if before is None and slot.host is not None:  # offloaded: it stays where the task left it, on host
+                slot.host, slot.device = offload(slot.device), None
+        self._version, self._checksum = int(version), digest
+        nbytes = sum(int(np.prod(s)) * 4 for s in self._shapes.values())
+        return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": max(
+            int(np.prod(s)) * 4 for s in self._shapes.values()), "peak_extra_bytes": nbytes}
+
+    def restore_weights(self) -> int:
+        return 0  # an onload brings the adapter back at once; the base never left
+
+    # ---- memory ----------------------------------------------------------------------------------------------
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This task's adapter (replicated: whole on every device) while on the devices; the shared base is not
+        the task's to count (`shared_bytes`), and the KV cache exists only inside `generate`."""
+        adapter = 0 if self.offloaded else sum(int(np.prod(s)) * 4 for s in self._shapes.values())
+        return {"params": adapter, "kv": 0}
+
+    def shared_bytes(self) -> int:
+        """Per device, the shared base this engine serves: resident for the group's life, held once."""
+        return self.group.lease.nbytes()
+
+    def offload(self) -> None:
+        """This task's adapter to host memory; the other slots and the base stay."""
+        slot = self._slot
+        with self.group.lock:
+            if slot.device is not None:
+                slot.host, slot.device = offload(slot.device), None
+
+    def onload(self) -> None:
+        slot = self._slot
+        with self.group.lock:
+            if slot.device is None and slot.host is not None:
+                slot.device, slot.host = onload(slot.host), None
+                self._checksum = None  # hashed again from the devices when asked, never assumed
+
+    @property
+    def offloaded(self) -> bool:
+        return self._slot.device is None
+
+    def close(self) -> None:
+        """Free this task's slot; the group's last view frees its sampler and gives the base back."""
+        self._closer()
+
+    # ---- generation ------------------------------------------------------------------------------------------
+
+    def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        return self.group.prepare(prompt_ids, params, self.slot_index)
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
+        if self.offloaded:
+            raise EngineOffloadedError("the engine is offloaded; call onload() first")
+        if params.seed is None:  # this task's own stream, as its own engine would draw it
+            params = dataclasses.replace(params, seed=int(self._rng.integers(0, 2**31)))
+        output = self.group.generate(prompt_ids, params, self.slot_index)
+        return dataclasses.replace(output, weight_version=self._version)
