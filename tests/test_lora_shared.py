@@ -169,3 +169,60 @@ def test_two_engine_views_each_generate_what_their_task_would_alone(tiny_model_d
     _same(two.generate(PROMPTS, GREEDY), want_two_new)
     two.close()
     assert key not in shared_base.held() and not groups() and all(x.is_deleted() for x in jax.tree.leaves(base))
+
+
+# ---- through the command line ---------------------------------------------------------------------------------
+
+
+def _cli(*args, timeout=900):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "rlsched.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _lora_run(out, model_dir, tasks: str):
+    from pathlib import Path
+
+    config = Path(__file__).parent.parent / "configs" / "demo_multitask.yaml"
+    sets = [f"experiment.output_dir={out}", "cluster.processes=per_device_group", "cluster.placement=colocated"]
+    for i in (0, 1):  # both tasks on one base: the same directory, dtype and mesh (seeds 0 and 1, their own data)
+        sets += [f"tasks.{i}.{s}" for s in (f"model.path={model_dir}", "model.init_preset=null", "lora.rank=8",
+                                            "lora.targets=[q,v,down]", "steps=3", "checkpoint_every=0",
+                                            "grpo.prompts_per_step=4", "grpo.num_generations=4",
+                                            "grpo.mini_batch_size=8", "rollout.max_batch_size=16")]
+    done = _cli("train", str(config), "--tasks", tasks, *[a for s in sets for a in ("--set", s)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout, next(out.glob("demo-*"))
+
+
+@pytest.mark.slow
+def test_two_lora_tasks_on_one_base_compute_what_each_computes_alone_with_the_base_held_once(tmp_path,
+                                                                                             tiny_model_dir):
+    import re
+
+    from rlsched.observe.tracking import read_metrics
+
+    both, run = _lora_run(tmp_path / "both", tiny_model_dir, "addition,subtraction")
+    assert "roles held by 1 device-group process(es)" in both
+    metrics = {t: read_metrics(run / "tasks" / t / "metrics.jsonl") for t in ("addition", "subtraction")}
+    for task in ("addition", "subtraction"):
+        _, alone_run = _lora_run(tmp_path / task, tiny_model_dir, task)
+        alone = read_metrics(alone_run / "tasks" / task / "metrics.jsonl")
+        assert [m["step"] for m in metrics[task]] == [m["step"] for m in alone] == [1, 2, 3]
+        for got, want in zip(metrics[task], alone, strict=True):
+            keys = [k for k in want if not k.startswith(("time/", "mem/"))]  # rewards, losses, ... all but timings
+            assert {"loss", "grad_norm"} <= set(keys) and [k for k in keys if "reward" in k], sorted(want)
+            for k in keys:
+                assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-6), (task, got["step"], k)
+    # The base is held once in the device group's process: both tasks' actors and engines read one copy
+    last = {t: metrics[t][-1] for t in metrics}
+    base = last["addition"]["mem/actor/held/base"]
+    assert base > 0 and all(last[t][f"mem/{r}/held/base"] == base for t in last for r in ("actor", "engine"))
+    for t in last:  # every live array of the process, probed after each task's phases: its four roles read one
+        live = last[t]["mem/actor/device0/bytes_in_use"]  # base (own copies would hold four: >= 4 x base)
+        assert base < live < 2 * base, (t, live, base)
+    for line in [x for x in both.splitlines() if "measured / planned" in x]:  # true: base + adapter as planned
+        pairs = re.findall(r"([\d.]+ \w+) / ([\d.]+ \w+)", line)
+        assert "(base shared)" in line and pairs and all(m == p for m, p in pairs), line

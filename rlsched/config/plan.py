@@ -269,10 +269,20 @@ def measured_vs_plan(task: str, step: int, measured: dict[str, dict[str, int]],
     for role, kinds in MEASURED_KINDS.items():
         if role not in measured:
             continue
-        shown = [f"{name} {_size(measured[role].get(kind, 0))} / {_size(planned[role][name])}"
-                 for kind, name in kinds.items() if name in planned.get(role, {})]
+        shown = [f"{name}{_shared(measured[role], kind)} {_size(_measured(measured[role], kind))} / "
+                 f"{_size(planned[role][name])}" for kind, name in kinds.items() if name in planned.get(role, {})]
         parts.append(f"{role} " + ", ".join(shown))
     return f"[{task}] bytes per device after step {step}, measured / planned: " + "; ".join(parts)
+
+
+def _measured(held: dict[str, int], kind: str) -> int:
+    """A role's bytes of `kind`; a LoRA role reading a shared base (held["base"], counted once in its process,
+    workers.shared_base) holds its params as that base plus its adapter, as the plan counts them."""
+    return held.get(kind, 0) + (held.get("base", 0) if kind == "params" else 0)
+
+
+def _shared(held: dict[str, int], kind: str) -> str:
+    return " (base shared)" if kind == "params" and held.get("base") else ""
 
 
 def planned_bytes(task: TaskConfig, index: int) -> dict[str, dict[str, int]]:

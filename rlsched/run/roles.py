@@ -64,6 +64,14 @@ def lora_spec(spec: TaskSpec):
     return None if section is None else LoraSpec(section.rank, section.alpha, tuple(section.targets))
 
 
+def shares_base(spec: TaskSpec, kind: str) -> bool:
+    """Whether a LoRA task's `kind` role reads its base group's one copy of the base (workers.shared_base): in a
+    device group's process (cluster.processes per_device_group), a role within one host, on jax_sampler for an
+    engine. Elsewhere each role loads its own copy, as a process of its own holds no other task's roles."""
+    return (spec.config.lora is not None and spec.processes == "per_device_group" and spec.role_hosts(kind) == 1
+            and (kind == "actor" or spec.config.rollout.engine == "jax_sampler"))
+
+
 @dataclasses.dataclass(frozen=True)
 class PhaseResult:
     """What one phase call of a role returns."""
@@ -144,6 +152,9 @@ class _Role:
         from rlsched.observe.memprobe import memory_metrics
 
         held = {f"mem/{self.kind}/held/{k}": v for k, v in self.memory().items()}
+        shared = getattr(self._held, "shared_bytes", None)  # a shared base: held once in the process, not per task
+        if shared is not None and (base := shared()):
+            held[f"mem/{self.kind}/held/base"] = base
         return memory_metrics(prefix=f"mem/{self.kind}") | held
 
     def close(self) -> None:
@@ -169,10 +180,17 @@ class ActorRole(_Role):
         compile_cache.enable(spec.compile_cache)
         m = spec.config.model
         _make_preset_model(m, init_model, across=spec.role_hosts("actor") > 1)
-        model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
         self.spec = spec
-        self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=role_mesh(spec, "actor"),
-                                  lora=lora_spec(spec))
+        mesh = role_mesh(spec, "actor")
+        if shares_base(spec, "actor"):  # one copy of the base in this process for its base group (workers.shared_base)
+            from workers import shared_base
+
+            lease = shared_base.acquire(m.path, dtype=m.dtype, mesh=mesh)
+            self.worker = ActorWorker(None, actor_settings(spec), seed=spec.seed, mesh=mesh, lora=lora_spec(spec),
+                                      base=lease)
+        else:
+            model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
+            self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=mesh, lora=lora_spec(spec))
         self.channel = channel
         self.checkpointer = TaskCheckpointer(spec.checkpoint_dir, max_to_keep=spec.config.keep_last,
                                              background=spec.config.checkpoint_async)
@@ -255,6 +273,7 @@ class ActorRole(_Role):
     def close(self) -> None:
         self.checkpointer.close()
         self.channel.close()  # a local channel's slot holds our last published weights
+        self.worker.release()  # a shared base's lease: the group's last holder frees the base
 
 
 def _make_preset_model(m, init_model, *, across: bool) -> None:
@@ -299,11 +318,23 @@ class EngineRole(_Role):
         self.timeline = Timeline("engine", task=spec.name)
         # Only jax_sampler lays itself out on a mesh so far; the config refuses a mesh for the others.
         mesh = {"mesh": role_mesh(spec, "engine")} if r.engine == "jax_sampler" else {}
-        self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
-                                  max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
-                                  max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
-                                  lora=lora_spec(spec), **mesh, **r.engine_args)
+        self._view = shares_base(spec, "engine")
+        if self._view:  # a slot of its base group's engine in this process (workers.rollout.shared_engine)
+            from workers.rollout.shared_engine import open_view
+
+            self.engine = open_view(spec.config.model.path, dtype=spec.config.model.dtype, spec=lora_spec(spec),
+                                    max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
+                                    max_batch_size=r.max_batch_size, seed=spec.seed, weight_version=-1, **mesh)
+        else:
+            self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
+                                      max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
+                                      max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
+                                      lora=lora_spec(spec), **mesh, **r.engine_args)
         self._held = self.engine
+
+    def close(self) -> None:
+        if self._view:
+            self.engine.close()  # its slot; the group's last view gives the base back
 
     def rollout(self, message: WeightMessage, prompt_ids, params) -> PhaseResult:
         """ROLLOUT: bring the engine up to `message`'s weights if it is behind, verify them, generate."""
