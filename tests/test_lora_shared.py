@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from workers import shared_base
-from workers.actor import ActorWorker
+from workers.actor import ActorSettings, ActorWorker
+from workers.batch import build_train_batch
 from workers.models import load_pretrained
 from workers.models import lora as L
 from workers.models import params as P
@@ -19,9 +20,6 @@ from workers.rollout.adapter_engine import AdapterEngine
 from workers.rollout.base import EngineOffloadedError, SamplingParams
 from workers.rollout.jax_sampler import JaxSampler
 from workers.rollout.shared_engine import groups, open_view
-
-from workers.actor import ActorSettings
-from workers.batch import build_train_batch
 
 SPEC = L.LoraSpec(rank=4, alpha=8.0, targets=("q", "v", "o", "down"))
 OTHER = L.LoraSpec(rank=2, alpha=4.0, targets=("k", "up"))  # another rank and targets in the same group
@@ -75,7 +73,8 @@ def test_two_lora_actors_of_one_key_share_the_base_and_offload_only_their_adapte
     base = a.shared_bytes()
     assert base == per_device_bytes(a.base) > 0 and b.shared_bytes() == base
     # Each reports its adapter and moments only; the process's live bytes hold the base once
-    ma, mb = a.memory_bytes(), b.memory_bytes()
+    ma = a.memory_bytes()
+    assert b.memory_bytes() == ma  # the same adapter shapes
     assert ma["params"] == per_device_bytes(a.state.params) < base // 10
     assert sum(ma.values()) + 4 == per_device_bytes(a.state)  # (+ the int32 step count of its TrainState)
     assert device_bytes() - before == base + per_device_bytes(a.state) + per_device_bytes(b.state)
