@@ -225,3 +225,42 @@ def test_two_lora_tasks_on_one_base_compute_what_each_computes_alone_with_the_ba
     for line in [x for x in both.splitlines() if "measured / planned" in x]:  # true: base + adapter as planned
         pairs = re.findall(r"([\d.]+ \w+) / ([\d.]+ \w+)", line)
         assert "(base shared)" in line and pairs and all(m == p for m, p in pairs), line
+
+
+def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
+    """Two LoRA tasks on one base in a device group's process: `rlsched plan` shows each role's adapter and one
+    `base` row; the scheduler's budget holds the base once and each task registers its adapter's bytes only.
+    per_role (a copy per process) counts the base in every role, as before."""
+    from pathlib import Path
+
+    from rlsched.config.loading import load_config
+    from rlsched.config.plan import ITEMSIZE, actor_bytes, device_plan, engine_bytes, param_bytes, resident_bytes
+    from rlsched.run.experiment import build_policy
+    from workers.models import lora as L
+    from workers.models.config import ModelConfig
+
+    demo = Path(__file__).parent.parent / "configs" / "demo_multitask.yaml"
+    overrides = [f"tasks.{i}.{k}" for i in (0, 1) for k in (f"model.path={tiny_model_dir}", "model.init_preset=null",
+                                                            "lora.rank=8")] + ["cluster.memory_budget_gb=1"]
+    cfg = load_config(demo, overrides)
+    model = ModelConfig.from_dir(tiny_model_dir)
+    base = param_bytes(model.param_shapes(), cfg.tasks[0].actor.mesh.as_dict(), kv_heads=model.num_key_value_heads,
+                       itemsize=ITEMSIZE["float32"])
+    adapter = L.adapter_bytes(model, L.LoraSpec(8, 16.0, ("q", "k", "v", "o")))
+    plan = device_plan(cfg)
+    rows = {(r.task, r.role): r.bytes for r in plan.roles}
+    assert rows[("addition,subtraction", "base")] == {"params": base}  # one copy for both tasks' actors and engines
+    for task in ("addition", "subtraction"):
+        assert rows[(task, "actor")]["params"] == rows[(task, "engine")]["params"] == adapter
+    full = {role: resident_bytes({"actor": actor_bytes(t, model), "engine": engine_bytes(t, model)})[role]
+            for role in ("actor", "engine") for t in cfg.tasks[:1]}
+    assert plan.per_device[0] == base + sum(sum(b.values()) for (t, r), b in rows.items() if r != "base")
+
+    snap = build_policy(cfg)[0].snapshot()
+    assert snap["pools"]["g0/shared"]["budget"] == 2**30 - base
+    assert snap["tasks"]["addition"]["bytes"] == {"engine": full["engine"] - base, "actor": full["actor"] - base}
+
+    per_role = load_config(demo, [*overrides, "cluster.processes=per_role"])
+    assert not any(r.role == "base" for r in device_plan(per_role).roles)
+    snap = build_policy(per_role)[0].snapshot()
+    assert snap["pools"]["g0/shared"]["budget"] == 2**30 and snap["tasks"]["addition"]["bytes"] == full

@@ -27,6 +27,10 @@ tp 2, ep 4 x tp 2 and fsdp 2 x ep 4. The same measurement holds about 3 x the de
 (attention's T x T scores are not counted). So it is an order of magnitude, not a bound; measure with
 `rlsched train` (summary.json has the measured peaks). The KV cache is jax_sampler's, the most it can hold.
 
+LoRA tasks of one base group (the same base, dtype and role mesh) in a device group's process share one copy of
+the base (workers.shared_base): their rows show the adapter, and one row `base` holds the base, resident for the
+group's life. With cluster.processes per_role each role's process holds its own copy, as each row then says.
+
 Device groups: colocated, one group of every device; every role of every task may be resident at once,
 so a device's bytes are the sum over the roles that use it. Disaggregated: a rollout group (the engines'
 devices) and a train group (the actors'). A group fits the budget (`cluster.memory_budget_gb`, per device)
@@ -124,6 +128,7 @@ class RolePlan:
     mesh: dict[str, int]  # {"dp", "fsdp", "ep", "tp"}
     devices: list[int]  # indices into the experiment's device pool (rlsched.config.meshes.role_devices)
     bytes: dict[str, int]  # per device, by kind (KINDS order, only the kinds this role has)
+    lora: bool = False  # a LoRA role reading its base group's base (the `base` row): its params are its adapter
 
     @property
     def total(self) -> int:
@@ -167,7 +172,7 @@ class DevicePlan:
         lines += [f"task {task}: {text}" for task, text in self.models.items()]
         lines.append("bytes per device of each role's mesh (activations: an estimate, see rlsched/config/plan.py):")
         header = ["task", "role", "mesh", "devices", *(k.replace("_", " ") for k in KINDS), "total"]
-        rows = [[r.task, r.role, sharding.describe(r.mesh), _ranges(r.devices),
+        rows = [[r.task, r.role + (" (lora)" if r.lora else ""), sharding.describe(r.mesh), _ranges(r.devices),
                  *(_size(r.bytes[k]) if k in r.bytes else "-" for k in KINDS), _size(r.total)] for r in self.roles]
         widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -183,6 +188,48 @@ class DevicePlan:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SharedBase:
+    """One base read by every LoRA role of its base group in a device group's process (workers.shared_base)."""
+
+    key: tuple  # (resolved model path, dtype, role devices, mesh): the process registry's key
+    mesh: dict[str, int]
+    devices: list[int]
+    nbytes: int  # per device of its mesh
+    roles: list[tuple[str, str]]  # (task, "actor" | "engine") reading it
+
+
+def shares_base(cfg: ExperimentConfig, task: TaskConfig) -> bool:
+    """Whether `task`'s roles read their base group's one copy of the base: a LoRA task in a device group's
+    process (cluster.processes auto or per_device_group) on one host (rlsched.run.roles.shares_base, resolved)."""
+    return task.lora is not None and cfg.cluster.processes != "per_role" and cfg.cluster.hosts == 1
+
+
+def shared_bases(cfg: ExperimentConfig, models: dict[str, ModelConfig]) -> list[SharedBase]:
+    """The bases of every base group: one per (base, dtype, role devices and mesh), however many roles read it."""
+    found: dict[tuple, SharedBase] = {}
+    for task in cfg.tasks:
+        if not shares_base(cfg, task):
+            continue
+        model = models[task.name]
+        devices = role_devices(cfg.cluster.placement, cfg.num_devices, task.actor.mesh.as_dict(),
+                               task.rollout.mesh.as_dict())
+        for role, mesh in (("actor", task.actor.mesh.as_dict()), ("engine", task.rollout.mesh.as_dict())):
+            key = (str(Path(task.model.path).resolve()), task.model.dtype, tuple(devices[role]),
+                   tuple(sorted(mesh.items())))
+            if key not in found:
+                nbytes = param_bytes(model.param_shapes(), mesh, kv_heads=model.num_key_value_heads,
+                                     itemsize=ITEMSIZE[task.model.dtype])
+                found[key] = SharedBase(key=key, mesh=mesh, devices=devices[role], nbytes=nbytes, roles=[])
+            found[key].roles.append((task.name, role))
+    return list(found.values())
+
+
+def base_share(plan_bytes: dict[str, dict[str, int]], base: int) -> dict[str, dict[str, int]]:
+    """A LoRA role's plan without its base (read from its base group's one copy): params are the adapter's."""
+    return {role: {**kinds, "params": kinds["params"] - base} for role, kinds in plan_bytes.items()}
+
+
 def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None) -> DevicePlan:
     """Every task's roles: their meshes, devices and bytes per device; then each device group's peak.
 
@@ -194,21 +241,30 @@ def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None)
     check_meshes(cfg, lambda task, _: models[task.name])
     n, placement = cfg.num_devices, cfg.cluster.placement
     roles: list[RolePlan] = []
+    bases = shared_bases(cfg, models)
+    base_of = {role: b.nbytes for b in bases for role in b.roles}  # (task, role) -> the shared base it reads
     for task in cfg.tasks:
         devices = role_devices(placement, n, task.actor.mesh.as_dict(), task.rollout.mesh.as_dict())
         model = models[task.name]
-        roles.append(RolePlan(task=task.name, role="actor", mesh=task.actor.mesh.as_dict(),
-                              devices=devices["actor"], bytes=actor_bytes(task, model)))
-        roles.append(RolePlan(task=task.name, role="engine", mesh=task.rollout.mesh.as_dict(),
-                              devices=devices["engine"], bytes=engine_bytes(task, model)))
+        for role, mesh, nbytes in (("actor", task.actor.mesh, actor_bytes(task, model)),
+                                   ("engine", task.rollout.mesh, engine_bytes(task, model))):
+            shared = base_of.get((task.name, role), 0)
+            roles.append(RolePlan(task=task.name, role=role, mesh=mesh.as_dict(), devices=devices[role],
+                                  bytes={**nbytes, "params": nbytes["params"] - shared}, lora=bool(shared)))
+    for b in bases:  # once per base group, resident for its life
+        readers = sorted({task for task, _ in b.roles})
+        roles.append(RolePlan(task=",".join(readers) if len(readers) <= 3 else f"{len(readers)} tasks",
+                              role="base", mesh=b.mesh, devices=b.devices, bytes={"params": b.nbytes}))
     per_device = [sum(r.total for r in roles if d in r.devices) for d in range(n)]
     budget = None if cfg.cluster.memory_budget_gb is None else int(cfg.cluster.memory_budget_gb * GiB)
     if placement == "colocated":
         groups = [_group("shared", list(range(n)), roles, per_device, budget)]
     else:
-        groups = [_group(name, sorted({d for r in roles if r.role == role for d in r.devices}),
-                         [r for r in roles if r.role == role], per_device, budget)
-                  for name, role in (("rollout", "engine"), ("train", "actor"))]
+        groups = []
+        for name, role in (("rollout", "engine"), ("train", "actor")):
+            devices = sorted({d for r in roles if r.role == role for d in r.devices})
+            held = [r for r in roles if r.role == role or (r.role == "base" and set(r.devices) & set(devices))]
+            groups.append(_group(name, devices, held, per_device, budget))
     return DevicePlan(
         placement=placement, num_devices=n,
         num_devices_from="the meshes" if cfg.cluster.num_devices is None else "cluster.num_devices",
@@ -218,7 +274,9 @@ def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None)
 
 def _group(name: str, devices: list[int], roles: list[RolePlan], per_device: list[int],
            budget: int | None) -> GroupPlan:
-    resident, largest = max(per_device[d] for d in devices), max(r.total for r in roles)
+    # A shared base never offloads: one role at a time fits only beside every base on the group's devices
+    bases = max(sum(r.total for r in roles if r.role == "base" and d in r.devices) for d in devices)
+    resident, largest = max(per_device[d] for d in devices), max(r.total for r in roles if r.role != "base") + bases
     fits = None if budget is None else "yes" if resident <= budget else "with offload" if largest <= budget else "no"
     return GroupPlan(name=name, devices=devices, resident=resident, largest_role=largest, fits=fits)
 
@@ -309,7 +367,7 @@ def check_budget(cfg: ExperimentConfig) -> None:
     if budget is None:
         return
     for i, task in enumerate(cfg.tasks):
-        planned = planned_bytes(task, i)
+        planned = planned_bytes(task, i)  # a LoRA role reading a shared base: its base is counted in (resident)
         for role, kinds in RESIDENT_KINDS.items():
             parts = {k: planned[role][k] for k in kinds if k in planned[role]}
             need = sum(parts.values())

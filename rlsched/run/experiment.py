@@ -93,28 +93,45 @@ def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -
     return results
 
 
-def estimate_bytes(task: TaskConfig) -> tuple[int, int]:
+def estimate_bytes(task: TaskConfig, shared: dict[str, int] | None = None) -> tuple[int, int]:
     """(engine, actor) bytes on one device of each role's mesh, from its model's config.json: what admission
     decides on before any worker exists (rlsched.config.plan has the per-kind numbers). engine = params + the
     largest KV cache; actor = params + AdamW moments (+ reference). Every role of a group uses its first
-    device, so per-device sums are exact there, the busiest device."""
+    device, so per-device sums are exact there, the busiest device. `shared`: {role: bytes of the shared base it
+    reads} for a LoRA task of a base group, left out (the group's budget holds the base once: `build_policy`)."""
     from rlsched.config.plan import planned_bytes, resident_bytes
 
     held = resident_bytes(planned_bytes(task, 0))
-    return held["engine"], held["actor"]
+    shared = shared or {}
+    return held["engine"] - shared.get("engine", 0), held["actor"] - shared.get("actor", 0)
 
 
 def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[str, str]]]]:
     """The policy with every task registered as created on device, and the offloads each task must do
     at start because its roles don't fit the budget beside the tasks registered before it."""
+    from rlsched.config.meshes import read_model_config
+    from rlsched.config.plan import shared_bases
+
     budget = cfg.cluster.memory_budget_gb
     nbytes = None if budget is None else int(budget * 2**30)
-    spec = (GroupSpec.colocated(nbytes) if cfg.cluster.placement == "colocated"
-            else GroupSpec.disaggregated(nbytes, nbytes))
+    # LoRA base groups: each base is resident once for the group's life, so it comes off the budget of the
+    # devices it lies on (the busiest device's), and off each of its tasks' roles
+    models = {t.name: read_model_config(t, i, required=True) for i, t in enumerate(cfg.tasks) if t.lora is not None}
+    bases = shared_bases(cfg, models) if models else []
+    reads = {role: b.nbytes for b in bases for role in b.roles}
+
+    def left(kind: str) -> int | None:
+        held = max((sum(b.nbytes for b in bases if d in b.devices and any(r == kind for _, r in b.roles))
+                    for d in range(cfg.num_devices)), default=0)
+        return None if nbytes is None else nbytes - held
+
+    spec = (GroupSpec.colocated(None if nbytes is None else nbytes - max(
+                (sum(b.nbytes for b in bases if d in b.devices) for d in range(cfg.num_devices)), default=0))
+            if cfg.cluster.placement == "colocated" else GroupSpec.disaggregated(left("engine"), left("actor")))
     policy = Policy({ray_cluster.GROUP: spec}, order=cfg.cluster.policy, starvation_limit=cfg.cluster.starvation_limit)
     initial: dict[str, list[tuple[str, str]]] = {}
     for task in cfg.tasks:
-        engine, actor = estimate_bytes(task)
+        engine, actor = estimate_bytes(task, {role: n for (name, role), n in reads.items() if name == task.name})
         initial[task.name] = [(str(m.role), str(m.action)) for m in policy.register(
             task.name, ray_cluster.GROUP, engine, actor, priority=task.priority, weight=task.weight)]
     return policy, initial
