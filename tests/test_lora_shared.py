@@ -264,3 +264,30 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
     assert not any(r.role == "base" for r in device_plan(per_role).roles)
     snap = build_policy(per_role)[0].snapshot()
     assert snap["pools"]["g0/shared"]["budget"] == 2**30 and snap["tasks"]["addition"]["bytes"] == full
+
+
+@pytest.mark.slow
+def test_the_eight_task_lora_demo_runs_two_steps_on_one_base(tmp_path):
+    """configs/demo_lora.yaml through the CLI: eight LoRA tasks start at once on one preset base that none of them
+    finds made (one creates it, the others wait for it: none replaces it while another reads it), and every task
+    reads the one base of the device group's process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlsched.observe.tracking import read_metrics
+
+    base = tmp_path / "models" / "base"
+    sets = [f"experiment.output_dir={tmp_path}"] + [f"tasks.{i}.{k}" for i in range(8)
+                                                    for k in (f"model.path={base}", "steps=2")]
+    demo = Path(__file__).parent.parent / "configs" / "demo_lora.yaml"
+    done = subprocess.run([sys.executable, "-m", "rlsched.cli", "train", str(demo),
+                           *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in base.parent.iterdir() if not p.name.startswith(".")) == ["base"]
+    held = set()
+    for task in ("add-9", "sub-9", "add-19", "sub-19", "add-49", "sub-49", "add-99", "sub-99"):
+        metrics = read_metrics(tmp_path / "demo-lora" / "tasks" / task / "metrics.jsonl")
+        assert len(metrics) == 2
+        held |= {metrics[-1]["mem/actor/held/base"], metrics[-1]["mem/engine/held/base"]}
+    assert len(held) == 1 and held.pop() > 0  # every role of every task reads one base

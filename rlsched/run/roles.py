@@ -290,10 +290,23 @@ def _make_preset_model(m, init_model, *, across: bool) -> None:
         from workers.multihost import is_primary
 
         if is_primary() and missing():
-            init_model(m.path, preset=m.init_preset, seed=m.init_seed)
+            _create_once(m, init_model, missing)
         multihost_utils.sync_global_devices(f"model {m.path}")
     if missing():
-        init_model(m.path, preset=m.init_preset, seed=m.init_seed)
+        _create_once(m, init_model, missing)
+
+
+def _create_once(m, init_model, missing) -> None:
+    """Create the preset model under a lock beside it: tasks that share one base (LoRA tasks of a base group) start
+    at once, and the second would otherwise replace the directory the first just wrote while a third reads it."""
+    import fcntl
+
+    path = Path(m.path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        if missing():  # another task made it while this one waited
+            init_model(m.path, preset=m.init_preset, seed=m.init_seed)
 
 
 class EngineRole(_Role):
