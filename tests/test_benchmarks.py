@@ -36,6 +36,7 @@ SMALLEST = {
                   "median"),
     "soak": (["--cycles", "3"], "flat"),  # tests/test_soak.py runs it for 2 minutes and checks its verdict
     "startup": (["--tasks", "1", "--steps", "2", "--repeats", "1", *TINY_STEP], "restart_s"),
+    "lora": (["--tasks", "1,2", "--steps", "2", "--warmup-steps", "0", *TINY_STEP], "goals"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }
@@ -50,6 +51,44 @@ def test_benchmark_runs_at_its_smallest_setting(name, ray_session, tmp_path):
     assert (tmp_path / "report.md").read_text().strip()
     if key is not None:
         assert key in results, f"benchmarks/{name}.py results.json lacks {key!r}: {sorted(results)}"
+    if name in DEEPER:
+        DEEPER[name](results, tmp_path)
+
+
+def check_lora(results: dict, out: Path) -> None:
+    """benchmarks/lora.py: every run's figures are there, and its bytes are `rlsched plan`'s for the config it ran
+    (bytes are deterministic; timings are not checked), run here as a user runs it, through the CLI."""
+    import subprocess
+    import sys
+
+    runs = results["runs"]
+    assert set(runs) == {"lora-1", "full-1", "lora-2", "full-2"}
+    for name, r in runs.items():
+        assert r["samples_per_s"] > 0 and r["step_s"] > 0, (name, r)
+        done = subprocess.run([sys.executable, "-m", "rlsched.cli", *r["plan_command"], "--json"], cwd=out,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        plan = json.loads(done.stdout)
+        kinds = {"actor": ("params", "optimizer", "reference"), "engine": ("params",), "base": ("params",)}
+        held = sum(role["bytes"].get(k, 0) for role in plan["roles"] for k in kinds[role["role"]])
+        assert r["bytes_planned"]["total"] == held
+        assert r["bytes_planned"]["every_role_resident"] == plan["per_device"][0]
+        train = max(a["bytes"].get("grads", 0) + a["bytes"].get("activations", 0) for a in plan["roles"]
+                    if a["role"] == "actor")  # one task trains at a time, one rolls out
+        kv = max(e["bytes"]["kv_cache"] for e in plan["roles"] if e["role"] == "engine")
+        assert r["bytes_planned"]["one_phase_at_a_time"] == held + train + kv
+        assert r["bytes_measured"]["total"] == held, (name, r["bytes_measured"], held)  # what the roles hold, measured
+    one, two = runs["lora-1"]["bytes_measured"], runs["lora-2"]["bytes_measured"]
+    assert two["bases"] == one["bases"] > 0 and two["tasks"] == 2 * one["tasks"]  # the base once, an adapter per task
+    assert runs["full-1"]["bytes_measured"]["bases"] == 0
+    assert runs["full-2"]["bytes_measured"]["total"] == 2 * runs["full-1"]["bytes_measured"]["total"]
+    for goal in ("throughput", "step_time", "bytes"):
+        assert isinstance(results["goals"][goal]["met"], bool) and results["goals"][goal]["ratio"] > 0
+    assert results["goals"]["bytes"]["ratio"] == two["total"] / runs["full-1"]["bytes_measured"]["total"]
+    assert "co-batched rollout is not built yet" in (out / "report.md").read_text()
+
+
+DEEPER = {"lora": check_lora}  # module -> a check of its results beyond their presence
 
 
 def test_every_benchmark_has_a_smallest_setting():
