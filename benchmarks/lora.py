@@ -279,6 +279,11 @@ def report(runs: dict[str, dict], verdicts: dict, args) -> str:
                      "time: each full-weight task trains its own copy of the model).")
     lines += ["", "goals:"]
     notes = {"throughput": NO_COBATCH, "step_time": NO_COBATCH, "bytes": ""}
+    one = runs.get("lora-1", {}).get("bytes_measured")
+    if one and one["bases"]:  # what decides the bytes goal: a task's adapter state beside the base it shares
+        notes["bytes"] = (f"each LoRA task holds {one['tasks'] / one['bases']:.0%} of the base's bytes (its adapter, "
+                          "the adapter's two moments, the engine's copy); the share falls as the model widens "
+                          "(rank x (in + out) against in x out per projection)")
     for key, g in verdicts.items():
         if "skipped" in g:
             lines.append(f"- {key}: not measured ({g['skipped']})")
