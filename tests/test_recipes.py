@@ -1,11 +1,11 @@
 """Every shipped config runs for two steps: demo_4tasks here (the other demos in the tests of what they show:
 demo_addition in test_train, demo_multitask in test_stopping and test_terminal, demo_mesh in test_mesh_run,
-demo_sglang in the sglang stage, demo_lora in test_lora_shared), and the real-hardware recipes configs/gsm8k_*.yaml from a fresh clone, as
-shipped but on a tiny random model of the recipe's family (Qwen3, Qwen2, Qwen3-MoE) with the real Qwen3
-tokenizer and small batches: the shipped GSM8K, its chat template and system prompt, the gsm8k reward, a
-reference model (beta 0.08), bfloat16 parameters at the recipe's learning rate, and the recipe's meshes on 8
-CPU devices (fsdp 4 x tp 2 actors, tp 2 and tp 4 engines; the MoE recipe's ep 2 x tp 4 actor and ep 4 x tp 2
-engine). The real models' plans are in test_plan."""
+demo_sglang in the sglang stage, demo_lora in test_lora_shared), and the real-hardware recipes configs/gsm8k_*.yaml
+from a fresh clone, as shipped but on a tiny random model of the recipe's family (Qwen3, Qwen2, Qwen3-MoE) with the
+real Qwen3 tokenizer and small batches: the shipped GSM8K, its chat template and system prompt, the gsm8k reward, a
+reference model (beta 0.08), bfloat16 parameters at the recipe's learning rate, and the recipe's meshes on 8 CPU
+devices (fsdp 4 x tp 2 actors, tp 2 and tp 4 engines; the MoE recipe's ep 2 x tp 4 actor and ep 4 x tp 2 engine).
+The real models' plans are in test_plan."""
 
 from __future__ import annotations
 
