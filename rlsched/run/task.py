@@ -210,7 +210,15 @@ class TaskDriver:
         self.echo(f"[{self.name}] step {n}: {cause}; restarting its {what} ({count})")
         for role in lost:  # the actor first: where it goes back to decides where the engine's redo starts
             with self.timeline.span("restart", role=str(role), step=n, cause=cause, charged=collateral is None):
-                self._replace(role)
+                try:
+                    self._replace(role)
+                except BaseException as again:  # the new process died before the task went on: the next death,
+                    if _role_death(again) is None:  # counted and reported like any (every cause in its note)
+                        raise
+                    _annotate(again, f"task {self.name}, step {n}, restarting its {role}")
+                    if self._restart_after(again, n, position):
+                        return True
+                    raise
         if Role.ACTOR not in lost:
             self.host.loader.load_state(position)  # the step is redone with the same prompts, the same weights
         pids = ", ".join(f"{role} pid {self.places[str(role)]['pid']}" for role in lost)
