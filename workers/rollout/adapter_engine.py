@@ -29,6 +29,25 @@ from workers.models.lora import LoraSpec, adapter_shapes
 from workers.rollout.base import RolloutOutput, SamplingParams
 
 
+def check_adapter(flat: Mapping[str, object], shapes: Mapping[str, tuple[int, int]], spec: LoraSpec,
+                  version: int) -> None:
+    """WeightMismatchError unless `flat` is exactly the adapter of `shapes` (names and shapes), before anything
+    changes: a base tensor, a missing module or an extra one is refused (this engine and shared_engine's views)."""
+    got = {name: tuple(np.shape(x)) for name, x in flat.items()}
+    if got != shapes:
+        missing, unexpected = sorted(shapes.keys() - got.keys()), sorted(got.keys() - shapes.keys())
+        wrong = [f"{n} {got[n]} vs {shapes[n]}" for n in sorted(got.keys() & shapes.keys()) if got[n] != shapes[n]]
+        raise P.WeightMismatchError(f"update_weights(version={version}): not this engine's LoRA adapter (rank "
+                                    f"{spec.rank} on {list(spec.targets)}): missing {missing[:4]}, "
+                                    f"unexpected {unexpected[:4]}, other shapes {wrong[:4]}")
+
+
+def sync_stats(shapes: Mapping[str, tuple[int, int]], params_bytes: int) -> dict[str, int]:
+    """An adapter sync's stats, as update_weights reports them (float32 leaves; the whole adapter is the extra)."""
+    sizes = [int(np.prod(s)) * 4 for s in shapes.values()]
+    return {"params_bytes": params_bytes, "largest_leaf_bytes": max(sizes), "peak_extra_bytes": sum(sizes)}
+
+
 class AdapterEngine:
     """A RolloutEngine (workers.rollout.base) for one LoRA task over a JaxSampler that holds its base."""
 
@@ -56,14 +75,7 @@ class AdapterEngine:
 
     def update_weights(self, flat: Mapping[str, object], version: int, *, checksum: str | None = None) -> dict:
         """Serve adapter `flat` ({<module>.lora_a / .lora_b: array}, host or device) as weights `version`."""
-        got = {name: tuple(np.shape(x)) for name, x in flat.items()}
-        if got != self._shapes:
-            missing, unexpected = sorted(self._shapes.keys() - got.keys()), sorted(got.keys() - self._shapes.keys())
-            wrong = [f"{n} {got[n]} vs {self._shapes[n]}" for n in sorted(got.keys() & self._shapes.keys())
-                     if got[n] != self._shapes[n]]
-            raise P.WeightMismatchError(f"update_weights(version={version}): not this engine's LoRA adapter (rank "
-                                        f"{self.spec.rank} on {list(self.spec.targets)}): missing {missing[:4]}, "
-                                        f"unexpected {unexpected[:4]}, other shapes {wrong[:4]}")
+        check_adapter(flat, self._shapes, self.spec, version)
         before = self._served()
         repl = S.replicated(self.mesh)
         self.sampler.set_adapters([{n: S.place(x, repl, copy=True) for n, x in flat.items()}], [self.spec])
@@ -73,9 +85,7 @@ class AdapterEngine:
             raise P.WeightMismatchError(f"update_weights(version={version}): the adapter that landed hashes to "
                                         f"{digest}, the sender's to {checksum}; keeping v{self._version}")
         self._version, self._checksum = int(version), digest
-        nbytes = sum(int(np.prod(s)) * 4 for s in self._shapes.values())
-        return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": max(
-            int(np.prod(s)) * 4 for s in self._shapes.values()), "peak_extra_bytes": nbytes}
+        return sync_stats(self._shapes, self.memory_bytes()["params"])
 
     def _served(self) -> dict[str, jax.Array]:
         """The adapter the sampler serves, in the flat layout: its slot 0 of the stacked a/b, unpadded."""

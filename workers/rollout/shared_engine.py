@@ -39,6 +39,7 @@ from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.lora import LoraSpec, adapter_shapes
 from workers.offload import offload, onload
+from workers.rollout.adapter_engine import check_adapter, sync_stats
 from workers.rollout.base import EngineOffloadedError, RolloutOutput, SamplingParams
 
 
@@ -215,14 +216,7 @@ class AdapterView:
     def update_weights(self, flat: Mapping[str, object], version: int, *, checksum: str | None = None) -> dict:
         """Serve adapter `flat` ({<module>.lora_a / .lora_b: array}, host or device) as weights `version`, in this
         task's slot only; a refused sync keeps the previous adapter and version."""
-        got = {name: tuple(np.shape(x)) for name, x in flat.items()}
-        if got != self._shapes:
-            missing, unexpected = sorted(self._shapes.keys() - got.keys()), sorted(got.keys() - self._shapes.keys())
-            wrong = [f"{n} {got[n]} vs {self._shapes[n]}" for n in sorted(got.keys() & self._shapes.keys())
-                     if got[n] != self._shapes[n]]
-            raise P.WeightMismatchError(f"update_weights(version={version}): not this engine's LoRA adapter (rank "
-                                        f"{self.spec.rank} on {list(self.spec.targets)}): missing {missing[:4]}, "
-                                        f"unexpected {unexpected[:4]}, other shapes {wrong[:4]}")
+        check_adapter(flat, self._shapes, self.spec, version)
         slot, repl = self._slot, S.replicated(self.mesh)
         with self.group.lock:
             before = slot.device  # None while offloaded: the host copy stays untouched until the new one verifies
@@ -235,9 +229,7 @@ class AdapterView:
             if before is None and slot.host is not None:  # offloaded: it stays where the task left it, on host
                 slot.host, slot.device = offload(slot.device), None
         self._version, self._checksum = int(version), digest
-        nbytes = sum(int(np.prod(s)) * 4 for s in self._shapes.values())
-        return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": max(
-            int(np.prod(s)) * 4 for s in self._shapes.values()), "peak_extra_bytes": nbytes}
+        return sync_stats(self._shapes, self.memory_bytes()["params"])
 
     def restore_weights(self) -> int:
         return 0  # an onload brings the adapter back at once; the base never left
