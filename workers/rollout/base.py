@@ -90,6 +90,7 @@ class RolloutOutput:
     samples: list[Sample]  # len(prompts) * n, prompt-major
     weight_version: int  # version of the weights that generated every sample
     generate_seconds: float  # wall time inside the engine, compile included
+    cobatched: int = 1  # tasks whose rows ran in the same program run (a base group's co-batched ROLLOUT)
 
     @property
     def num_tokens(self) -> int:
@@ -102,14 +103,25 @@ class RolloutOutput:
         tokens = np.concatenate([s.token_ids for s in self.samples]) if self.samples else np.zeros(0, np.int32)
         logprobs = np.concatenate([s.logprobs for s in self.samples]) if self.samples else np.zeros(0, np.float32)
         meta = [(s.prompt_index, s.finish_reason) for s in self.samples]
-        return _unpack_output, (tokens, logprobs, lengths, meta, self.weight_version, self.generate_seconds)
+        return _unpack_output, (tokens, logprobs, lengths, meta, self.weight_version, self.generate_seconds,
+                                self.cobatched)
 
 
-def _unpack_output(tokens, logprobs, lengths, meta, weight_version, generate_seconds) -> RolloutOutput:
+def _unpack_output(tokens, logprobs, lengths, meta, weight_version, generate_seconds, cobatched=1) -> RolloutOutput:
     bounds = np.cumsum(lengths)[:-1]
     pieces = zip(meta, np.split(tokens, bounds), np.split(logprobs, bounds), strict=True) if meta else ()
     return RolloutOutput([Sample(index, t, lp, reason) for (index, reason), t, lp in pieces], weight_version,
-                         generate_seconds)
+                         generate_seconds, cobatched)
+
+
+@dataclasses.dataclass(frozen=True)
+class Together:
+    """One co-batched ROLLOUT hold (rlsched.scheduling.policy.CoBatch): the scheduler granted the rollout lock to
+    `tasks` tasks of one base group at once, and their engines' generate calls within it run as one program run
+    (workers.rollout.shared_engine). `hold` names the hold (the scheduler's id of its first grant)."""
+
+    hold: int
+    tasks: int
 
 
 @runtime_checkable
