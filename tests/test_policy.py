@@ -321,7 +321,7 @@ def drain(policy: Policy) -> None:
     queued = lambda: [r for r in policy.resources() if policy.queue(r)]  # noqa: E731
     for _ in range(2 * len(policy.tasks()) + 2):  # each round grants >= 1 request when none is held
         for r in policy.resources():
-            if (holder := policy.holder(r)) is not None:
+            for holder in policy.holders(r):  # every member of a co-batched hold
                 policy.release(holder, r.phase, 0.0)
         policy.grant(0.0)
         if not queued():
@@ -453,7 +453,8 @@ class Schedules(RuleBasedStateMachine):
                 used, need = self.used(pool), self.policy.nbytes(*needed)
                 freed = sum(self.policy.nbytes(m.task, m.role) for m in evictions[:-1])
                 assert not evictions or used - freed + need > budget, "needless eviction"
-                lru = sorted((k for k in self.resident if k not in protected and self.policy.pool(*k) == pool),
+                lru = sorted((k for k in self.resident if k not in protected and self.policy.pool(*k) == pool
+                              and self.policy.nbytes(*k) > 0),  # a role of no bytes makes no room
                              key=self.last_use.__getitem__)
                 assert [(m.task, m.role) for m in evictions] == lru[:len(evictions)], "not least recently used"
                 for m in evictions:  # only idle roles of the same pool, and only when needed to fit

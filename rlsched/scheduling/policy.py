@@ -28,6 +28,13 @@ Design decisions (and why):
   alone could never train); being just used, it is naturally the last candidate.
 - **Moves are decisions.** `grant` updates the accounting as if its moves were done; the holder
   executes them (offloads first, its onload last) before working, through `memory.Residency`.
+- **Co-batched ROLLOUT** (LoRA tasks of one base group, `CoBatch`). Their engines are slots of one sampler over
+  one resident base, so one program run can serve all their rows at once. When the rollout lock goes to such a
+  task, the other queued rollout requests of its base group join the hold, in the order's preference, while their
+  rows fit the engine's batch (and their adapters fit in memory). The lock is free again when every member has
+  released it; each is charged the hold's time by its share of the rows (fair share stays per task), and a
+  joiner's own lock time ends when it releases. A hold grows only when it is granted: a request that arrives
+  during a hold waits for the next one.
 - **Failure frees memory.** `fail` drops a task's lease and queued request and forgets its memory:
   its process died or, on lease expiry, is being killed by the caller.
 
@@ -154,12 +161,30 @@ class Move:
 
 
 @dataclasses.dataclass(frozen=True)
+class CoBatch:
+    """A task's place in a base group whose ROLLOUT can be co-batched: tasks of one `key` (in one device group)
+    share a rollout hold while their `rows` (prompts x generations per step) add up to at most `capacity` (the
+    shared engine's batch)."""
+
+    key: str
+    rows: int
+    capacity: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rows, int) or not isinstance(self.capacity, int) or self.rows < 1 or self.capacity < 1:
+            raise PolicyError(f"CoBatch {self.key!r}: rows and capacity must be positive ints, got {self.rows!r} "
+                              f"and {self.capacity!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Grant:
     request_id: int
     task: str
     phase: Phase
     resource: Resource
     moves: tuple[Move, ...]  # evictions (offloads) first, then the grantee's onload; execute in order
+    cohort: tuple[str, ...] = ()  # a co-batched ROLLOUT hold's tasks (this one included); () alone
+    hold: int = 0  # the hold's id (its first grant's request id); 0 alone
 
 
 @dataclasses.dataclass
@@ -184,6 +209,8 @@ class _Task:
     failed: bool = False
     priority: int = 0
     weight: float = 1.0
+    cobatch: CoBatch | None = None
+    share: float = 1.0  # of the hold it holds: its rows / the cohort's rows (1 alone)
     usage: dict[Phase, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(Phase, 0.0))  # s / weight
 
 
@@ -204,7 +231,7 @@ class Policy:
             self._budgets.update(spec.pools(name))
         self._used = dict.fromkeys(self._budgets, 0)
         self._queues = {Resource(g, p): deque() for g in self._groups for p in Phase}
-        self._holders: dict[Resource, str] = {}
+        self._holders: dict[Resource, list[str]] = {}  # a co-batched ROLLOUT hold has several
         self._tasks: dict[str, _Task] = {}
         self._request_tasks: dict[int, str] = {}  # queued or dropped request id -> task
         self._next_id = 0
@@ -213,11 +240,12 @@ class Policy:
     # ---- tasks ------------------------------------------------------------------------------------
 
     def register(self, task: str, group: str, engine_bytes: int, actor_bytes: int, *, resident: bool = True,
-                 priority: int = 0, weight: float = 1.0) -> list[Move]:
+                 priority: int = 0, weight: float = 1.0, cobatch: CoBatch | None = None) -> list[Move]:
         """Add a task. `resident=True`: its roles were created on device; those that fit in the pools'
         free room stay (engine first: ROLLOUT comes first) and the returned OFFLOAD moves must be done
         at once. Registering never evicts other tasks. `resident=False`: created on host, returns [].
-        `priority` (order "priority": higher first) and `weight` (order "fair": its share of lock time)."""
+        `priority` (order "priority": higher first) and `weight` (order "fair": its share of lock time); `cobatch`:
+        its base group, whose rollouts may share a hold."""
         if task in self._tasks:
             raise PolicyError(f"task {task!r} is already registered")
         if not isinstance(weight, int | float) or not weight > 0:
@@ -236,7 +264,7 @@ class Policy:
                                   f"a budget of only {format_bytes(budget, like=shown)}; no amount of offloading can "
                                   "make it fit")
         state = _Task(task, group, nbytes, dict.fromkeys(Role, False), dict.fromkeys(Role, 0),
-                      priority=int(priority), weight=float(weight))
+                      priority=int(priority), weight=float(weight), cobatch=cobatch)
         # A task arriving late starts level with the least served live task of its group, not at zero: a
         # newcomer does not get the lock until it has caught up with tasks that ran for hours.
         peers = [t for t in self._tasks.values() if t.group == group and not t.failed]
@@ -258,8 +286,7 @@ class Policy:
         """The task died or lost its lease: drop its lease and queued request, forget its memory. Idempotent."""
         state = self._task(task)
         if state.holding is not None:
-            del self._holders[Resource(state.group, state.holding)]
-            state.holding = None
+            self._let_go(state)
         if state.request is not None:
             self._queues[state.request.resource].remove(state.request)
             state.request = None
@@ -304,17 +331,49 @@ class Policy:
             moves = self._admit(req)
             if moves is None:
                 continue  # head-of-line: this resource's queue waits behind its candidate
-            state = self._tasks[req.task]
             queue = self._queues[req.resource]
-            queue.remove(req)
+            cohort = [(req, moves), *self._joiners(req, queue, now)]
             for other in queue:
-                other.passed += 1
-            del self._request_tasks[req.id]
-            self._holders[req.resource] = req.task
-            state.request, state.holding, state.granted_at = None, req.phase, now
-            self._touch(state, req.phase.role)
-            grants.append(Grant(req.id, req.task, req.phase, req.resource, moves))
+                if all(other is not r for r, _ in cohort):
+                    other.passed += 1
+            rows = [self._tasks[r.task].cobatch.rows if len(cohort) > 1 else 1 for r, _ in cohort]
+            tasks = tuple(r.task for r, _ in cohort) if len(cohort) > 1 else ()
+            for (r, m), n in zip(cohort, rows, strict=True):
+                self._hand(r, now, share=n / sum(rows))
+                grants.append(Grant(r.id, r.task, r.phase, r.resource, m, tasks, req.id if tasks else 0))
         return grants
+
+    def _hand(self, req: _Request, now: float, *, share: float) -> None:
+        """The lock to `req` (its moves already admitted): out of its queue, among its resource's holders."""
+        state = self._tasks[req.task]
+        self._queues[req.resource].remove(req)
+        del self._request_tasks[req.id]
+        self._holders.setdefault(req.resource, []).append(req.task)
+        state.request, state.holding, state.granted_at, state.share = None, req.phase, now, share
+        self._touch(state, req.phase.role)
+
+    def _joiners(self, lead: _Request, queue: deque[_Request], now: float) -> list[tuple[_Request, tuple]]:
+        """The rollout requests of `lead`'s base group that share its hold: in the order's preference, while their
+        rows fit the engine's batch and their roles fit in memory (each admitted as it joins; a joiner's onload
+        never evicts a member's engine, which its hold protects)."""
+        mine = self._tasks[lead.task].cobatch
+        if lead.phase is not Phase.ROLLOUT or mine is None:
+            return []
+        rows, out = mine.rows, []
+        self._holders[lead.resource] = [lead.task]  # protects the lead's engine while joiners are admitted
+        try:
+            for req in sorted(queue, key=self._preference):
+                other = self._tasks[req.task].cobatch
+                if req is lead or other is None or other.key != mine.key or rows + other.rows > mine.capacity:
+                    continue
+                moves = self._admit(req)
+                if moves is not None:
+                    rows += other.rows
+                    out.append((req, moves))
+                    self._holders[lead.resource].append(req.task)
+        finally:
+            del self._holders[lead.resource]  # `_hand` puts each member back, the lead first
+        return out
 
     def release(self, task: str, phase: Phase, now: float) -> None:
         """Free the lock. Residency stays (memory-aware); the role becomes the most recently used."""
@@ -322,10 +381,18 @@ class Policy:
         phase = Phase(phase)
         if state.holding is not phase:
             raise PolicyError(f"task {task!r} released {phase} but holds {state.holding or 'nothing'}")
-        del self._holders[Resource(state.group, phase)]
-        state.holding = None
-        state.usage[phase] += max(0.0, now - state.granted_at) / state.weight
+        self._let_go(state)
+        # A co-batched hold's time is charged by each member's share of its rows
+        state.usage[phase] += max(0.0, now - state.granted_at) * state.share / state.weight
         self._touch(state, phase.role)
+
+    def _let_go(self, state: _Task) -> None:
+        resource = Resource(state.group, state.holding)
+        holders = self._holders[resource]
+        holders.remove(state.name)
+        if not holders:  # the last member of a hold frees the lock
+            del self._holders[resource]
+        state.holding = None
 
     def lease_of(self, task: str) -> tuple[Phase, float] | None:
         """The phase `task` holds and when it was granted, or None."""
@@ -334,7 +401,7 @@ class Policy:
 
     def expired(self, now: float, timeout: float) -> list[str]:
         """Tasks whose current lease was granted more than `timeout` seconds before `now`."""
-        return [t for t in self._holders.values() if now - self._tasks[t].granted_at > timeout]
+        return [t for ts in self._holders.values() for t in ts if now - self._tasks[t].granted_at > timeout]
 
     def candidate(self, resource: Resource) -> str | None:
         """The task the resource's queue would serve next (memory permitting), or None when it is empty."""
@@ -343,12 +410,17 @@ class Policy:
 
     def _candidate(self, queue: deque[_Request]) -> _Request:
         """Starving requests first, oldest first; otherwise the order's choice."""
-        starving = [r for r in queue if r.passed >= self.starvation_limit]
-        if starving or self.order is Order.FIFO:
-            return starving[0] if starving else queue[0]  # queues are in arrival (id) order
+        return min(queue, key=self._preference)
+
+    def _preference(self, req: _Request) -> tuple:
+        """Sort key of a queue's requests, most preferred first: starving (oldest first), then the order's."""
+        if req.passed >= self.starvation_limit:
+            return (0, req.id)
+        if self.order is Order.FIFO:
+            return (1, req.id)  # ids are in arrival order
         if self.order is Order.PRIORITY:
-            return min(queue, key=lambda r: (-self._tasks[r.task].priority, r.id))
-        return min(queue, key=lambda r: (self._tasks[r.task].usage[r.phase], r.id))
+            return (1, -self._tasks[req.task].priority, req.id)
+        return (1, self._tasks[req.task].usage[req.phase], req.id)
 
     # ---- memory admission ---------------------------------------------------------------------------
 
@@ -363,9 +435,10 @@ class Policy:
         free = None if budget is None else budget - self._used[pool]
         victims: list[tuple[_Task, Role]] = []
         if free is not None and need > free:
-            protected = {(holder, r.phase.role) for r, holder in self._holders.items()}
+            protected = {(holder, r.phase.role) for r, holders in self._holders.items() for holder in holders}
             idle = [(other.last_used[r], other.name, r) for other in self._tasks.values() for r in Role
-                    if other.resident[r] and self._pool(other, r) == pool and (other.name, r) not in protected]
+                    if other.resident[r] and self._pool(other, r) == pool and (other.name, r) not in protected
+                    and other.nbytes[r] > 0]  # moving nothing would make no room
             for _, name, r in sorted(idle):
                 if need <= free:
                     break
@@ -407,7 +480,12 @@ class Policy:
         return self._pool(self._task(task), Role(role))
 
     def holder(self, resource: Resource) -> str | None:
-        return self._holders.get(resource)
+        """The task holding `resource` (a co-batched hold's first member), or None."""
+        return self._holders.get(resource, [None])[0]
+
+    def holders(self, resource: Resource) -> list[str]:
+        """Every task holding `resource` (several: a co-batched ROLLOUT hold)."""
+        return list(self._holders.get(resource, []))
 
     def holding(self, task: str) -> Phase | None:
         return self._task(task).holding
@@ -442,13 +520,14 @@ class Policy:
         return {
             "order": str(self.order), "starvation_limit": self.starvation_limit,
             "pools": {p: {"budget": self._budgets[p], "used": self._used[p]} for p in self._budgets},
-            "holders": {r.id: t for r, t in self._holders.items()},
+            "holders": {r.id: ",".join(ts) for r, ts in self._holders.items()},
             "queues": {r.id: [req.task for req in q] for r, q in self._queues.items() if q},
             "tasks": {t.name: {"group": t.group, "bytes": {str(r): n for r, n in t.nbytes.items()},
                                "resident": [str(r) for r in Role if t.resident[r]],
                                "holding": t.holding and str(t.holding),
                                "waiting": t.request and str(t.request.phase), "failed": t.failed,
                                "priority": t.priority, "weight": t.weight,
+                               **({"cobatch": t.cobatch.key} if t.cobatch else {}),
                                "lock_s_per_weight": {str(ph): u for ph, u in t.usage.items()}}
                       for t in self._tasks.values()},
         }
