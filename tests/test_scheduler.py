@@ -368,7 +368,7 @@ def test_a_task_arrives_at_a_running_scheduler_and_a_resubmitted_name_starts_afr
         assert locks["g0/train"]["holder"] == "a" and locks["g0/train"]["held_s"] >= 0.05
         assert [w["task"] for w in locks["g0/train"]["waiting"]] == ["b"]
         assert locks["g0/train"]["waiting"][0]["waited_s"] >= 0.05
-        assert locks["g0/rollout"] == {"holder": None, "held_s": None, "waiting": []}
+        assert locks["g0/rollout"] == {"holder": None, "holders": [], "held_s": None, "waiting": []}
         with pytest.raises(PolicyError, match="is live"):  # a live task's name cannot be taken
             s.admit("a", "g0", 100, 300)
         await s.fail("a", "cancelled")
@@ -379,5 +379,48 @@ def test_a_task_arrives_at_a_running_scheduler_and_a_resubmitted_name_starts_afr
         assert "a" not in s.failed()
         lease = await asyncio.wait_for(s.acquire("a", "rollout"), 1)  # the new "a" takes locks again
         assert lease.task == "a"
+
+    asyncio.run(scenario())
+
+
+def test_a_base_groups_waiting_rollouts_get_one_shared_hold_and_the_lock_frees_when_all_let_go():
+    from rlsched.scheduling.policy import CoBatch
+    from workers.rollout.base import Together
+
+    async def scenario():
+        policy = Policy({"g0": GroupSpec.colocated()})
+        for t in ("lead", "x", "y"):
+            policy.register(t, "g0", 10, 10, cobatch=CoBatch("base", 8, 16))
+        policy.register("full", "g0", 10, 10)
+        s = Scheduler(policy)
+        first = await s.acquire("full", "rollout")  # holds the lock while the others queue
+        waiting = [asyncio.create_task(s.acquire(t, "rollout")) for t in ("lead", "x", "y")]
+        await asyncio.sleep(0.01)
+        await s.release("full", "rollout")
+        lead, x = await asyncio.wait_for(asyncio.gather(*waiting[:2]), 1)
+        assert lead.cohort == x.cohort == ("lead", "x") and lead.hold == x.hold == lead.id
+        assert lead.together() == x.together() == Together(lead.id, 2) and first.together() is None
+        assert s.locks()["g0/rollout"]["holders"] == ["lead", "x"]
+        await s.release("lead", "rollout")
+        await asyncio.sleep(0.01)
+        assert not waiting[2].done()  # x still holds the hold
+        await s.release("x", "rollout")
+        alone = await asyncio.wait_for(waiting[2], 1)
+        assert alone.cohort == () and alone.together() is None
+
+    asyncio.run(scenario())
+
+
+def test_a_fence_whose_stop_raises_still_passes_the_lock_and_says_why():
+    async def scenario():
+        async def broken_stop(targets, on_end=None):
+            raise RuntimeError("the GCS is unreachable")
+
+        s = _scheduler(lease_timeout_s=0.2, stop=broken_stop, let_go_s=0.1)
+        s.register_roles("a", ["a's engine"])
+        await s.acquire("a", "rollout")
+        lease_b = await asyncio.wait_for(s.acquire("b", "rollout"), 5)  # a's lease expires; its fence raises
+        assert lease_b.task == "b" and s.watchdog_errors == 0
+        assert "fencing: the stop raised RuntimeError: the GCS is unreachable" in s.failed()["a"]
 
     asyncio.run(scenario())

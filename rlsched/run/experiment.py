@@ -32,7 +32,7 @@ from rlsched.run.stopping import Stopped, StopSignals
 from rlsched.rundir.files import prepare_run_dir, run_summary, write_atomic
 from rlsched.rundir.lock import RunLock
 from rlsched.rundir.log import RunLog
-from rlsched.scheduling.policy import GroupSpec, Policy
+from rlsched.scheduling.policy import CoBatch, GroupSpec, Policy
 from workers.models import sharding
 
 
@@ -130,11 +130,28 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
             if cfg.cluster.placement == "colocated" else GroupSpec.disaggregated(left("engine"), left("actor")))
     policy = Policy({ray_cluster.GROUP: spec}, order=cfg.cluster.policy, starvation_limit=cfg.cluster.starvation_limit)
     initial: dict[str, list[tuple[str, str]]] = {}
+    cobatch = cobatches(cfg, bases)
     for task in cfg.tasks:
         engine, actor = estimate_bytes(task, {role: n for (name, role), n in reads.items() if name == task.name})
         initial[task.name] = [(str(m.role), str(m.action)) for m in policy.register(
-            task.name, ray_cluster.GROUP, engine, actor, priority=task.priority, weight=task.weight)]
+            task.name, ray_cluster.GROUP, engine, actor, priority=task.priority, weight=task.weight,
+            cobatch=cobatch.get(task.name))]
     return policy, initial
+
+
+def cobatches(cfg: ExperimentConfig, bases) -> dict[str, CoBatch]:
+    """The LoRA tasks whose engines are slots of one shared sampler (workers.rollout.shared_engine: one base, one
+    mesh and the same engine sizes), so their ROLLOUTs can share a hold: {task: its CoBatch}."""
+    out = {}
+    for b in bases:
+        for name, role in b.roles:
+            if role != "engine":
+                continue
+            task = next(t for t in cfg.tasks if t.name == name)
+            g, r = task.grpo, task.rollout
+            key = repr((b.key, g.max_prompt_len, g.max_new_tokens, r.max_batch_size))
+            out[name] = CoBatch(key, g.prompts_per_step * g.num_generations, r.max_batch_size)
+    return out
 
 
 def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str | None = None, echo=print,

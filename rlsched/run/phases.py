@@ -133,6 +133,8 @@ def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int,
         "response_len/mean": float(lengths.mean()), "tokens/generated": int(lengths.sum()),
         # the weights that generated this step's samples, and those the step's update published
         "rollout/weight_version": output.weight_version, "weight_version": version, **times,
+        # tasks of its base group whose rows ran in one program run with this one's (1: alone)
+        "rollout/cobatched": output.cobatched,
         # models with experts: the router's load-balancing loss (unweighted), when it is trained with
         **({"router_aux_loss": train["router_aux_loss"]} if "router_aux_loss" in train else {}),
     }

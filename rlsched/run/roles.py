@@ -349,14 +349,22 @@ class EngineRole(_Role):
         if self._view:
             self.engine.close()  # its slot; the group's last view gives the base back
 
-    def rollout(self, message: WeightMessage, prompt_ids, params) -> PhaseResult:
-        """ROLLOUT: bring the engine up to `message`'s weights if it is behind, verify them, generate."""
-        if self.version() != message.version:
-            self.update_weights(message)  # its stats ride on its "sync_weights" span
-        elif hasattr(self.engine, "restore_weights"):  # weights left on host by a lazy onload come back now
-            with self.timeline.span("restore_weights") as span:
-                span["bytes"] = self.engine.restore_weights()
-        output = self.generate(prompt_ids, params, expected=message)
+    def rollout(self, message: WeightMessage, prompt_ids, params, together=None) -> PhaseResult:
+        """ROLLOUT: bring the engine up to `message`'s weights if it is behind, verify them, generate. `together`
+        (workers.rollout.base.Together): this task shares its hold with others of its base group, and its rows
+        run in one program run with theirs (a slot of the group's shared engine; other engines run alone)."""
+        together = together if self._view else None
+        try:
+            if self.version() != message.version:
+                self.update_weights(message)  # its stats ride on its "sync_weights" span
+            elif hasattr(self.engine, "restore_weights"):  # weights left on host by a lazy onload come back now
+                with self.timeline.span("restore_weights") as span:
+                    span["bytes"] = self.engine.restore_weights()
+            output = self.generate(prompt_ids, params, expected=message, together=together)
+        except BaseException:
+            if together is not None:  # the hold's other tasks must not wait for rows that will not come
+                self.engine.withdraw(together)
+            raise
         return PhaseResult(output, self.timeline.drain(), self.memory_probe())
 
     def prepare(self, prompt_ids, params) -> tuple[int, list[dict]]:
@@ -395,7 +403,7 @@ class EngineRole(_Role):
         with self.timeline.span("verify"):
             return self.engine.weight_checksum
 
-    def generate(self, prompt_ids, params, *, expected: WeightMessage):
+    def generate(self, prompt_ids, params, *, expected: WeightMessage, together=None):
         """Generate, but only with exactly the weights `expected` announced: same version, same checksum."""
         if self.version() != expected.version:
             raise TaskError(f"task {self.name}: the engine holds weights v{self.version()} but the actor published "
@@ -404,8 +412,11 @@ class EngineRole(_Role):
             raise TaskError(f"task {self.name}: engine checksum differs from the actor's published "
                             f"v{expected.version}; refusing to generate with unverified weights")
         with self.timeline.span("generate") as span:
-            output = self.engine.generate(prompt_ids, params)
+            output = (self.engine.generate(prompt_ids, params) if together is None
+                      else self.engine.generate(prompt_ids, params, together=together))
             span["tokens"] = output.num_tokens
+            if output.cobatched > 1:
+                span["cobatched"] = output.cobatched  # tasks whose rows ran in this one program run
         return output
 
 

@@ -300,9 +300,11 @@ class TaskDriver:
         t.mark("compile_rollout")
         self.prepare(Role.ENGINE, prompts.ids, self.host.sampling_params(n))  # compile before the lock, not in it
         t.mark("ask_rollout")
-        with self.hold(Phase.ROLLOUT):
+        with self.hold(Phase.ROLLOUT) as lease:
             t.mark("rollout")
-            rollout = self.call(Role.ENGINE, "rollout", self.published, prompts.ids, self.host.sampling_params(n))
+            # In a hold shared with its base group's tasks, the engine runs all their rows at once (lease.together)
+            rollout = self.call(Role.ENGINE, "rollout", self.published, prompts.ids, self.host.sampling_params(n),
+                                lease.together())
         t.mark("score")
         with self.timeline.span("reward"):
             rewards, reward_errors = self.host.score(prompts, rollout.value)

@@ -45,6 +45,14 @@ class Lease:
     moves: tuple  # residency moves the holder must perform before working (see policy.Move)
     granted_at: float  # scheduler clock (time.monotonic) at grant
     waited_s: float  # time between request and grant
+    cohort: tuple[str, ...] = ()  # a co-batched ROLLOUT hold's tasks (this one included); () alone
+    hold: int = 0  # that hold's id (its first grant's request id); 0 alone
+
+    def together(self):
+        """The hold as the shared engine knows it (workers.rollout.base.Together), or None alone."""
+        from workers.rollout.base import Together  # a dataclass; no JAX
+
+        return Together(self.hold, len(self.cohort)) if len(self.cohort) > 1 else None
 
 
 ASK_TIMEOUT_S = 300.0  # longest wait for the scheduler's answer to a call that waits for no one (not acquire)
@@ -123,7 +131,8 @@ class Scheduler:
               weight: float = 1.0) -> list[tuple[str, str]]:
         """A task arriving at a running scheduler (rlsched.service.server): registered with the policy as created on
         device, returning the offloads it must do at once ((role, action) pairs). A task of the same name that
-        ended before is forgotten first, with what the scheduler knew of it."""
+        ended before is forgotten first, with what the scheduler knew of it. (Its rollouts are not co-batched with
+        other tasks': the service counts a LoRA task's base in its own estimate.)"""
         if task in self.policy.tasks():
             self.forget_task(task)  # refuses a live one (PolicyError)
         moves = self.policy.register(task, group, engine_bytes, actor_bytes, priority=priority, weight=weight)
@@ -138,7 +147,8 @@ class Scheduler:
             holder = self.policy.holder(resource)
             lease = None if holder is None else self.policy.lease_of(holder)
             queue = [{"task": t, "waited_s": waited.get(t)} for t in self.policy.queue(resource)]
-            out[resource.id] = {"holder": holder, "held_s": None if lease is None else now - lease[1], "waiting": queue}
+            out[resource.id] = {"holder": holder, "holders": self.policy.holders(resource),
+                                "held_s": None if lease is None else now - lease[1], "waiting": queue}
         return out
 
     def take_port(self, task: str, role: str, host: str, skip: list[int]) -> int:
@@ -157,7 +167,7 @@ class Scheduler:
         for grant in self.policy.grant(now):
             future, requested_at = self._waiters.pop(grant.request_id)
             lease = Lease(grant.request_id, grant.task, grant.phase, grant.resource.id, tuple(grant.moves), now,
-                          now - requested_at)
+                          now - requested_at, grant.cohort, grant.hold)
             self.grant_log.append((now, grant.task, str(grant.phase), grant.resource.id))
             self.grants += 1
             # The policy counts an eviction done when it decides it, but the victim's driver does it later. A
@@ -218,29 +228,38 @@ class Scheduler:
             if not future.done() and self.policy.request_task(request_id) == task:
                 future.set_exception(LeaseLost(f"task {task} failed: {cause}"))
                 del self._waiters[request_id]
-        if fence:
-            self._fenced[task] = cause
-            # A holder whose driver lives sees its call fail once its roles are stopped, ends its phase and lets go;
-            # the lock waits for that (bounded), so no one's phase starts before the fenced one's has ended.
-            holding = driver_alive and self.policy.lease_of(task) is not None
-            # Held here, not looked up after the stop: the driver may let go and retire (dropping the books' entry)
-            # while the roles are being stopped.
-            let_go = self._letting_go[task] = asyncio.Event() if holding else None
-            t0 = self.timeline.now()
-            def ended(target) -> None:  # before the host's process is ended: its other tasks will ask
-                self._ended[target.handle, target.pid] = f"the device group's process was ended to fence task " \
-                                                         f"{task} ({cause})"
+        try:
+            if fence:
+                await self._fence(task, cause, holding=driver_alive and self.policy.lease_of(task) is not None)
+        finally:  # whatever the fence met, the task is out of the books and its lock passes on: never held forever
+            self.policy.fail(task)
+            self.ports.release(task)
+            self._dispatch()
 
+    async def _fence(self, task: str, cause: str, *, holding: bool) -> None:
+        """Stop `task`'s roles (rlsched.scheduling.fencing) and, if it holds a lock and its driver lives, give the
+        driver LET_GO_S to end its phase: it sees its call fail once its roles are stopped, and no one's phase
+        starts before the fenced one's has ended."""
+        self._fenced[task] = cause
+        # Held here, not looked up after the stop: the driver may let go and retire (dropping the books' entry)
+        # while the roles are being stopped.
+        let_go = self._letting_go[task] = asyncio.Event() if holding else None
+        t0 = self.timeline.now()
+
+        def ended(target) -> None:  # before the host's process is ended: its other tasks will ask
+            self._ended[target.handle, target.pid] = f"the device group's process was ended to fence task " \
+                                                     f"{task} ({cause})"
+
+        try:
             problems = await self._stop(self._targets.get(task, []), on_end=ended)
-            self.timeline.add_span("fence", t0, self.timeline.now(), task=task, cause=cause)
-            if problems:
-                self._failed[task] = self._fenced[task] = f"{cause}; fencing: {'; '.join(problems)}"
-            if let_go is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(let_go.wait(), self.let_go_s)
-        self.policy.fail(task)
-        self.ports.release(task)
-        self._dispatch()
+        except Exception as err:  # noqa: BLE001 - a stop that raised is a fence that could not confirm itself
+            problems = [f"the stop raised {type(err).__name__}: {err}"]
+        self.timeline.add_span("fence", t0, self.timeline.now(), task=task, cause=cause)
+        if problems:
+            self._failed[task] = self._fenced[task] = f"{cause}; fencing: {'; '.join(problems)}"
+        if let_go is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(let_go.wait(), self.let_go_s)
 
     async def retire(self, task: str) -> None:
         """`task` finished and its roles were stopped: the memory it held is free now and it takes no more locks;

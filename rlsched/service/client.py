@@ -189,7 +189,8 @@ def _row(t: dict[str, Any]) -> list[str]:
 def render_locks(report: dict[str, Any]) -> str:
     lines = []
     for resource, lock in report.items():
-        held = "free" if lock["holder"] is None else f"held by {lock['holder']} for {lock['held_s']:.1f}s"
+        holders = ", ".join(lock.get("holders") or [lock["holder"]])  # several: a co-batched rollout
+        held = "free" if lock["holder"] is None else f"held by {holders} for {lock['held_s']:.1f}s"
         waiting = ", ".join(f"{w['task']} ({w['waited_s']:.1f}s)" if w["waited_s"] is not None else w["task"]
                             for w in lock["waiting"]) or "nobody"
         lines.append(f"{resource}: {held}; waiting: {waiting}")
