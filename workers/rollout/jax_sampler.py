@@ -9,6 +9,13 @@ Design decisions:
 - Randomness is per sample: the key of sample j of prompt i is fold_in(fold_in(key(seed), i), j),
   then folded with the step. The n samples of a prompt differ, a seed reproduces them, and the
   result does not depend on how rows are batched.
+- Co-batching: `generate_many` runs several requests (a base group's tasks) in one program run. The seed is
+  a per-row vector of the program and each row keeps its request's prompt and sample index, so request m
+  gets the tokens `generate(*requests[m])` gives alone.
+  Logprobs are bit-equal where the run's chunk has the shapes of the request's own run; in a larger batch
+  they agree to float rounding (a few 1e-6 in float32 on CPU), as one request alone does under another
+  max_batch_size: XLA's matmuls sum in a batch-size-dependent order. The requests share the program's
+  scalars (temperature, top_p, stop ids, max_new_tokens); `generate` is generate_many of one request.
 - The loop stops as soon as every row has hit a stop token.
 - `prepare` compiles a request's programs ahead of time, from the weights' shapes and shardings only (no
   weights on the devices needed): the scheduler's caller does it before asking for the rollout lock, so
@@ -21,6 +28,8 @@ Design decisions:
   (workers.models.lora_batch.AdapterBatch), and `generate(..., adapter_rows=)` runs each prompt's rows with its
   adapter (-1: the base). The adapters are an argument of the program: new adapter values, or another mix of
   rows, never recompile; only K, the padded rank and the adapted modules are part of the program's key.
+  In a joint run, requests without adapter_rows run in chunks of their own, without adapters: a -1 row
+  of the adapters' program agrees with that program to float rounding only.
 """
 
 from __future__ import annotations
@@ -291,9 +300,13 @@ class JaxSampler:
         """Compile the programs `generate(prompt_ids, params, adapter_rows)` will run, ahead of it and without the
         weights on the devices; returns how many were compiled now (0: all were ready). `adapters`: the shapes of
         the adapters generate will serve (abstract), when they differ from those set now."""
+        return self.prepare_many([(prompt_ids, params, adapter_rows)], adapters)
+
+    def prepare_many(self, requests: Sequence[tuple], adapters: AdapterBatch | None = None) -> int:
+        """`prepare` for the joint run `generate_many(requests)` will make."""
         compiled = 0
         adapters = adapters if adapters is not None else self._abstract_adapters()
-        for key, args in self._chunks(prompt_ids, params, 0, adapter_rows, adapters):
+        for key, args, _ in self._joint_chunks(requests, [0] * len(requests), adapters):
             if key not in _COMPILED:  # engines in one process (a device group's) share it; built once if asked at once
                 _COMPILED[key], built = shared(("generate", *key), partial(self._compile, args))
                 compiled += built
@@ -313,66 +326,110 @@ class JaxSampler:
                  adapter_rows: Sequence[int] | None = None) -> RolloutOutput:
         """adapter_rows: one adapter index per prompt (set_adapters' order; -1: the base), for all its n samples;
         None runs the base for every prompt."""
+        return self.generate_many([(prompt_ids, params, adapter_rows)])[0]
+
+    def generate_many(self, requests: Sequence[tuple]) -> list[RolloutOutput]:
+        """Several requests `(prompt_ids, params, adapter_rows or None)` in one program run (chunked by
+        max_batch_size, as one request is); output m is what `generate(*requests[m])` returns alone: each row keeps
+        its request's seed and its own prompt and sample index. The requests must agree on temperature, top_p,
+        stop_token_ids and max_new_tokens (they are the program's scalars); n, seed, prompts and adapters may
+        differ. A seed of None draws one per request, as generate does. Each output's `cobatched` is
+        len(requests) and its generate_seconds the whole run's."""
         t0 = time.perf_counter()
-        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        requests = [_request(r) for r in requests]
+        seeds = [p.seed if p.seed is not None else int(self._rng.integers(0, 2**31)) for _, p, _ in requests]
         # A bad request is refused first
-        chunks = list(self._chunks(prompt_ids, params, seed, adapter_rows, self._abstract_adapters()))
+        chunks = list(self._joint_chunks(requests, seeds, self._abstract_adapters()))
         state = self._live_state()
-        adapters = self._live_adapters() if adapter_rows is not None else None
-        samples: list[Sample] = []
-        for key, args in chunks:
+        adapters = self._live_adapters() if any(rows is not None for _, _, rows in requests) else None
+        samples: list[list[Sample]] = [[] for _ in requests]
+        for key, args, owners in chunks:
             self.compiled_shapes.add(key[-4:])
-            prepared = _COMPILED.get(key)
-            # A prepared executable has the static bucket (the last argument) built in
-            if adapters is not None:  # the chunk's rows, with the adapters on the devices
+            if args[-2] is not None:  # the chunk's rows, with the adapters on the devices
                 args = (*args[:-2], dataclasses.replace(adapters, rows=args[-2].rows), args[-1])
-            out = prepared(state, *args[:-1]) if prepared is not None else self._jitted()(state, *args)
-            out_tokens, out_logprobs, lengths, stopped = jax.device_get(out)
-            samples.extend(
-                Sample(prompt_index=int(args[4][r]), token_ids=out_tokens[r, : lengths[r]].copy(),
-                       logprobs=out_logprobs[r, : lengths[r]].copy(),
-                       finish_reason=FinishReason.STOP if stopped[r] else FinishReason.LENGTH)
-                for r in range(int(args[2].sum())))
-        return RolloutOutput(samples=samples, weight_version=self._version,
-                             generate_seconds=time.perf_counter() - t0)
+            out_tokens, out_logprobs, lengths, stopped = self._run_chunk(key, state, args)
+            for r, (m, i) in enumerate(owners):
+                samples[m].append(Sample(prompt_index=i, token_ids=out_tokens[r, : lengths[r]].copy(),
+                                         logprobs=out_logprobs[r, : lengths[r]].copy(),
+                                         finish_reason=FinishReason.STOP if stopped[r] else FinishReason.LENGTH))
+        seconds = time.perf_counter() - t0
+        return [RolloutOutput(samples=s, weight_version=self._version, generate_seconds=seconds,
+                              cobatched=len(requests)) for s in samples]
+
+    def _run_chunk(self, key, state, args):
+        """One program run over one chunk's rows -> host arrays (tokens, logprobs, lengths, stopped)."""
+        prepared = _COMPILED.get(key)
+        # A prepared executable has the static bucket (the last argument) built in
+        out = prepared(state, *args[:-1]) if prepared is not None else self._jitted()(state, *args)
+        return jax.device_get(out)
 
     def _chunks(self, prompt_ids, params: SamplingParams, seed: int, adapter_rows=None,
                 adapters: AdapterBatch | None = None):
+        """One request's chunks: (program key, program arguments), as `_joint_chunks` makes them."""
+        for key, args, _ in self._joint_chunks([(prompt_ids, params, adapter_rows)], [seed], adapters):
+            yield key, args
+
+    def _joint_chunks(self, requests, seeds: Sequence[int], adapters: AdapterBatch | None = None):
         """Per chunk of at most max_batch_size rows: (its program's key, the program's arguments after the
         weights: tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p, max_new, stop, the
-        adapters (None, or `adapters` (abstract) with the chunk's rows) and the static new-token bucket)."""
-        prompts = validate_request(prompt_ids, params, max_prompt_len=self.max_prompt_len,
-                                   max_new_tokens=self.max_new_tokens, vocab_size=self.config.vocab_size)
-        per_prompt = self._check_adapter_rows(adapter_rows, len(prompts), adapters)
-        signature = None if per_prompt is None else (
+        adapters (None, or `adapters` (abstract) with the chunk's rows) and the static new-token bucket, and each
+        live row's (request, prompt) index). Rows are request-major, then prompt-major; the rows of requests
+        without adapter_rows run in chunks of their own (the program without adapters: a -1 row of the adapters'
+        program agrees with it to float rounding only, workers.models.lora_batch)."""
+        requests = [_request(r) for r in requests]
+        if not requests:
+            raise RolloutInputError("generate_many needs at least one request (prompt_ids, params, adapter_rows)")
+        checked = []  # (prompts, params, adapter index per prompt or None)
+        for m, (prompt_ids, params, adapter_rows) in enumerate(requests):
+            try:
+                prompts = validate_request(prompt_ids, params, max_prompt_len=self.max_prompt_len,
+                                           max_new_tokens=self.max_new_tokens, vocab_size=self.config.vocab_size)
+                per_prompt = self._check_adapter_rows(adapter_rows, len(prompts), adapters)
+            except RolloutInputError as e:
+                if len(requests) == 1:
+                    raise
+                raise RolloutInputError(f"request {m}: {e}") from e
+            if run_settings(params) != run_settings(requests[0][1]):
+                raise RolloutInputError(
+                    f"request {m} samples with {_describe(params)}, request 0 with {_describe(requests[0][1])}: "
+                    "the requests of one run must agree on these (n and seed may differ); run the others apart")
+            checked.append((prompts, params, per_prompt))
+        params = requests[0][1]
+        signature = None if all(p is None for _, _, p in checked) else (
             int(adapters.scale.shape[0]), tuple((m, adapters.a[m].shape[-1]) for m in adapters.a))
-        rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]  # prompt-major
+        # (request, prompt, sample) per row, request-major then prompt-major; base-only requests apart
+        plain, adapted = [], []
+        for m, (prompts, p, per_prompt) in enumerate(checked):
+            rows = [(m, i, j) for i in range(len(prompts)) for j in range(p.n)]
+            (plain if per_prompt is None else adapted).extend(rows)
         stop = np.full(_STOP_SLOTS * max(1, -(-len(params.stop_token_ids) // _STOP_SLOTS)), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         new_bucket = _bucket(params.max_new_tokens, 8, self.max_new_tokens)
-        for start in range(0, len(rows), self.max_batch_size):
-            chunk = rows[start : start + self.max_batch_size]
-            batch = -(-_bucket(len(chunk), 1, self.max_batch_size) // self._rows) * self._rows  # rows split over dp
-            longest = max(len(prompts[i]) for i, _ in chunk)
-            plen = _bucket(longest, 8, self.max_prompt_len)
-            tokens = np.zeros((batch, plen), np.int32)
-            mask = np.zeros((batch, plen), bool)
-            prompt_idx = np.zeros(batch, np.int32)
-            sample_idx = np.zeros(batch, np.int32)
-            rows_adapter = np.full(batch, -1, np.int32)  # padding rows run the base
-            for r, (i, j) in enumerate(chunk):
-                p = prompts[i]
-                tokens[r, plen - len(p):], mask[r, plen - len(p):] = p, True
-                prompt_idx[r], sample_idx[r] = i, j
-                if per_prompt is not None:
-                    rows_adapter[r] = per_prompt[i]
-            active = np.arange(batch) < len(chunk)
-            key = (self._graphdef, self.mesh, self.config.num_key_value_heads, signature, batch, plen, new_bucket,
-                   len(stop))
-            # The adapters as their shapes (set by generate to those on the devices), with this chunk's rows
-            chunk_adapters = None if per_prompt is None else dataclasses.replace(adapters, rows=rows_adapter)
-            yield key, (tokens, mask, active, np.uint32(seed), prompt_idx, sample_idx, np.float32(params.temperature),
-                        np.float32(params.top_p), np.int32(params.max_new_tokens), stop, chunk_adapters, new_bucket)
+        for rows, sig in ((plain, None), (adapted, signature)):
+            for start in range(0, len(rows), self.max_batch_size):
+                chunk = rows[start : start + self.max_batch_size]
+                batch = -(-_bucket(len(chunk), 1, self.max_batch_size) // self._rows) * self._rows  # rows over dp
+                longest = max(len(checked[m][0][i]) for m, i, _ in chunk)
+                plen = _bucket(longest, 8, self.max_prompt_len)
+                tokens = np.zeros((batch, plen), np.int32)
+                mask = np.zeros((batch, plen), bool)
+                seed, prompt_idx, sample_idx = (np.zeros(batch, d) for d in (np.uint32, np.int32, np.int32))
+                rows_adapter = np.full(batch, -1, np.int32)  # padding rows run the base
+                for r, (m, i, j) in enumerate(chunk):
+                    prompts, _, per_prompt = checked[m]
+                    p = prompts[i]
+                    tokens[r, plen - len(p):], mask[r, plen - len(p):] = p, True
+                    seed[r], prompt_idx[r], sample_idx[r] = seeds[m], i, j
+                    if per_prompt is not None:
+                        rows_adapter[r] = per_prompt[i]
+                active = np.arange(batch) < len(chunk)
+                key = (self._graphdef, self.mesh, self.config.num_key_value_heads, sig, batch, plen, new_bucket,
+                       len(stop))
+                # The adapters as their shapes (set by generate to those on the devices), with this chunk's rows
+                chunk_adapters = None if sig is None else dataclasses.replace(adapters, rows=rows_adapter)
+                yield key, (tokens, mask, active, seed, prompt_idx, sample_idx, np.float32(params.temperature),
+                            np.float32(params.top_p), np.int32(params.max_new_tokens), stop, chunk_adapters,
+                            new_bucket), [(m, i) for m, i, _ in chunk]
 
     def _check_adapter_rows(self, adapter_rows, prompts: int, adapters: AdapterBatch | None) -> np.ndarray | None:
         if adapter_rows is None:
@@ -386,6 +443,23 @@ class JaxSampler:
             raise RolloutInputError(f"adapter_rows {rows.tolist()}: each must be in [-1, {k}) (-1: the base; "
                                     f"{k} adapters set by set_adapters)")
         return None if adapters is None else rows.astype(np.int32)  # no adapters: every row is -1, the base
+
+
+def _request(request) -> tuple:
+    """(prompt_ids, params) or (prompt_ids, params, adapter_rows) -> the three."""
+    if not isinstance(request, tuple | list) or len(request) not in (2, 3):
+        raise RolloutInputError(f"a request is (prompt_ids, params, adapter_rows or None), got {request!r:.80}")
+    return (*request, None) if len(request) == 2 else tuple(request)
+
+
+def run_settings(params: SamplingParams) -> tuple:
+    """What the rows of one program run share (the program's scalars and stop ids)."""
+    return (params.temperature, params.top_p, params.stop_token_ids, params.max_new_tokens)
+
+
+def _describe(params: SamplingParams) -> str:
+    return (f"temperature={params.temperature}, top_p={params.top_p}, stop_token_ids={list(params.stop_token_ids)}, "
+            f"max_new_tokens={params.max_new_tokens}")
 
 
 _PROGRAMS: dict = {}
@@ -403,19 +477,20 @@ def _program(graphdef, mesh, kv_heads: int, state_shardings):
         rows, vec, repl = S.batch_sharding(mesh, 2), S.batch_sharding(mesh, 1), S.replicated(mesh)
         body = partial(_generate_program, graphdef, kv_sharding=S.kv_cache_sharding(mesh, kv_heads=kv_heads))
         _PROGRAMS[key] = jax.jit(body, static_argnums=(12,),
-                                 in_shardings=(state_shardings, rows, rows, vec, repl, vec, vec, *[repl] * 5),
+                                 in_shardings=(state_shardings, rows, rows, vec, vec, vec, vec, *[repl] * 5),
                                  out_shardings=(rows, rows, vec, vec))
     return _PROGRAMS[key]
 
 
 def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p,
                       max_new, stop, adapters: AdapterBatch | None, new_bucket: int, *, kv_sharding):
-    """tokens/mask (B, P) left-padded -> tokens (B, N), logprobs (B, N), lengths (B,), stopped (B,).
-    adapters.rows (B,): each row's LoRA adapter (-1: the base); None: no adapters."""
+    """tokens/mask (B, P) left-padded, seed/prompt_idx/sample_idx (B,) -> tokens (B, N), logprobs (B, N), lengths
+    (B,), stopped (B,). adapters.rows (B,): each row's LoRA adapter (-1: the base); None: no adapters."""
     model = nnx.merge(graphdef, state)
     b, plen = tokens.shape
-    base = jax.random.key(seed)
-    row_keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(prompt_idx, sample_idx)
+    # seed (B,): each row its request's (generate_many runs several requests' rows together)
+    row_keys = jax.vmap(lambda s, i, j: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), i), j))(
+        seed, prompt_idx, sample_idx)
     kv_mask = jnp.concatenate([mask, jnp.ones((b, new_bucket), bool)], axis=1)  # (B, P + N)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     prompt_len = mask.sum(axis=1).astype(jnp.int32)

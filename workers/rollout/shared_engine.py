@@ -4,6 +4,7 @@ adapter slots, and a per-task view of it that keeps a LoRA task's engine contrac
     view = open_view(path, dtype=..., mesh=mesh, spec=spec, seed=3, max_prompt_len=..., ...)  # slot k of the group's
     view.update_weights(adapter_flat, version, checksum=...)  # this task's adapter alone, verified by read-back
     view.generate(prompt_ids, params)                           # every row with slot k's adapter
+    view.generate(prompt_ids, params, together=Together(hold, 3))  # one program run with the hold's 2 other tasks
     view.close()                                                # the group's last view frees the sampler and base
 
 Design decisions:
@@ -21,6 +22,16 @@ Design decisions:
   sampler holds a lease (workers.shared_base) and releases it when its last view closes.
 - One lock per group serialises the calls that stack (roles of several tasks call from their own threads in a
   device group's process); compiling runs outside it.
+- **Co-batched ROLLOUT.** When the scheduler grants one hold to several tasks of the group (`Together`), their
+  views' generate calls meet in a gathering (workers.rollout.cobatch: why it waits, and why only so long) and
+  one thread runs them as one `generate_many` per group of equal sampling settings (temperature, top_p, stop ids,
+  max_new_tokens: the program's scalars). Each task keeps its own seed stream (a view draws its seed before
+  joining, as it does alone), so it gets the tokens it would get alone; logprobs agree to float rounding (bit for
+  bit where the joint run's batch has its own run's shapes; JaxSampler's docstring). A member's bad request,
+  or an offloaded view, fails that member alone, before it joins, and withdraws it so the others do not wait.
+- `prepare` also compiles the joint shapes a hold of this group can have: c copies of the task's request for
+  c = 2 .. the live slots, until the rows fill max_batch_size (distinct programs only; tasks whose requests
+  differ in shape compile their joint program on first use).
 """
 
 from __future__ import annotations
@@ -40,7 +51,8 @@ from workers.models import sharding as S
 from workers.models.lora import LoraSpec, adapter_shapes
 from workers.offload import offload, onload
 from workers.rollout.adapter_engine import check_adapter, sync_stats
-from workers.rollout.base import EngineOffloadedError, RolloutOutput, SamplingParams
+from workers.rollout.base import EngineOffloadedError, RolloutOutput, SamplingParams, Together, validate_request
+from workers.rollout.cobatch import Gatherings
 
 
 @dataclasses.dataclass
@@ -65,6 +77,7 @@ class SharedSampler:
         self.config, self.mesh = self.sampler.config, self.sampler.mesh
         self.slots: list[_Slot | None] = []
         self.lock = threading.RLock()
+        self.gatherings = Gatherings(self._run_together)  # co-batched holds (wait_s: settable, e.g. by tests)
 
     # ---- slots -------------------------------------------------------------------------------------------------
 
@@ -122,11 +135,21 @@ class SharedSampler:
     # ---- generation --------------------------------------------------------------------------------------------
 
     def prepare(self, prompt_ids, params: SamplingParams, k: int) -> int:
+        """Compile slot k's request alone and as c copies (c = 2 .. the live slots, until the rows fill
+        max_batch_size): the joint runs a hold of this group's tasks makes when their requests are alike."""
         with self.lock:
             self._stack()
             abstract = self.sampler._abstract_adapters()  # noqa: SLF001 - the stack's shapes, to compile without it
             self._unstack()
-        return self.sampler.prepare(prompt_ids, params, adapter_rows=[k] * len(prompt_ids), adapters=abstract)
+            live = sum(s is not None for s in self.slots)
+        request = (prompt_ids, params, [k] * len(prompt_ids))
+        compiled = self.sampler.prepare_many([request], adapters=abstract)
+        rows = len(prompt_ids) * params.n
+        for copies in range(2, live + 1):
+            if (copies - 1) * rows >= self.sampler.max_batch_size:  # full chunks already: nothing new past here
+                break
+            compiled += self.sampler.prepare_many([request] * copies, adapters=abstract)
+        return compiled
 
     def generate(self, prompt_ids, params: SamplingParams, k: int) -> RolloutOutput:
         with self.lock:
@@ -135,6 +158,45 @@ class SharedSampler:
                 return self.sampler.generate(prompt_ids, params, adapter_rows=[k] * len(prompt_ids))
             finally:
                 self._unstack()
+
+    def validate(self, prompt_ids, params: SamplingParams) -> None:
+        """The sampler's request checks (RolloutInputError), for a member before it joins a gathering."""
+        sampler = self.sampler
+        validate_request(prompt_ids, params, max_prompt_len=sampler.max_prompt_len,
+                         max_new_tokens=sampler.max_new_tokens, vocab_size=self.config.vocab_size)
+
+    def _run_together(self, requests) -> list:
+        """A gathering's run: requests (slot, prompt_ids, params) -> per request its RolloutOutput or exception;
+        one generate_many per group of equal sampling settings (cobatched: the requests in its run)."""
+        from workers.rollout.jax_sampler import run_settings
+
+        results: list = [None] * len(requests)
+        runs: dict[tuple, list[int]] = {}
+        for i, (_, _, params) in enumerate(requests):
+            runs.setdefault(run_settings(params), []).append(i)
+        with self.lock:
+            self._stack()
+            try:
+                for members in runs.values():
+                    live = []
+                    for i in members:  # a slot offloaded (or closed) since its view joined: stacked as zeros
+                        slot = self.slots[requests[i][0]]
+                        if slot is None or slot.device is None:
+                            results[i] = EngineOffloadedError("the engine is offloaded; call onload() first")
+                        else:
+                            live.append(i)
+                    if not live:
+                        continue
+                    batch = [(prompts, p, [k] * len(prompts)) for k, prompts, p in (requests[i] for i in live)]
+                    try:
+                        outputs = self.sampler.generate_many(batch)
+                    except Exception as e:  # noqa: BLE001 - each member of this run gets it
+                        outputs = [e] * len(live)
+                    for i, output in zip(live, outputs, strict=True):
+                        results[i] = output
+            finally:
+                self._unstack()
+        return results
 
     def close(self) -> None:
         self._unstack()
@@ -271,12 +333,34 @@ class AdapterView:
     # ---- generation ------------------------------------------------------------------------------------------
 
     def prepare(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        """Compile this request's program, and the joint ones of a hold whose tasks' requests are alike."""
         return self.group.prepare(prompt_ids, params, self.slot_index)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> RolloutOutput:
-        if self.offloaded:
-            raise EngineOffloadedError("the engine is offloaded; call onload() first")
-        if params.seed is None:  # this task's own stream, as its own engine would draw it
-            params = dataclasses.replace(params, seed=int(self._rng.integers(0, 2**31)))
-        output = self.group.generate(prompt_ids, params, self.slot_index)
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                 together: Together | None = None) -> RolloutOutput:
+        """Every row with this task's adapter. `together` (a hold of several tasks of this group): the call waits
+        for theirs and runs with them in one program run (workers.rollout.cobatch); the output is what this task
+        gets alone, with `cobatched` the tasks in its run."""
+        joint = together is not None and together.tasks > 1
+        try:
+            if self.offloaded:
+                raise EngineOffloadedError("the engine is offloaded; call onload() first")
+            if params.seed is None:  # this task's own stream, as its own engine would draw it
+                params = dataclasses.replace(params, seed=int(self._rng.integers(0, 2**31)))
+            if joint:
+                self.group.validate(prompt_ids, params)  # a bad request fails this task alone, before it joins
+        except BaseException:
+            if joint:
+                self.withdraw(together)
+            raise
+        if joint:
+            output = self.group.gatherings.join(together.hold, together.tasks, (self.slot_index, prompt_ids, params))
+        else:
+            output = self.group.generate(prompt_ids, params, self.slot_index)
         return dataclasses.replace(output, weight_version=self._version)
+
+    def withdraw(self, together: Together) -> None:
+        """This task will not generate in the hold `together` (it failed before: a refused sync, a dead role):
+        the hold's other tasks stop waiting for it."""
+        if together.tasks > 1:
+            self.group.gatherings.withdraw(together.hold, together.tasks)
