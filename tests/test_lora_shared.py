@@ -259,35 +259,53 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
     snap = build_policy(cfg)[0].snapshot()
     assert snap["pools"]["g0/shared"]["budget"] == 2**30 - base
     assert snap["tasks"]["addition"]["bytes"] == {"engine": full["engine"] - base, "actor": full["actor"] - base}
+    # their engines are slots of one sampler: their rollouts may share a hold (rlsched.scheduling.policy.CoBatch)
+    assert snap["tasks"]["addition"]["cobatch"] == snap["tasks"]["subtraction"]["cobatch"]
 
     per_role = load_config(demo, [*overrides, "cluster.processes=per_role"])
     assert not any(r.role == "base" for r in device_plan(per_role).roles)
     snap = build_policy(per_role)[0].snapshot()
     assert snap["pools"]["g0/shared"]["budget"] == 2**30 and snap["tasks"]["addition"]["bytes"] == full
+    assert "cobatch" not in snap["tasks"]["addition"]  # an engine per process: nothing to share a run of
 
 
-@pytest.mark.slow
-def test_the_eight_task_lora_demo_runs_two_steps_on_one_base(tmp_path):
-    """configs/demo_lora.yaml through the CLI: eight LoRA tasks start at once on one preset base that none of them
-    finds made (one creates it, the others wait for it: none replaces it while another reads it), and every task
-    reads the one base of the device group's process."""
+def _demo_lora(out, tasks=None, steps=3):
     import subprocess
     import sys
     from pathlib import Path
 
-    from rlsched.observe.tracking import read_metrics
-
-    base = tmp_path / "models" / "base"
-    sets = [f"experiment.output_dir={tmp_path}"] + [f"tasks.{i}.{k}" for i in range(8)
-                                                    for k in (f"model.path={base}", "steps=2")]
+    base = out.parent / "models" / "base"  # one preset base for every run of the test
+    sets = [f"experiment.output_dir={out}"] + [f"tasks.{i}.{k}" for i in range(8)
+                                               for k in (f"model.path={base}", f"steps={steps}")]
     demo = Path(__file__).parent.parent / "configs" / "demo_lora.yaml"
-    done = subprocess.run([sys.executable, "-m", "rlsched.cli", "train", str(demo),
+    only = ["--tasks", tasks] if tasks else []
+    done = subprocess.run([sys.executable, "-m", "rlsched.cli", "train", str(demo), *only,
                            *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return base, out / "demo-lora" / "tasks"
+
+
+@pytest.mark.slow
+def test_eight_lora_tasks_roll_out_together_on_one_base_and_each_computes_what_it_computes_alone(tmp_path):
+    """configs/demo_lora.yaml through the CLI: eight LoRA tasks start at once on one preset base that none of them
+    finds made (one creates it, the others wait for it: none replaces it while another reads it); every task reads
+    the one base of the device group's process; their rollouts share holds (several tasks' rows in one program run);
+    and a task among its seven neighbours, co-batched, computes what it computes alone (rewards, losses: 1e-6)."""
+    from rlsched.observe.tracking import read_metrics
+
+    names = ("add-9", "sub-9", "add-19", "sub-19", "add-49", "sub-49", "add-99", "sub-99")
+    base, tasks = _demo_lora(tmp_path / "all")
     assert sorted(p.name for p in base.parent.iterdir() if not p.name.startswith(".")) == ["base"]
-    held = set()
-    for task in ("add-9", "sub-9", "add-19", "sub-19", "add-49", "sub-49", "add-99", "sub-99"):
-        metrics = read_metrics(tmp_path / "demo-lora" / "tasks" / task / "metrics.jsonl")
-        assert len(metrics) == 2
-        held |= {metrics[-1]["mem/actor/held/base"], metrics[-1]["mem/engine/held/base"]}
+    metrics = {t: read_metrics(tasks / t / "metrics.jsonl") for t in names}
+    held = {m[-1][f"mem/{r}/held/base"] for m in metrics.values() for r in ("actor", "engine")}
     assert len(held) == 1 and held.pop() > 0  # every role of every task reads one base
+    together = [m["rollout/cobatched"] for ms in metrics.values() for m in ms]
+    assert len(together) == 24 and max(together) > 1, together  # holds were shared, rows run together
+    _, alone = _demo_lora(tmp_path / "alone", tasks="add-19")
+    alone = read_metrics(alone / "add-19" / "metrics.jsonl")
+    assert [m["rollout/cobatched"] for m in alone] == [1, 1, 1]
+    for got, want in zip(metrics["add-19"], alone, strict=True):
+        keys = [k for k in want if not k.startswith(("time/", "mem/")) and k != "rollout/cobatched"]
+        assert {"loss", "grad_norm", "reward/mean"} <= set(keys)
+        for k in keys:
+            assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-6), (got["step"], k)
