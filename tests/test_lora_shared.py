@@ -261,6 +261,8 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
     assert snap["tasks"]["addition"]["bytes"] == {"engine": full["engine"] - base, "actor": full["actor"] - base}
     # their engines are slots of one sampler: their rollouts may share a hold (rlsched.scheduling.policy.CoBatch)
     assert snap["tasks"]["addition"]["cobatch"] == snap["tasks"]["subtraction"]["cobatch"]
+    alone = build_policy(load_config(demo, [*overrides, "tasks.1.rollout.cobatch=false"]))[0].snapshot()
+    assert "cobatch" in alone["tasks"]["addition"] and "cobatch" not in alone["tasks"]["subtraction"]
 
     per_role = load_config(demo, [*overrides, "cluster.processes=per_role"])
     assert not any(r.role == "base" for r in device_plan(per_role).roles)

@@ -279,6 +279,11 @@ class RolloutSection(_Section):
     """The engine's mesh (one device by default)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Engine-specific knobs, passed through to the engine untouched."""
+    cobatch: bool = True
+    """LoRA tasks of one base group: when several wait for ROLLOUT, one hold runs all their rows in one program run
+    (up to max_batch_size rows). Each row keeps its task's seed, so a task samples what it would alone, to the bit on
+    CPU; on GPUs in bfloat16 a row's numerics depend on the batch's shape, and some samples differ from the run
+    alone. false: this task always rolls out alone (bit-reproducible whatever its neighbours do)."""
 
     @model_validator(mode="after")
     def _mesh_is_laid_out_by_the_engine(self) -> RolloutSection:

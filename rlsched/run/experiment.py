@@ -149,6 +149,8 @@ def cobatches(cfg: ExperimentConfig, bases) -> dict[str, CoBatch]:
                 continue
             task = next(t for t in cfg.tasks if t.name == name)
             g, r = task.grpo, task.rollout
+            if not r.cobatch:
+                continue
             key = repr((b.key, g.max_prompt_len, g.max_new_tokens, r.max_batch_size))
             out[name] = CoBatch(key, g.prompts_per_step * g.num_generations, r.max_batch_size)
     return out
