@@ -36,7 +36,11 @@ SMALLEST = {
                   "median"),
     "soak": (["--cycles", "3"], "flat"),  # tests/test_soak.py runs it for 2 minutes and checks its verdict
     "startup": (["--tasks", "1", "--steps", "2", "--repeats", "1", *TINY_STEP], "restart_s"),
-    "lora": (["--tasks", "1,2", "--steps", "2", "--warmup-steps", "0", *TINY_STEP], "goals"),
+    # room for both tasks' rows in one rollout (TINY_STEP's batch holds one task's)
+    "lora": (["--tasks", "1,2", "--steps", "2", "--warmup-steps", "0", *TINY_STEP, "--set", "rollout.max_batch_size=8"],
+             "goals"),
+    "cobatch": (["--tasks", "1,3", "--prompts", "2", "--n", "2", "--prompt-len", "8", "--new-tokens", "4",
+                 "--repeats", "1"], "runs"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }
@@ -85,10 +89,19 @@ def check_lora(results: dict, out: Path) -> None:
     for goal in ("throughput", "step_time", "bytes"):
         assert isinstance(results["goals"][goal]["met"], bool) and results["goals"][goal]["ratio"] > 0
     assert results["goals"]["bytes"]["ratio"] == two["total"] / runs["full-1"]["bytes_measured"]["total"]
-    assert "co-batched rollout is not built yet" in (out / "report.md").read_text()
+    for name in ("lora-1", "lora-2"):  # tasks whose rows ran together, per step: at most the run's tasks
+        assert 1 <= runs[name]["cobatched"] <= runs[name]["tasks"], runs[name]["cobatched"]
+    assert "tasks per rollout" in (out / "report.md").read_text()
 
 
-DEEPER = {"lora": check_lora}  # module -> a check of its results beyond their presence
+def check_cobatch(results: dict, out: Path) -> None:
+    """benchmarks/cobatch.py: on CPU in float32 a task's co-batched samples are the ones it draws alone, every one."""
+    runs = {r["tasks"]: r for r in results["runs"]}
+    assert set(runs) == {1, 3} and runs[3]["cobatched_reported"] == 3 and runs[3]["samples"] == 3 * 4
+    assert all(r["identical_samples"] == 1.0 and r["speedup"] > 0 for r in runs.values()), runs
+
+
+DEEPER = {"lora": check_lora, "cobatch": check_cobatch}  # module -> a check of its results beyond their presence
 
 
 def test_every_benchmark_has_a_smallest_setting():
