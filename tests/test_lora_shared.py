@@ -311,3 +311,24 @@ def test_eight_lora_tasks_roll_out_together_on_one_base_and_each_computes_what_i
         assert {"loss", "grad_norm", "reward/mean"} <= set(keys)
         for k in keys:
             assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-6), (got["step"], k)
+
+
+def test_a_service_gives_lora_tasks_of_one_base_the_same_cobatch_whichever_submission_they_came_in(tiny_model_dir):
+    """rlsched.service.server admits tasks one submission at a time: a LoRA task's CoBatch is computed from its own
+    submission, and two submissions of one base group get one key, so their rollouts can share holds."""
+    from pathlib import Path
+
+    from rlsched.config.loading import load_config
+    from rlsched.run.experiment import task_cobatch
+
+    demo = Path(__file__).parent.parent / "configs" / "demo_multitask.yaml"
+    lora = [f"tasks.{i}.{k}" for i in (0, 1) for k in (f"model.path={tiny_model_dir}", "model.init_preset=null",
+                                                       "lora.rank=8")]
+    first = load_config(demo, [*lora, "tasks.1.lora.rank=4"])  # its own submission: another rank, same base
+    second = load_config(demo, [*lora, "experiment.name=another", "tasks.0.grpo.num_generations=4"])
+    a, b = task_cobatch(first, "subtraction", "per_device_group"), task_cobatch(second, "addition", "per_device_group")
+    g = first.tasks[1].grpo
+    assert a.key == b.key and a.rows == g.prompts_per_step * g.num_generations and b.rows == g.prompts_per_step * 4
+    assert a.capacity == first.tasks[1].rollout.max_batch_size
+    assert task_cobatch(first, "subtraction", "per_role") is None  # an engine per process: nothing to share
+    assert task_cobatch(load_config(demo), "addition", "per_device_group") is None  # full weights

@@ -139,6 +139,20 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
     return policy, initial
 
 
+def task_cobatch(cfg: ExperimentConfig, name: str, processes: str) -> CoBatch | None:
+    """Task `name`'s CoBatch when it joins a running scheduler (rlsched.service.server) from its own submission
+    `cfg`, its roles in `processes`; None for a task whose engine is not a slot of a shared sampler."""
+    from rlsched.config.meshes import read_model_config
+    from rlsched.config.plan import shared_bases
+
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"processes": processes})})
+    task = next(t for t in cfg.tasks if t.name == name)
+    if task.lora is None:
+        return None
+    models = {t.name: read_model_config(t, i, required=True) for i, t in enumerate(cfg.tasks) if t.lora is not None}
+    return cobatches(cfg, shared_bases(cfg, models)).get(name)
+
+
 def cobatches(cfg: ExperimentConfig, bases) -> dict[str, CoBatch]:
     """The LoRA tasks whose engines are slots of one shared sampler (workers.rollout.shared_engine: one base, one
     mesh and the same engine sizes), so their ROLLOUTs can share a hold: {task: its CoBatch}."""

@@ -128,14 +128,15 @@ class Scheduler:
             self.timeline.counter(f"queue/{resource.id}", {"waiting": len(self.policy.queue(resource))})
 
     def admit(self, task: str, group: str, engine_bytes: int, actor_bytes: int, *, priority: int = 0,
-              weight: float = 1.0) -> list[tuple[str, str]]:
+              weight: float = 1.0, cobatch=None) -> list[tuple[str, str]]:
         """A task arriving at a running scheduler (rlsched.service.server): registered with the policy as created on
         device, returning the offloads it must do at once ((role, action) pairs). A task of the same name that
-        ended before is forgotten first, with what the scheduler knew of it. (Its rollouts are not co-batched with
-        other tasks': the service counts a LoRA task's base in its own estimate.)"""
+        ended before is forgotten first, with what the scheduler knew of it. `cobatch`: its base group
+        (rlsched.scheduling.policy.CoBatch), whose rollouts may share a hold with it."""
         if task in self.policy.tasks():
             self.forget_task(task)  # refuses a live one (PolicyError)
-        moves = self.policy.register(task, group, engine_bytes, actor_bytes, priority=priority, weight=weight)
+        moves = self.policy.register(task, group, engine_bytes, actor_bytes, priority=priority, weight=weight,
+                                     cobatch=cobatch)
         return [(str(m.role), str(m.action)) for m in moves]
 
     def locks(self) -> dict[str, dict[str, Any]]:

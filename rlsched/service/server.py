@@ -437,7 +437,7 @@ class Service:
         import ray
 
         from rlsched.observe.progress import LineBuffer
-        from rlsched.run.experiment import estimate_bytes
+        from rlsched.run.experiment import estimate_bytes, task_cobatch
         from rlsched.run.task import TaskDriver
         from rlsched.scheduling.scheduler import SchedulerLocks
 
@@ -448,8 +448,10 @@ class Service:
         task = spec.config
         engine, actor = estimate_bytes(task)
         try:
+            # A LoRA task rolls out together with waiting tasks of its base group, whichever submission they came in
+            cobatch = task_cobatch(sub.cfg, name, self.processes)
             moves = ray.get(self.scheduler.admit.remote(name, ray_cluster.GROUP, engine, actor, priority=task.priority,
-                                                        weight=task.weight), timeout=60)
+                                                        weight=task.weight, cobatch=cobatch), timeout=60)
         except Exception as err:  # noqa: BLE001 - the policy refused it: this task fails, nothing else
             self._end(name, FAILED, f"the scheduler refused it: {err}")
             return
