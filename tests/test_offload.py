@@ -36,3 +36,19 @@ def test_offload_frees_device_bytes_and_onload_restores_exactly(monkeypatch, pin
     for k, value in expected.items():
         assert back[k].dtype == value.dtype and np.array_equal(np.asarray(back[k]), value)
         assert back[k].sharding == shardings[k] and O.on_device(back[k])
+
+
+def test_an_array_deleted_by_another_thread_while_bytes_are_counted_holds_nothing(monkeypatch):
+    """In a device group's process roles of several tasks run at once: a train step donates (deletes) its state
+    while another role's memory probe walks `jax.live_arrays()`. An array deleted between being listed and having
+    its shards read counts 0 bytes, instead of failing the probing role's phase ("Array has been deleted")."""
+    from rlsched.observe import memprobe
+
+    kept, gone = jnp.ones((64, 8), jnp.float32), jnp.ones((3,), jnp.int32)
+    gone.delete()
+    # the race, made certain: the deleted array passes the liveness check, as it did just before its deletion
+    monkeypatch.setattr(O, "on_device", lambda x: True)
+    assert O.device_shards(gone) == []
+    assert sum(O.bytes_by_device([kept, gone]).values()) == 64 * 8 * 4
+    monkeypatch.setattr(jax, "live_arrays", lambda: [kept, gone])
+    assert sum(memprobe._live_bytes_by_device(jax).values()) == 64 * 8 * 4

@@ -111,12 +111,23 @@ def bytes_by_device(arrays=None) -> dict[Any, int]:
     seen: set[tuple[Any, int]] = set()
     for x in jax.live_arrays() if arrays is None else arrays:
         if isinstance(x, jax.Array) and on_device(x):
-            for shard in x.addressable_shards:
-                key = (shard.device, shard.data.unsafe_buffer_pointer())
-                if key not in seen:
-                    seen.add(key)
-                    out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+            for device, pointer, nbytes in device_shards(x):
+                if (device, pointer) not in seen:
+                    seen.add((device, pointer))
+                    out[device] = out.get(device, 0) + nbytes
     return out
+
+
+def device_shards(x: jax.Array) -> list[tuple[Any, int, int]]:
+    """(device, buffer pointer, bytes) of each of `x`'s shards in this process; [] when `x` was deleted. Another
+    thread may delete an array at any moment (a donated train state in a device group's process, where roles of
+    several tasks run at once): one deleted between `jax.live_arrays()` and the read of its shards holds nothing."""
+    try:
+        return [(s.device, s.data.unsafe_buffer_pointer(), s.data.nbytes) for s in x.addressable_shards]
+    except RuntimeError:
+        if x.is_deleted():  # deleted meanwhile ("Array has been deleted")
+            return []
+        raise
 
 
 def reserved_bytes(off: Offloaded) -> int:

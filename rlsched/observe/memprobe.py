@@ -34,13 +34,13 @@ def process_rss_bytes() -> int:
 
 def _live_bytes_by_device(jax) -> dict[Any, int]:
     used: dict[Any, int] = {}
-    from workers.offload import on_device
+    from workers.offload import device_shards, on_device
 
     for array in jax.live_arrays():
         if not on_device(array):  # offloaded to pinned host memory: live, but not on the device
             continue
-        for shard in array.addressable_shards:
-            used[shard.device] = used.get(shard.device, 0) + shard.data.nbytes
+        for device, _, nbytes in device_shards(array):  # none if another thread deleted it meanwhile
+            used[device] = used.get(device, 0) + nbytes
     return used
 
 

@@ -360,11 +360,12 @@ class EngineRole(_Role):
             elif hasattr(self.engine, "restore_weights"):  # weights left on host by a lazy onload come back now
                 with self.timeline.span("restore_weights") as span:
                     span["bytes"] = self.engine.restore_weights()
-            output = self.generate(prompt_ids, params, expected=message, together=together)
+            self._check(message)
         except BaseException:
-            if together is not None:  # the hold's other tasks must not wait for rows that will not come
-                self.engine.withdraw(together)
+            if together is not None:  # the hold's other tasks must not wait for rows that will not come (a failure
+                self.engine.withdraw(together)  # inside generate is the engine's: it withdraws itself, once)
             raise
+        output = self._generate(prompt_ids, params, together)
         return PhaseResult(output, self.timeline.drain(), self.memory_probe())
 
     def prepare(self, prompt_ids, params) -> tuple[int, list[dict]]:
@@ -397,6 +398,15 @@ class EngineRole(_Role):
             sync.update(stats)
         return stats
 
+    def _check(self, expected: WeightMessage) -> None:
+        """The engine holds exactly the weights `expected` announced (version and checksum), or a TaskError."""
+        if self.version() != expected.version:
+            raise TaskError(f"task {self.name}: the engine holds weights v{self.version()} but the actor published "
+                            f"v{expected.version}; refusing to generate with stale weights")
+        if self.verify() != expected.checksum:
+            raise TaskError(f"task {self.name}: engine checksum differs from the actor's published "
+                            f"v{expected.version}; refusing to generate with unverified weights")
+
     def verify(self) -> str | None:
         """The checksum of the weights the engine holds now (hashed from the device, not cached
         across an onload)."""
@@ -405,12 +415,10 @@ class EngineRole(_Role):
 
     def generate(self, prompt_ids, params, *, expected: WeightMessage, together=None):
         """Generate, but only with exactly the weights `expected` announced: same version, same checksum."""
-        if self.version() != expected.version:
-            raise TaskError(f"task {self.name}: the engine holds weights v{self.version()} but the actor published "
-                            f"v{expected.version}; refusing to generate with stale weights")
-        if self.verify() != expected.checksum:
-            raise TaskError(f"task {self.name}: engine checksum differs from the actor's published "
-                            f"v{expected.version}; refusing to generate with unverified weights")
+        self._check(expected)
+        return self._generate(prompt_ids, params, together)
+
+    def _generate(self, prompt_ids, params, together):
         with self.timeline.span("generate") as span:
             output = (self.engine.generate(prompt_ids, params) if together is None
                       else self.engine.generate(prompt_ids, params, together=together))

@@ -10,9 +10,10 @@ adapter slots, and a per-task view of it that keeps a LoRA task's engine contrac
 Design decisions:
 - **A slot per task, the stack per call.** Each view's adapter lives in its slot as its own device arrays
   (replicated on the mesh), so a view's offload frees exactly its adapter and nobody else's. The K adapters are
-  stacked (workers.models.lora_batch.stack) into the sampler for a call (generate, prepare, the read-back of a
-  sync) and dropped after it, as the KV cache is: between calls the process holds the base once and each task's
-  adapter once. An offloaded or closed slot is stacked as zeros, so K (part of the program's key) stays put while
+  stacked (workers.models.lora_batch.stack) into the sampler for a generate (once per hold when co-batched) and
+  dropped after it, as the KV cache is: between calls the process holds the base once and each task's adapter
+  once. A sync's read-back stacks its own slot alone and a prepare reuses the stack's shapes while no task comes
+  or goes, so neither costs more as the group grows. An offloaded or closed slot is stacked as zeros, so K (part of the program's key) stays put while
   tasks come and go; a closed slot is reused by the next view.
 - **A view's rows run its slot only.** Row b's delta gathers adapter rows[b] alone (AdapterBatch.delta), so what
   the other slots hold never reaches a view's rows: a view generates what its task would alone.
@@ -49,6 +50,7 @@ from workers import shared_base
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.lora import LoraSpec, adapter_shapes
+from workers.models.lora_batch import stack
 from workers.offload import offload, onload
 from workers.rollout.adapter_engine import check_adapter, sync_stats
 from workers.rollout.base import EngineOffloadedError, RolloutOutput, SamplingParams, Together, validate_request
@@ -78,6 +80,7 @@ class SharedSampler:
         self.slots: list[_Slot | None] = []
         self.lock = threading.RLock()
         self.gatherings = Gatherings(self._run_together)  # co-batched holds (wait_s: settable, e.g. by tests)
+        self._abstract_of: tuple = (None, None)  # (the slots' specs, the stack's abstract shapes for them)
 
     # ---- slots -------------------------------------------------------------------------------------------------
 
@@ -119,18 +122,29 @@ class SharedSampler:
         self.sampler.set_adapters([], [])
 
     def served(self, k: int) -> dict[str, jax.Array]:
-        """Slot k's adapter as the sampler serves it (read back from the stack, unpadded), in the flat layout."""
+        """Slot k's adapter as the sampler serves it: stacked as `_stack` stacks it (workers.models.lora_batch.stack,
+        placed on the mesh), read back unpadded, in the flat layout. Slot k alone is stacked: what the other slots
+        hold never enters row k's delta (AdapterBatch.delta gathers its own index), and a sync costs the same
+        however many tasks share the group (stacking every slot for each task's sync was quadratic in them)."""
         with self.lock:
+            slot = self.slots[k]
+            repl = S.replicated(self.mesh)
+            stacked = jax.tree.map(lambda x: S.place(x, repl, copy=True), stack([slot.device], [slot.spec], []))
+            out = {}
+            for name, (rows, cols) in slot.shapes.items():
+                module, part = name.rsplit(".", 1)
+                out[name] = jax.numpy.copy((stacked.a if part == "lora_a" else stacked.b)[module][0, :rows, :cols])
+            return out
+
+    def _abstract(self):
+        """The stack's shapes and shardings (to compile without it), kept per set of slots: they change only when a
+        task comes or goes, so a prepare does not stack every slot's adapter again."""
+        composition = tuple(None if s is None else s.spec for s in self.slots)
+        if self._abstract_of[0] != composition:
             self._stack()
-            try:
-                stacked = self.sampler._live_adapters()  # noqa: SLF001 - the one reader of the sampler's stack
-                out = {}
-                for name, (rows, cols) in self.slots[k].shapes.items():
-                    module, part = name.rsplit(".", 1)
-                    out[name] = jax.numpy.copy((stacked.a if part == "lora_a" else stacked.b)[module][k, :rows, :cols])
-                return out
-            finally:
-                self._unstack()
+            self._abstract_of = (composition, self.sampler._abstract_adapters())  # noqa: SLF001 - shapes only
+            self._unstack()
+        return self._abstract_of[1]
 
     # ---- generation --------------------------------------------------------------------------------------------
 
@@ -138,9 +152,7 @@ class SharedSampler:
         """Compile slot k's request alone and as c copies (c = 2 .. the live slots, until the rows fill
         max_batch_size): the joint runs a hold of this group's tasks makes when their requests are alike."""
         with self.lock:
-            self._stack()
-            abstract = self.sampler._abstract_adapters()  # noqa: SLF001 - the stack's shapes, to compile without it
-            self._unstack()
+            abstract = self._abstract()
             live = sum(s is not None for s in self.slots)
         request = (prompt_ids, params, [k] * len(prompt_ids))
         compiled = self.sampler.prepare_many([request], adapters=abstract)
