@@ -259,3 +259,24 @@ def test_prepare_compiles_the_joint_programs_of_a_hold_ahead(views, monkeypatch)
     for tasks in (2, 3):
         outputs = _together([(v, prompts, params) for v in views[:tasks]], Together(next(HOLDS), tasks))
         assert [o.cobatched for o in outputs] == [tasks] * tasks
+
+
+@pytest.mark.slow
+def test_a_hold_on_a_rollout_mesh_runs_as_one_and_each_gets_what_it_gets_alone(tiny_model_dir):
+    """The layout accelerators use: the group's engine on a dp (x tp) mesh, request rows split over dp, the KV
+    cache's heads over tp. The joint run's rows are split as one request's are, and each task still gets its own."""
+    mesh = S.mesh({"dp": 2, "tp": 2}, jax.devices()[:4])
+    views = [open_view(tiny_model_dir, dtype=None, mesh=mesh, spec=spec, max_prompt_len=16, max_new_tokens=8,
+                       max_batch_size=16, seed=i) for i, spec in enumerate(SPECS)]
+    try:
+        assert len({id(v.group) for v in views}) == 1 and views[0].group.sampler.mesh.shape == mesh.shape
+        for i, view in enumerate(views):
+            view.update_weights(_adapter(view.config, view.spec, 10 + i), 1)
+        alone = [view.generate(*request) for view, request in zip(views, REQUESTS, strict=True)]
+        together = _together([(v, *r) for v, r in zip(views, REQUESTS, strict=True)], Together(next(HOLDS), 3))
+        for got, want in zip(together, alone, strict=True):
+            assert got.cobatched == 3
+            _same(got, want)
+    finally:
+        for view in views:
+            view.close()
