@@ -255,6 +255,10 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
     full = {role: resident_bytes({"actor": actor_bytes(t, model), "engine": engine_bytes(t, model)})[role]
             for role in ("actor", "engine") for t in cfg.tasks[:1]}
     assert plan.per_device[0] == base + sum(sum(b.values()) for (t, r), b in rows.items() if r != "base")
+    (batch,) = plan.rollout_batches  # their rollouts share holds: `rlsched plan` says which, and up to how many rows
+    g = cfg.tasks[0].grpo
+    assert batch.tasks == ["addition", "subtraction"] and batch.rows == [g.prompts_per_step * g.num_generations] * 2
+    assert "co-batched rollout: addition, subtraction on one base" in plan.render()
 
     snap = build_policy(cfg)[0].snapshot()
     assert snap["pools"]["g0/shared"]["budget"] == 2**30 - base

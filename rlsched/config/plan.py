@@ -154,6 +154,7 @@ class DevicePlan:
     roles: list[RolePlan]
     per_device: list[int]  # bytes on each device of the pool with every role resident
     groups: list[GroupPlan]
+    rollout_batches: list[RolloutBatch] = dataclasses.field(default_factory=list)  # co-batched rollouts
 
     @property
     def runnable(self) -> bool:
@@ -164,7 +165,8 @@ class DevicePlan:
         return {"placement": self.placement, "num_devices": self.num_devices,
                 "num_devices_from": self.num_devices_from, "memory_budget_bytes": self.budget,
                 "models": self.models, "roles": roles, "per_device": self.per_device,
-                "groups": [dataclasses.asdict(g) for g in self.groups], "runnable": self.runnable}
+                "groups": [dataclasses.asdict(g) for g in self.groups], "runnable": self.runnable,
+                "rollout_batches": [dataclasses.asdict(b) for b in self.rollout_batches]}
 
     def render(self) -> str:
         budget = "no memory budget" if self.budget is None else f"memory budget {_size(self.budget)} per device"
@@ -185,6 +187,12 @@ class DevicePlan:
             line = (f"group {g.name} ({where}): {_size(g.resident)} on device {peak} with every role resident; "
                     f"largest role {_size(g.largest_role)}")
             lines.append(f"{line}; {verdict}" if verdict else line)
+        for b in self.rollout_batches:
+            if len(b.tasks) > 1:
+                names = ", ".join(b.tasks) if len(b.tasks) <= 4 else f"{len(b.tasks)} tasks ({b.tasks[0]}, ...)"
+                lines.append(f"co-batched rollout: {names} on one base; the waiting ones share a hold, their rows "
+                             f"in one program run, up to {b.capacity} rows ({', '.join(map(str, sorted(set(b.rows))))} "
+                             "per task)")
         return "\n".join(lines)
 
 
@@ -197,6 +205,34 @@ class SharedBase:
     devices: list[int]
     nbytes: int  # per device of its mesh
     roles: list[tuple[str, str]]  # (task, "actor" | "engine") reading it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutBatch:
+    """LoRA tasks whose engines are slots of one shared sampler (one base, one mesh, the same engine sizes): their
+    waiting ROLLOUTs share a hold (rlsched.scheduling.policy.CoBatch), their rows in one program run."""
+
+    key: str
+    tasks: list[str]
+    rows: list[int]  # each task's rows per step: prompts_per_step x num_generations
+    capacity: int  # rows per hold: the engine's rollout.max_batch_size
+
+
+def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[RolloutBatch]:
+    """The co-batched rollouts of `cfg`'s base groups (tasks with rollout.cobatch false left out)."""
+    found: dict[str, RolloutBatch] = {}
+    by_name = {t.name: t for t in cfg.tasks}
+    for b in bases:
+        for name, role in b.roles:
+            task = by_name[name]
+            g, r = task.grpo, task.rollout
+            if role != "engine" or not r.cobatch:
+                continue
+            key = repr((b.key, g.max_prompt_len, g.max_new_tokens, r.max_batch_size))
+            batch = found.setdefault(key, RolloutBatch(key=key, tasks=[], rows=[], capacity=r.max_batch_size))
+            batch.tasks.append(name)
+            batch.rows.append(g.prompts_per_step * g.num_generations)
+    return list(found.values())
 
 
 def shares_base(cfg: ExperimentConfig, task: TaskConfig) -> bool:
@@ -269,7 +305,7 @@ def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None)
         placement=placement, num_devices=n,
         num_devices_from="the meshes" if cfg.cluster.num_devices is None else "cluster.num_devices",
         budget=budget, models={t.name: _describe_model(t, models[t.name]) for t in cfg.tasks}, roles=roles,
-        per_device=per_device, groups=groups)
+        per_device=per_device, groups=groups, rollout_batches=rollout_batches(cfg, bases))
 
 
 def _group(name: str, devices: list[int], roles: list[RolePlan], per_device: list[int],

@@ -155,19 +155,12 @@ def task_cobatch(cfg: ExperimentConfig, name: str, processes: str) -> CoBatch | 
 
 def cobatches(cfg: ExperimentConfig, bases) -> dict[str, CoBatch]:
     """The LoRA tasks whose engines are slots of one shared sampler (workers.rollout.shared_engine: one base, one
-    mesh and the same engine sizes), so their ROLLOUTs can share a hold: {task: its CoBatch}."""
-    out = {}
-    for b in bases:
-        for name, role in b.roles:
-            if role != "engine":
-                continue
-            task = next(t for t in cfg.tasks if t.name == name)
-            g, r = task.grpo, task.rollout
-            if not r.cobatch:
-                continue
-            key = repr((b.key, g.max_prompt_len, g.max_new_tokens, r.max_batch_size))
-            out[name] = CoBatch(key, g.prompts_per_step * g.num_generations, r.max_batch_size)
-    return out
+    mesh and the same engine sizes), so their ROLLOUTs can share a hold: {task: its CoBatch}
+    (rlsched.config.plan.rollout_batches, which `rlsched plan` shows)."""
+    from rlsched.config.plan import rollout_batches
+
+    return {task: CoBatch(b.key, rows, b.capacity) for b in rollout_batches(cfg, bases)
+            for task, rows in zip(b.tasks, b.rows, strict=True)}
 
 
 def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str | None = None, echo=print,
