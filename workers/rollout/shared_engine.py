@@ -13,8 +13,8 @@ Design decisions:
   stacked (workers.models.lora_batch.stack) into the sampler for a generate (once per hold when co-batched) and
   dropped after it, as the KV cache is: between calls the process holds the base once and each task's adapter
   once. A sync's read-back stacks its own slot alone and a prepare reuses the stack's shapes while no task comes
-  or goes, so neither costs more as the group grows. An offloaded or closed slot is stacked as zeros, so K (part of the program's key) stays put while
-  tasks come and go; a closed slot is reused by the next view.
+  or goes, so neither costs more as the group grows. An offloaded or closed slot is stacked as zeros, so K (part
+  of the program's key) stays put while tasks come and go; a closed slot is reused by the next view.
 - **A view's rows run its slot only.** Row b's delta gathers adapter rows[b] alone (AdapterBatch.delta), so what
   the other slots hold never reaches a view's rows: a view generates what its task would alone.
 - **A sync is verified as a task's own engine verifies it**: names and shapes must be the adapter's, and the
