@@ -288,7 +288,7 @@ def _demo_lora(out, tasks=None, steps=3):
     done = subprocess.run([sys.executable, "-m", "rlsched.cli", "train", str(demo), *only,
                            *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return base, out / "demo-lora" / "tasks"
+    return base, out / "demo-lora" / "tasks", done.stdout
 
 
 @pytest.mark.slow
@@ -300,14 +300,17 @@ def test_eight_lora_tasks_roll_out_together_on_one_base_and_each_computes_what_i
     from rlsched.observe.tracking import read_metrics
 
     names = ("add-9", "sub-9", "add-19", "sub-19", "add-49", "sub-49", "add-99", "sub-99")
-    base, tasks = _demo_lora(tmp_path / "all")
+    import re
+
+    base, tasks, printed = _demo_lora(tmp_path / "all")
     assert sorted(p.name for p in base.parent.iterdir() if not p.name.startswith(".")) == ["base"]
     metrics = {t: read_metrics(tasks / t / "metrics.jsonl") for t in names}
     held = {m[-1][f"mem/{r}/held/base"] for m in metrics.values() for r in ("actor", "engine")}
     assert len(held) == 1 and held.pop() > 0  # every role of every task reads one base
     together = [m["rollout/cobatched"] for ms in metrics.values() for m in ms]
     assert len(together) == 24 and max(together) > 1, together  # holds were shared, rows run together
-    _, alone = _demo_lora(tmp_path / "alone", tasks="add-19")
+    assert re.search(r"rollout \d+\.\d+ \([2-8] tasks\) reward", printed), printed[-2000:]  # and the user sees it
+    _, alone, _ = _demo_lora(tmp_path / "alone", tasks="add-19")
     alone = read_metrics(alone / "add-19" / "metrics.jsonl")
     assert [m["rollout/cobatched"] for m in alone] == [1, 1, 1]
     for got, want in zip(metrics["add-19"], alone, strict=True):

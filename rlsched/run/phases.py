@@ -141,7 +141,9 @@ def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int,
 
 
 def progress_line(task: str, step: int, steps: int, m: dict[str, Any]) -> str:
+    together = m.get("rollout/cobatched", 1)
+    shared = f" ({together} tasks)" if together > 1 else ""  # the tasks whose rows ran in one co-batched run
     return (f"[{task}] step {step:>4}/{steps}  reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}  "
             f"kl {m['kl']:.4f}  loss {m['loss']:+.4f}  len {m['response_len/mean']:.1f}  "
-            f"step {m['time/step_s']:.2f}s (compile {m['time/compile_s']:.2f} rollout {m['time/rollout_s']:.2f} "
-            f"reward {m['time/reward_s']:.2f} train {m['time/train_s']:.2f})")
+            f"step {m['time/step_s']:.2f}s (compile {m['time/compile_s']:.2f} rollout {m['time/rollout_s']:.2f}"
+            f"{shared} reward {m['time/reward_s']:.2f} train {m['time/train_s']:.2f})")
