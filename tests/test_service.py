@@ -275,3 +275,37 @@ def test_a_task_across_hosts_is_refused_before_anything_is_sent():
     with pytest.raises(ConfigError, match=r"cluster.hosts is 2: the scheduler service runs device groups of one host"):
         service_config([ROOT / "configs" / "demo_mesh.yaml"], ["cluster.hosts=2", "cluster.num_devices=4"], None,
                        settings, echo=lambda *_: None)
+
+
+@pytest.mark.slow
+def test_lora_tasks_of_one_base_are_admitted_with_the_base_counted_once(tmp_path, service, tiny_model_dir):
+    """Two LoRA tasks on one base, and a memory budget with room for the base once and both tasks' own bytes, not
+    for the base twice: the service admits both at once (their base group reads one copy in the device group's
+    process), where counting the base in each task would have kept the second waiting for the first to end."""
+    from rlsched.config.loading import load_config
+    from rlsched.run.experiment import estimate_bytes, task_bases
+
+    svc = service
+    lora = [f"tasks.{i}.{k}" for i in (0, 1) for k in (f"model.path={tiny_model_dir}", "model.init_preset=null",
+                                                       "lora.rank=4", "steps=3")]
+    cfg = load_config(CONFIG, [*SMALL, *lora])
+    own = {}
+    for task in cfg.tasks:
+        bases = task_bases(cfg, task.name, "per_device_group")
+        shared = {role: b.nbytes for b in bases for name, role in b.roles if name == task.name}
+        own[task.name] = sum(estimate_bytes(task, shared))
+    (base,) = {b.nbytes for t in cfg.tasks for b in task_bases(cfg, t.name, "per_device_group")}
+    budget = base + sum(own.values()) + 4096
+    assert budget < 2 * base + sum(own.values())  # the old count (a base per task) would not fit both
+    svc("up", "--memory-budget-gb", repr(budget / 2**30))
+    svc("submit", CONFIG, *_sets(*lora))
+    rows = {t: svc.wait(t, lambda r: r["state"] in ("FINISHED", "FAILED", "CANCELLED"), timeout=600)
+            for t in ("addition", "subtraction")}
+    assert {r["state"] for r in rows.values()} == {"FINISHED"}, rows
+    first, second = sorted(rows.values(), key=lambda r: r["started_at"])
+    assert second["started_at"] < first["ended_at"], rows  # both ran at once
+    assert all(r["bases"] == {next(iter(first["bases"])): base} for r in rows.values()), rows
+    logs = svc("logs", second["name"]).stdout
+    assert "its base is held once for its base group, already running" in logs, logs
+    svc("down", timeout=300)
+    svc.assert_all_gone()

@@ -139,6 +139,20 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
     return policy, initial
 
 
+def task_bases(cfg: ExperimentConfig, name: str, processes: str) -> list:
+    """The shared bases (rlsched.config.plan.SharedBase) task `name` of its own submission `cfg` reads when it joins
+    a running scheduler with its roles in `processes`: [] for a task that loads its own weights."""
+    from rlsched.config.meshes import read_model_config
+    from rlsched.config.plan import shared_bases
+
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"processes": processes})})
+    task = next(t for t in cfg.tasks if t.name == name)
+    if task.lora is None:
+        return []
+    models = {task.name: read_model_config(task, cfg.tasks.index(task), required=True)}
+    return [b for b in shared_bases(cfg.model_copy(update={"tasks": [task]}), models)]
+
+
 def task_cobatch(cfg: ExperimentConfig, name: str, processes: str) -> CoBatch | None:
     """Task `name`'s CoBatch when it joins a running scheduler (rlsched.service.server) from its own submission
     `cfg`, its roles in `processes`; None for a task whose engine is not a slot of a shared sampler."""

@@ -86,7 +86,8 @@ class TaskRecord:
     reason: str | None = None  # why it is PENDING, or why it FAILED
     priority: int = 0
     weight: float = 1.0
-    needs_bytes: int = 0  # its roles' bytes on the group's busiest device (admission)
+    needs_bytes: int = 0  # its roles' bytes on the group's busiest device (admission), a shared base left out
+    bases: dict[str, int] = dataclasses.field(default_factory=dict)  # the shared bases it reads -> bytes per device
     step: int = 0
     reward: float | None = None
     phase: str | None = None  # "compiling", "rollout (g0/rollout)", "waiting for train", ...
@@ -413,7 +414,14 @@ class Service:
         return None if budget is None else int(budget * GiB)
 
     def _used_bytes(self) -> int:
-        return sum(t.needs_bytes for t in self.tasks.values() if t.state == RUNNING)
+        running = [t for t in self.tasks.values() if t.state == RUNNING]
+        return sum(t.needs_bytes for t in running) + sum(_bases_of(running).values())
+
+    def _need_now(self, record: TaskRecord) -> int:
+        """What admitting `record` adds: its own bytes, and each shared base no running task reads yet (a LoRA task's
+        base group shares one copy, rlsched.config.plan.SharedBase)."""
+        held = _bases_of([t for t in self.tasks.values() if t.state == RUNNING])
+        return record.needs_bytes + sum(n for key, n in record.bases.items() if key not in held)
 
     def _admit(self) -> None:
         """Start pending tasks in submission order while they fit (the oldest that does not fit blocks the rest)."""
@@ -421,9 +429,9 @@ class Service:
         for name, record in list(self.tasks.items()):
             if record.state != PENDING:
                 continue
-            used = self._used_bytes()
-            if budget is not None and used + record.needs_bytes > budget:
-                need, free = record.needs_bytes, max(budget - used, 0)
+            used, need = self._used_bytes(), self._need_now(record)
+            if budget is not None and used + need > budget:
+                free = max(budget - used, 0)
                 shown = (need, free, budget)  # one unit for the three, none of them reading 0.00
                 record.reason = (f"needs {format_bytes(need, like=shown)} per device, "
                                  f"{format_bytes(free, like=shown)} free in group {ray_cluster.GROUP} "
@@ -446,7 +454,8 @@ class Service:
         spec = next(s for s in sub.cfg.task_specs() if s.name == name)
         spec = dc.replace(spec, processes=self.processes, shares_devices=True)  # tasks come and go beside it
         task = spec.config
-        engine, actor = estimate_bytes(task)
+        admitted = self._need_now(record)
+        engine, actor = estimate_bytes(task, self._shared(sub.cfg, name) if record.bases else None)
         try:
             # A LoRA task rolls out together with waiting tasks of its base group, whichever submission they came in
             cobatch = task_cobatch(sub.cfg, name, self.processes)
@@ -463,7 +472,9 @@ class Service:
         self._drivers[name] = driver
         self._runs[driver.run.remote()] = name
         record.state, record.reason, record.started_at = RUNNING, None, time.time()
-        self._say(name, f"[{name}] admitted: {format_bytes(record.needs_bytes)} per device; starting its roles")
+        shared = " (its base is held once for its base group, already running)" if \
+            record.bases and admitted == record.needs_bytes else ""
+        self._say(name, f"[{name}] admitted: {format_bytes(admitted)} per device{shared}; starting its roles")
 
     # ---- the monitor -----------------------------------------------------------------------------------
 
@@ -622,15 +633,32 @@ class Service:
         from rlsched.run.experiment import estimate_bytes
 
         for task in (t for t in cfg.tasks if t.name in names):
-            engine, actor = estimate_bytes(task)
+            shared = self._shared(cfg, task.name)
+            engine, actor = estimate_bytes(task, shared)
+            bases = {repr(b.key): b.nbytes for b in self._bases(cfg, task.name)}
             self.tasks.pop(task.name, None)
             self.tasks[task.name] = TaskRecord(task.name, cfg.experiment.name, request_id, str(cfg.run_dir),
                                                task.steps, priority=task.priority, weight=task.weight,
-                                               needs_bytes=self._needs(engine, actor))
+                                               needs_bytes=self._needs(engine, actor), bases=bases)
             self._lines.setdefault(task.name, TailLines(self.limits["lines"]))
             self._say(task.name, f"[{task.name}] submitted ({cfg.experiment.name}, {task.steps} steps"
                                  + (", resuming from its last checkpoint" if resume else "") + ")")
         self._subs[request_id] = _Submission(cfg, resume, list(names))
+
+    def _bases(self, cfg: ExperimentConfig, name: str) -> list:
+        """The shared bases a LoRA task reads in this service's device group's process, counted once per base group
+        for admission. Colocated and without --overcommit only: elsewhere each task counts its own copy (more than
+        it holds, never less; with --overcommit the policy's evictions must see the base in each task's bytes)."""
+        from rlsched.run.experiment import task_bases
+
+        if self.settings["placement"] != "colocated" or self.settings.get("overcommit"):
+            return []
+        return task_bases(cfg, name, self.processes)
+
+    def _shared(self, cfg: ExperimentConfig, name: str) -> dict[str, int]:
+        """{role: bytes of the shared base it reads} of task `name` (rlsched.run.experiment.estimate_bytes leaves
+        them out)."""
+        return {role: b.nbytes for b in self._bases(cfg, name) for task, role in b.roles if task == name}
 
     def _kept_error(self, cfg: ExperimentConfig, resume: bool) -> str | None:
         """Why a submission may not take the name of a CANCELLED or FAILED task (kept for `rlsched resume` until
@@ -765,3 +793,8 @@ def status_rows(records: list[dict[str, Any]], now: float) -> list[dict[str, Any
             text = f"{'holds' if lock['holds'] else 'waits for'} {where} {seconds:.1f}s"
         rows.append({**record, "lock": text})
     return rows
+
+
+def _bases_of(records) -> dict[str, int]:
+    """The shared bases the tasks of `records` read, each once: {key: bytes per device}."""
+    return {key: n for record in records for key, n in record.bases.items()}
