@@ -326,7 +326,10 @@ def test_a_service_gives_lora_tasks_of_one_base_the_same_cobatch_whichever_submi
     from pathlib import Path
 
     from rlsched.config.loading import load_config
-    from rlsched.run.experiment import task_cobatch
+    from rlsched.run.experiment import cobatches, task_bases
+
+    def task_cobatch(cfg, name, processes):  # as rlsched.service.server admits a task of a submission
+        return cobatches(cfg, task_bases(cfg, name, processes)).get(name)
 
     demo = Path(__file__).parent.parent / "configs" / "demo_multitask.yaml"
     lora = [f"tasks.{i}.{k}" for i in (0, 1) for k in (f"model.path={tiny_model_dir}", "model.init_preset=null",

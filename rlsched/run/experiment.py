@@ -118,7 +118,6 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
     # devices it lies on (the busiest device's), and off each of its tasks' roles
     models = {t.name: read_model_config(t, i, required=True) for i, t in enumerate(cfg.tasks) if t.lora is not None}
     bases = shared_bases(cfg, models) if models else []
-    reads = {role: b.nbytes for b in bases for role in b.roles}
 
     def left(kind: str) -> int | None:
         held = max((sum(b.nbytes for b in bases if d in b.devices and any(r == kind for _, r in b.roles))
@@ -132,7 +131,7 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
     initial: dict[str, list[tuple[str, str]]] = {}
     cobatch = cobatches(cfg, bases)
     for task in cfg.tasks:
-        engine, actor = estimate_bytes(task, {role: n for (name, role), n in reads.items() if name == task.name})
+        engine, actor = estimate_bytes(task, shared_bytes(bases, task.name))
         initial[task.name] = [(str(m.role), str(m.action)) for m in policy.register(
             task.name, ray_cluster.GROUP, engine, actor, priority=task.priority, weight=task.weight,
             cobatch=cobatch.get(task.name))]
@@ -141,30 +140,21 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
 
 def task_bases(cfg: ExperimentConfig, name: str, processes: str) -> list:
     """The shared bases (rlsched.config.plan.SharedBase) task `name` of its own submission `cfg` reads when it joins
-    a running scheduler with its roles in `processes`: [] for a task that loads its own weights."""
+    a running scheduler with its roles in `processes`: [] for a task that loads its own weights. Found as
+    `rlsched train` finds them (its whole submission, so the keys are the same)."""
     from rlsched.config.meshes import read_model_config
     from rlsched.config.plan import shared_bases
 
     cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"processes": processes})})
-    task = next(t for t in cfg.tasks if t.name == name)
-    if task.lora is None:
+    if next(t for t in cfg.tasks if t.name == name).lora is None:
         return []
-    models = {task.name: read_model_config(task, cfg.tasks.index(task), required=True)}
-    return [b for b in shared_bases(cfg.model_copy(update={"tasks": [task]}), models)]
-
-
-def task_cobatch(cfg: ExperimentConfig, name: str, processes: str) -> CoBatch | None:
-    """Task `name`'s CoBatch when it joins a running scheduler (rlsched.service.server) from its own submission
-    `cfg`, its roles in `processes`; None for a task whose engine is not a slot of a shared sampler."""
-    from rlsched.config.meshes import read_model_config
-    from rlsched.config.plan import shared_bases
-
-    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"processes": processes})})
-    task = next(t for t in cfg.tasks if t.name == name)
-    if task.lora is None:
-        return None
     models = {t.name: read_model_config(t, i, required=True) for i, t in enumerate(cfg.tasks) if t.lora is not None}
-    return cobatches(cfg, shared_bases(cfg, models)).get(name)
+    return [b for b in shared_bases(cfg, models) if any(task == name for task, _ in b.roles)]
+
+
+def shared_bytes(bases: list, name: str) -> dict[str, int]:
+    """{role: bytes of the shared base it reads} of task `name` among `bases` (estimate_bytes leaves them out)."""
+    return {role: b.nbytes for b in bases for task, role in b.roles if task == name}
 
 
 def cobatches(cfg: ExperimentConfig, bases) -> dict[str, CoBatch]:

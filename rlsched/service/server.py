@@ -445,7 +445,7 @@ class Service:
         import ray
 
         from rlsched.observe.progress import LineBuffer
-        from rlsched.run.experiment import estimate_bytes, task_cobatch
+        from rlsched.run.experiment import cobatches, estimate_bytes, shared_bytes, task_bases
         from rlsched.run.task import TaskDriver
         from rlsched.scheduling.scheduler import SchedulerLocks
 
@@ -455,10 +455,11 @@ class Service:
         spec = dc.replace(spec, processes=self.processes, shares_devices=True)  # tasks come and go beside it
         task = spec.config
         admitted = self._need_now(record)
-        engine, actor = estimate_bytes(task, self._shared(sub.cfg, name) if record.bases else None)
         try:
+            bases = task_bases(sub.cfg, name, self.processes)
+            engine, actor = estimate_bytes(task, shared_bytes(bases, name) if record.bases else None)
             # A LoRA task rolls out together with waiting tasks of its base group, whichever submission they came in
-            cobatch = task_cobatch(sub.cfg, name, self.processes)
+            cobatch = cobatches(sub.cfg, bases).get(name)
             moves = ray.get(self.scheduler.admit.remote(name, ray_cluster.GROUP, engine, actor, priority=task.priority,
                                                         weight=task.weight, cobatch=cobatch), timeout=60)
         except Exception as err:  # noqa: BLE001 - the policy refused it: this task fails, nothing else
@@ -630,12 +631,12 @@ class Service:
     def _queue(self, request_id: str, cfg: ExperimentConfig, names: list[str], *, resume: bool) -> None:
         """PENDING records for the tasks `names` of `cfg`, last in submission order (an ended record of the same
         name is replaced; its log lines stay), and the submission they start from."""
-        from rlsched.run.experiment import estimate_bytes
+        from rlsched.run.experiment import estimate_bytes, shared_bytes
 
         for task in (t for t in cfg.tasks if t.name in names):
-            shared = self._shared(cfg, task.name)
-            engine, actor = estimate_bytes(task, shared)
-            bases = {repr(b.key): b.nbytes for b in self._bases(cfg, task.name)}
+            counted = self._bases(cfg, task.name)
+            engine, actor = estimate_bytes(task, shared_bytes(counted, task.name))
+            bases = {repr(b.key): b.nbytes for b in counted}
             self.tasks.pop(task.name, None)
             self.tasks[task.name] = TaskRecord(task.name, cfg.experiment.name, request_id, str(cfg.run_dir),
                                                task.steps, priority=task.priority, weight=task.weight,
@@ -654,11 +655,6 @@ class Service:
         if self.settings["placement"] != "colocated" or self.settings.get("overcommit"):
             return []
         return task_bases(cfg, name, self.processes)
-
-    def _shared(self, cfg: ExperimentConfig, name: str) -> dict[str, int]:
-        """{role: bytes of the shared base it reads} of task `name` (rlsched.run.experiment.estimate_bytes leaves
-        them out)."""
-        return {role: b.nbytes for b in self._bases(cfg, name) for task, role in b.roles if task == name}
 
     def _kept_error(self, cfg: ExperimentConfig, resume: bool) -> str | None:
         """Why a submission may not take the name of a CANCELLED or FAILED task (kept for `rlsched resume` until
