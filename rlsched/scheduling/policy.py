@@ -332,7 +332,7 @@ class Policy:
             if moves is None:
                 continue  # head-of-line: this resource's queue waits behind its candidate
             queue = self._queues[req.resource]
-            cohort = [(req, moves), *self._joiners(req, queue, now)]
+            cohort = [(req, moves), *self._joiners(req, queue)]
             for other in queue:
                 if all(other is not r for r, _ in cohort):
                     other.passed += 1
@@ -352,27 +352,23 @@ class Policy:
         state.request, state.holding, state.granted_at, state.share = None, req.phase, now, share
         self._touch(state, req.phase.role)
 
-    def _joiners(self, lead: _Request, queue: deque[_Request], now: float) -> list[tuple[_Request, tuple]]:
+    def _joiners(self, lead: _Request, queue: deque[_Request]) -> list[tuple[_Request, tuple]]:
         """The rollout requests of `lead`'s base group that share its hold: in the order's preference, while their
         rows fit the engine's batch and their roles fit in memory (each admitted as it joins; a joiner's onload
         never evicts a member's engine, which its hold protects)."""
         mine = self._tasks[lead.task].cobatch
         if lead.phase is not Phase.ROLLOUT or mine is None:
             return []
-        rows, out = mine.rows, []
-        self._holders[lead.resource] = [lead.task]  # protects the lead's engine while joiners are admitted
-        try:
-            for req in sorted(queue, key=self._preference):
-                other = self._tasks[req.task].cobatch
-                if req is lead or other is None or other.key != mine.key or rows + other.rows > mine.capacity:
-                    continue
-                moves = self._admit(req)
-                if moves is not None:
-                    rows += other.rows
-                    out.append((req, moves))
-                    self._holders[lead.resource].append(req.task)
-        finally:
-            del self._holders[lead.resource]  # `_hand` puts each member back, the lead first
+        rows, members, out = mine.rows, [lead.task], []
+        for req in sorted(queue, key=self._preference):
+            other = self._tasks[req.task].cobatch
+            if req is lead or other is None or other.key != mine.key or rows + other.rows > mine.capacity:
+                continue
+            moves = self._admit(req, members=members)
+            if moves is not None:
+                rows += other.rows
+                members.append(req.task)
+                out.append((req, moves))
         return out
 
     def release(self, task: str, phase: Phase, now: float) -> None:
@@ -424,8 +420,9 @@ class Policy:
 
     # ---- memory admission ---------------------------------------------------------------------------
 
-    def _admit(self, req: _Request) -> tuple[Move, ...] | None:
-        """The moves that make room for the request's role, or None if even evicting every idle role can't."""
+    def _admit(self, req: _Request, members: list[str] | tuple = ()) -> tuple[Move, ...] | None:
+        """The moves that make room for the request's role, or None if even evicting every idle role can't.
+        `members`: the tasks of the hold it joins, not yet among the holders: their roles of its phase are not idle."""
         state = self._tasks[req.task]
         role = req.phase.role
         if state.resident[role]:
@@ -436,6 +433,7 @@ class Policy:
         victims: list[tuple[_Task, Role]] = []
         if free is not None and need > free:
             protected = {(holder, r.phase.role) for r, holders in self._holders.items() for holder in holders}
+            protected |= {(member, role) for member in members}
             idle = [(other.last_used[r], other.name, r) for other in self._tasks.values() for r in Role
                     if other.resident[r] and self._pool(other, r) == pool and (other.name, r) not in protected
                     and other.nbytes[r] > 0]  # moving nothing would make no room
