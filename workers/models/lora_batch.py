@@ -85,6 +85,15 @@ class AdapterBatch:
         y = jnp.einsum("btr,bro->bto", xa, b) * jnp.take(self.scale, k)[:, None, None]  # (B, T, out)
         return jnp.where(on[:, None, None], y, 0.0).astype(x.dtype)
 
+    def adapter(self, k: int, shapes: Mapping[str, tuple[int, int]]) -> dict[str, jax.Array]:
+        """Adapter k back in the flat layout (`<module>.lora_a` / `.lora_b` of `shapes`), its rank's padding cut:
+        what `stack` stacked, as the forward reads it."""
+        out = {}
+        for name, (rows, cols) in shapes.items():
+            module, part = name.rsplit(".", 1)
+            out[name] = (self.a if part == "lora_a" else self.b)[module][k, :rows, :cols]
+        return out
+
 
 def stack(adapters: Sequence[Mapping[str, object]], specs: Sequence[LoraSpec], rows) -> AdapterBatch:
     """K flat adapters (`<module>.lora_a` (in, r_k), `.lora_b` (r_k, out)) and their specs -> an AdapterBatch

@@ -90,11 +90,7 @@ class AdapterEngine:
     def _served(self) -> dict[str, jax.Array]:
         """The adapter the sampler serves, in the flat layout: its slot 0 of the stacked a/b, unpadded."""
         stacked = self.sampler._live_adapters()  # noqa: SLF001 - the one reader of the sampler's stacked adapters
-        out = {}
-        for name, (rows, cols) in self._shapes.items():
-            module, part = name.rsplit(".", 1)
-            out[name] = (stacked.a if part == "lora_a" else stacked.b)[module][0, :rows, :cols]
-        return out
+        return stacked.adapter(0, self._shapes)
 
     def restore_weights(self) -> int:
         return self.sampler.restore_weights()

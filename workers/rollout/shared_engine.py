@@ -130,11 +130,7 @@ class SharedSampler:
             slot = self.slots[k]
             repl = S.replicated(self.mesh)
             stacked = jax.tree.map(lambda x: S.place(x, repl, copy=True), stack([slot.device], [slot.spec], []))
-            out = {}
-            for name, (rows, cols) in slot.shapes.items():
-                module, part = name.rsplit(".", 1)
-                out[name] = jax.numpy.copy((stacked.a if part == "lora_a" else stacked.b)[module][0, :rows, :cols])
-            return out
+            return {name: jax.numpy.copy(x) for name, x in stacked.adapter(0, slot.shapes).items()}
 
     def _abstract(self):
         """The stack's shapes and shardings (to compile without it), kept per set of slots: they change only when a
