@@ -160,12 +160,11 @@ class SharedSampler:
         return compiled
 
     def generate(self, prompt_ids, params: SamplingParams, k: int) -> RolloutOutput:
-        with self.lock:
-            self._stack()
-            try:
-                return self.sampler.generate(prompt_ids, params, adapter_rows=[k] * len(prompt_ids))
-            finally:
-                self._unstack()
+        """Slot k's request alone: a run of one (`_run_together`)."""
+        (result,) = self._run_together([(k, prompt_ids, params)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def validate(self, prompt_ids, params: SamplingParams) -> None:
         """The sampler's request checks (RolloutInputError), for a member before it joins a gathering."""
