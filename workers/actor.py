@@ -355,35 +355,67 @@ class ActorWorker:
 
     # ---- update ---------------------------------------------------------------------------------
 
-    def train(self, batch: TrainBatch, *, step: int, timeline=None) -> dict[str, float]:
+    def train(self, batch: TrainBatch, *, step: int, timeline=None, together=None) -> dict[str, float]:
         """The GRPO update for one step's samples: epochs x mini-batches of optimizer steps.
 
-        Returns metrics averaged over the optimizer steps (skipped counts them). `timeline`
-        (anything with `span(name, **attrs)`) gets a `logprobs` and an `update` span.
+        Returns metrics averaged over the optimizer steps (skipped counts them; cobatched: the members whose
+        updates ran in one program with this one's, 1 alone). `timeline` (anything with `span(name, **attrs)`) gets
+        a `logprobs` and an `update` span. `together` (workers.rollout.base.Together): the train hold this task shares
+        with others of its base group; a LoRA actor on a shared base then runs its optimizer steps in one vmapped
+        program with theirs (workers.actor_cobatch), each member's result its own update's.
         """
         span = timeline.span if timeline is not None else _no_span
         s = self.settings
-        if batch.size % s.mini_batch_size:
-            raise ValueError(f"{batch.size} samples do not split into mini-batches of {s.mini_batch_size}")
-        arrays = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask,
-                  "advantages": batch.advantages}
-        off_policy = self._off_policy(batch.size)
-        with span("logprobs", samples=batch.size):
-            if off_policy:  # the policy moves between optimizer steps: freeze the rollout-time logprobs
-                arrays["old_logp"] = self.logprobs(batch)
-            if s.beta > 0:
-                arrays["ref_logp"] = self.logprobs(batch, reference=True)
-        rng = np.random.default_rng([self.seed, step])
-        history = []
-        first = int(self.state.step)
-        with span("update", samples=batch.size):
-            self._update(arrays, off_policy, rng, history)
+        joint = self.cobatches(together)
+        try:
+            if self.state is None:
+                raise RuntimeError("this actor is offloaded; call onload() before train")
+            if batch.size % s.mini_batch_size:
+                raise ValueError(f"{batch.size} samples do not split into mini-batches of {s.mini_batch_size}")
+            arrays = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask,
+                      "advantages": batch.advantages}
+            off_policy = self._off_policy(batch.size)
+            with span("logprobs", samples=batch.size):
+                if off_policy:  # the policy moves between optimizer steps: freeze the rollout-time logprobs
+                    arrays["old_logp"] = self.logprobs(batch)
+                if s.beta > 0:
+                    arrays["ref_logp"] = self.logprobs(batch, reference=True)
+            minis = self._minis(arrays, off_policy, np.random.default_rng([self.seed, step]))
+            first = int(self.state.step)
+        except BaseException:
+            if joint:  # it will not come: the hold's other members must not wait for it
+                self.withdraw(together)
+            raise
+        with span("update", samples=batch.size) as update:
+            if joint:
+                from workers import actor_cobatch
+
+                history, cobatched = actor_cobatch.join(self, together, minis)
+                if cobatched > 1:
+                    update["cobatched"] = cobatched
+            else:
+                history, cobatched = [], 1
+                self._steps(minis, history)
         self.version += 1
         out = {k: float(np.mean([float(m[k]) for m in history])) for k in history[0]}
         out["skipped"] = float(sum(float(m["skipped"]) for m in history))
         out["lr"] = float(make_schedule(s)(self.state.step))  # the rate the next update will use
         out["moved"] = float(self._moved(history, first))
+        out["cobatched"] = float(cobatched)
         return out
+
+    def cobatches(self, together) -> bool:
+        """Whether `train(..., together=together)` runs co-batched: a hold of several tasks, and a LoRA actor on a
+        shared base (a full-weight actor, or one with a base of its own, always trains alone)."""
+        return together is not None and together.tasks > 1 and self.lora is not None and self.shares_base
+
+    def withdraw(self, together) -> None:
+        """This task will not train in the hold `together` (it failed before its update): the hold's other members
+        stop waiting for it."""
+        if self.cobatches(together):
+            from workers import actor_cobatch
+
+            actor_cobatch.withdraw(self, together)
 
     def _moved(self, history: list[dict], first: int) -> bool:
         """Whether the params should differ after these updates: one was applied (not skipped) at a non-zero
@@ -405,20 +437,24 @@ class ActorWorker:
             step += 1
         return False
 
-    def _update(self, arrays: dict[str, np.ndarray], off_policy: bool, rng, history: list) -> None:
+    def _minis(self, arrays: dict[str, np.ndarray], off_policy: bool, rng) -> list[dict[str, np.ndarray]]:
+        """The host mini-batches (A, M, ...) of epochs x mini-batches, in the order the optimizer steps take them."""
         s, size = self.settings, len(arrays["tokens"])
+        acc, minis = s.mini_batch_size // s.micro_batch_size, []
         for _ in range(s.epochs):
             order = rng.permutation(size) if off_policy else np.arange(size)
             for start in range(0, size, s.mini_batch_size):
                 idx = order[start : start + s.mini_batch_size]
-                acc = s.mini_batch_size // s.micro_batch_size
-                mini = {k: v[idx].reshape(acc, s.micro_batch_size, *v.shape[1:]) for k, v in arrays.items()}
-                # Across processes each one lays its devices' rows out of the same host batch (workers.multihost)
-                on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, v.ndim - 1, leading=1))
-                           for k, v in mini.items()}
-                self.state, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh,
-                                                *self._base_args())
-                history.append(metrics)
+                minis.append({k: v[idx].reshape(acc, s.micro_batch_size, *v.shape[1:]) for k, v in arrays.items()})
+        return minis
+
+    def _steps(self, minis: list[dict[str, np.ndarray]], history: list) -> None:
+        """One optimizer step per mini-batch, this actor alone; each step's metrics appended to `history`."""
+        for mini in minis:
+            # Across processes each one lays its devices' rows out of the same host batch (workers.multihost)
+            on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, v.ndim - 1, leading=1)) for k, v in mini.items()}
+            self.state, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh, *self._base_args())
+            history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
 
     # ---- weights --------------------------------------------------------------------------------

@@ -1,0 +1,184 @@
+"""Co-batched TRAIN in one process: the LoRA actors of a base group that hold the train lock together
+(workers.rollout.base.Together) meet in a gathering, and one of their threads runs their optimizer steps as one
+vmapped program per step.
+
+    history, cobatched = join(actor, together, minis)   # each member, from its own thread (ActorWorker.train)
+    withdraw(actor, together)                           # a member that will not come (it failed before its update)
+
+Design decisions:
+- **Why vmap.** The members' adapters are small and their base is one: alone, each optimizer step is a run of the
+  whole base for one task's rows, one after the other. `jax.vmap(train_step, in_axes=(0, 0, None))` over the
+  members' stacked states and mini-batches, the base unbatched, is one program that reads the base once per step
+  for all of them. It is each member's own step, side by side: the same loss, its own gradient (nothing mixes
+  across the vmapped axis), its own optimizer state and step count (the schedule runs per member).
+- **Where they meet.** One workers.rollout.cobatch.Gatherings per process per shared base (its lease's key): a
+  hold's members are tasks of one base group, so they always meet in it, even where their settings differ (they then
+  run in separate programs of the same joint run instead of waiting out the gathering for one another).
+- **Who runs with whom.** Requests are grouped by the program they need: the actor's signature (model, settings,
+  adapter spec, mesh), the mini-batch keys and shapes (a length bucket) and the number of optimizer steps. A group of
+  one runs the actor's plain program, exactly as alone.
+- **Padding to a power of two.** A group's K is padded to the next power of two by repeating member 0's state and
+  mini-batches (their results are dropped), so a base group compiles log2(K) programs, not K: K = 3 runs the K = 4
+  program. These programs compile on first use (the joint shapes depend on who came), once per process: they are
+  shared across the base group's actors by signature (workers.compiling.shared).
+- **Layout.** Every program has explicit shardings on the actor's mesh: a stacked state is laid out as a member's
+  with a leading unsplit axis (PartitionSpec(None, *spec)), batch arrays (K, A, M, ...) put rows (M) over
+  dp x fsdp x ep. Stacking and unstacking are jitted programs with those shardings, so a state is never gathered
+  whole onto one device; the stacked state is donated to each step. The members' own states are not donated to the
+  stack: a joint run that fails leaves every member's state as it was.
+- **Exactness.** A member's result is its alone update's to float rounding of a batched matmul: on CPU (tiny model,
+  float32) the params after three co-batched steps are within a few ulp of the alone ones (tests/test_cotrain.py
+  measures it and bounds it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from workers.compiling import compile_once, shared
+from workers.models import sharding as S
+from workers.multihost import global_array, host_value
+from workers.rollout.cobatch import Gatherings
+
+if TYPE_CHECKING:
+    from workers.actor import ActorWorker
+
+_LOCK = threading.Lock()
+_GATHERINGS: dict[tuple, Gatherings] = {}  # by shared base (workers.shared_base key): one per base group
+
+
+@dataclasses.dataclass(eq=False)
+class TrainRequest:
+    actor: ActorWorker
+    minis: list[dict[str, np.ndarray]]  # host mini-batches (A, M, ...), in the order its alone update runs them
+
+
+def gatherings(actor: ActorWorker) -> Gatherings:
+    """The process's gatherings of `actor`'s base group (made now if it has none)."""
+    key = actor._lease.key  # noqa: SLF001 - the base group's identity
+    with _LOCK:
+        if key not in _GATHERINGS:
+            _GATHERINGS[key] = Gatherings(run)
+        return _GATHERINGS[key]
+
+
+def open_holds() -> list[int]:
+    """The holds whose train gathering waits for members now, over every base group (for tools and tests)."""
+    with _LOCK:
+        every = list(_GATHERINGS.values())
+    return [hold for g in every for hold in g.open_holds()]
+
+
+def join(actor: ActorWorker, together, minis: list[dict[str, np.ndarray]]) -> tuple[list[dict], int]:
+    """Run `minis` (one optimizer step each) on `actor` with the hold's other members; (its metrics per step, how
+    many members' updates ran in that one program). The actor's state is the new one when it returns."""
+    return gatherings(actor).join(together.hold, together.tasks, TrainRequest(actor, minis))
+
+
+def withdraw(actor: ActorWorker, together) -> None:
+    """`actor`'s task will not train in the hold `together`: the others stop waiting for it."""
+    gatherings(actor).withdraw(together.hold, together.tasks)
+
+
+def run(requests: list[TrainRequest]) -> list:
+    """A gathering's run: per request (its metrics per step, cobatched) or the exception of its group's run."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(_group_key(r), []).append(i)
+    results: list = [None] * len(requests)
+    for members in groups.values():
+        try:
+            outcome = _run_group([requests[i] for i in members])
+        except Exception as e:  # noqa: BLE001 - every member of this group gets it
+            outcome = [e] * len(members)
+        for i, result in zip(members, outcome, strict=True):
+            results[i] = result
+    return results
+
+
+def _group_key(r: TrainRequest) -> tuple:
+    first = r.minis[0]
+    return (r.actor._signature, len(r.minis),  # noqa: SLF001 - the programs' identity
+            tuple(sorted((k, v.shape, v.dtype.str) for k, v in first.items())))
+
+
+def _run_group(requests: list[TrainRequest]) -> list[tuple[list[dict], int]]:
+    """One group's optimizer steps: the plain program alone, else one vmapped program per step."""
+    if len(requests) == 1:
+        history: list = []
+        requests[0].actor._steps(requests[0].minis, history)  # noqa: SLF001
+        return [([{k: np.asarray(host_value(v)) for k, v in m.items()} for m in history], 1)]
+    actors = [r.actor for r in requests]
+    k, padded = len(requests), 1 << (len(requests) - 1).bit_length()
+    lead = actors[0]
+    keys = tuple(sorted(requests[0].minis[0]))
+    shapes = {name: (v.shape, v.dtype) for name, v in requests[0].minis[0].items()}
+    stack, step, unstack = _programs(lead, padded, keys, shapes)
+    rows = {name: S.batch_sharding(lead.mesh, len(shape) + 1, leading=2) for name, (shape, _) in shapes.items()}
+    states = [a.state for a in actors] + [actors[0].state] * (padded - k)
+    stacked = stack(*states)
+    metrics = []
+    for j in range(len(requests[0].minis)):
+        minis = [r.minis[j] for r in requests] + [requests[0].minis[j]] * (padded - k)
+        batch = {name: global_array(np.stack([m[name] for m in minis]), rows[name]) for name in keys}
+        stacked, m = step(stacked, batch, *lead._base_args())  # noqa: SLF001
+        metrics.append(m)
+    news = unstack(stacked)
+    jax.block_until_ready((news, metrics))  # the update ends when the work does, not at dispatch
+    for actor, new in zip(actors, news[:k], strict=False):
+        actor.state = new
+    metrics = [{name: np.asarray(host_value(v)) for name, v in m.items()} for m in metrics]
+    return [([{name: v[i] for name, v in m.items()} for m in metrics], k) for i in range(k)]
+
+
+def _stacked(sharding: NamedSharding) -> NamedSharding:
+    """A member's layout with a leading unsplit (members) axis."""
+    return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+
+
+def _programs(actor: ActorWorker, padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> tuple[Any, ...]:
+    """(stack, step, unstack) for `padded` members of `actor`'s signature and these mini-batch shapes: compiled on
+    first use, then shared by every actor of the signature in this process."""
+    from workers.actor import _shapes_key, train_step
+
+    sig = actor._signature  # noqa: SLF001
+    member_sh = actor.shardings
+    stacked_sh = jax.tree.map(_stacked, member_sh)
+    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct((padded, *x.shape), x.dtype, sharding=sh),
+                            actor._abstract, stacked_sh)  # noqa: SLF001
+    repl = S.replicated(actor.mesh)
+    rows = {name: S.batch_sharding(actor.mesh, len(shape) + 1, leading=2) for name, (shape, _) in shapes.items()}
+    batch = {name: jax.ShapeDtypeStruct((padded, *shape), dtype, sharding=rows[name])
+             for name, (shape, dtype) in shapes.items()}
+    base = actor._abstract_base[:1]  # noqa: SLF001 - the frozen base: unbatched, never donated
+    base_sh = () if actor.lora is None else (actor.base_shardings,)
+
+    def build_stack():
+        fn = jax.jit(lambda *states: jax.tree.map(lambda *xs: jnp.stack(xs), *states),
+                     in_shardings=(member_sh,) * padded, out_shardings=stacked_sh)
+        return compile_once(fn.lower(*([actor._abstract] * padded)))  # noqa: SLF001
+
+    def build_step():
+        one = partial(train_step, graphdef=actor.graphdef, tx=actor.tx, settings=actor.settings, lora=actor.lora)
+        fn = jax.jit(jax.vmap(one, in_axes=(0, 0, *(None,) * len(base))),
+                     in_shardings=(stacked_sh, rows, *base_sh), out_shardings=(stacked_sh, repl), donate_argnums=0)
+        return compile_once(fn.lower(abstract, batch, *base))
+
+    def build_unstack():
+        fn = jax.jit(lambda s: tuple(jax.tree.map(lambda x, i=i: x[i], s) for i in range(padded)),
+                     in_shardings=(stacked_sh,), out_shardings=tuple([member_sh] * padded))
+        return compile_once(fn.lower(abstract))
+
+    shape_key = _shapes_key({name: (shape, dtype) for name, (shape, dtype) in shapes.items()})
+    stack, _ = shared((sig, "cotrain-stack", padded), build_stack)
+    step, _ = shared((sig, "cotrain-step", padded, keys, shape_key), build_step)
+    unstack, _ = shared((sig, "cotrain-unstack", padded), build_unstack)
+    return stack, step, unstack
