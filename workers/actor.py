@@ -24,6 +24,17 @@ Design decisions:
   A and B matrices (a flat dict, each laid out like the projection it adapts), the optimizer holds their moments
   only, and the base's params are a frozen argument of every program (never differentiated, never donated). Its
   KL reference is the base with the adapter off, so it keeps no reference copy; what it publishes is the adapter.
+- Co-batched TRAIN (`train(..., together=)`, workers.actor_cobatch): when the scheduler grants one train hold to
+  several LoRA tasks of a base group, each task's thread computes its own logprobs (old and ref) and its own
+  mini-batches (its own rng), then the members meet and one thread runs all their optimizer steps, one program per
+  step: `jax.vmap(train_step)` over their stacked states and mini-batches, the shared base unbatched. vmap, not a
+  loop: one pass over the base's weights serves every member's rows (bigger matmuls, one launch), and each member's
+  gradient, optimizer state and schedule stay its own. K members are padded to a power of two (member 0 repeated,
+  its copies' results dropped) so a base group compiles log2(K) programs; members of another length bucket or
+  settings run in their own program of the same run. Each member's result is what it gets alone to float rounding
+  (a batched program rounds row reductions differently; AdamW magnifies that in the params: actor_cobatch's
+  docstring has the measurements), and bit for bit the same whoever its partners are. A full-weight actor, or a
+  LoRA actor with a base of its own, trains alone whatever the hold.
 """
 
 from __future__ import annotations
