@@ -1,4 +1,4 @@
-"""Co-batched ROLLOUT in the pure policy: a base group's waiting tasks share one rollout hold, charged by rows."""
+"""Co-batched ROLLOUT and TRAIN in the pure policy: a base group's waiting tasks share one hold, charged by rows."""
 
 from __future__ import annotations
 
@@ -132,9 +132,38 @@ def test_a_failed_or_expired_member_lets_the_others_keep_the_hold():
     assert p.holders(ROLLOUT) == []
 
 
+def test_train_holds_are_shared_by_their_own_key_and_capacity_and_charged_by_rows():
+    """TRAIN co-batches by its own key (tasks whose update is the same program): a task may share rollouts with
+    its whole base group and train with only some of it."""
+    p = Policy({"g0": GroupSpec.colocated(None)}, order="fair")
+    trains = {"a": CoBatch("same-update", 8, 16, T), "b": CoBatch("same-update", 8, 16, T),
+              "c": CoBatch("other-lr", 8, 16, T), "d": CoBatch("same-update", 8, 16, T)}
+    for t in "abcd":
+        p.register(t, "g0", 1, 1, cobatch=(CoBatch("base", 4, 64), trains[t]))
+    for t in "abcd":
+        p.request(t, R, 0.0)
+    assert {g.cohort for g in p.grant(0.0)} == {("a", "b", "c", "d")}  # one rollout hold: the whole base group
+    for t in "abcd":
+        p.release(t, R, 1.0)
+        p.request(t, T, 1.0)
+    grants = p.grant(1.0)
+    # a leads; b joins (8 + 8 <= 16); d would make 24; c's update is another program
+    assert [(g.task, g.cohort) for g in grants] == [("a", ("a", "b")), ("b", ("a", "b"))]
+    assert p.holders(Resource("g0", T)) == ["a", "b"]
+    p.release("a", T, 5.0)
+    p.release("b", T, 5.0)
+    usage = p.snapshot()["tasks"]
+    assert usage["a"]["lock_s_per_weight"]["train"] == pytest.approx(2.0)  # 4 s, half the rows each
+    assert usage["a"]["cobatch"] == {"rollout": "base", "train": "same-update"}
+    assert [g.task for g in p.grant(5.0)] == ["c"]  # the fairest next (fair order: c and d have 0 s; c is older)
+
+
 def test_cobatch_is_checked():
     with pytest.raises(PolicyError, match="rows and capacity must be positive"):
         CoBatch("base", 0, 8)
+    p = Policy({"g0": GroupSpec.colocated(None)})
+    with pytest.raises(PolicyError, match="at most one CoBatch per phase"):
+        p.register("a", "g0", 1, 1, cobatch=(CoBatch("x", 1, 2), CoBatch("y", 1, 2)))
 
 
 @settings(max_examples=60, deadline=None)
@@ -142,12 +171,15 @@ def test_cobatch_is_checked():
        st.integers(2, 6), st.sampled_from(["fifo", "priority", "fair"]), st.one_of(st.none(), st.integers(3, 8)))
 def test_random_schedules_keep_holds_within_one_base_group_and_the_batch(steps, capacity, order, budget):
     """Tasks of two base groups and full-weight ones cycle ROLLOUT -> TRAIN at random: a hold of several is one base
-    group's rollout within the batch, every holder's role is resident, budgets hold, and the schedule drains."""
+    group's rollout within the batch, or one train key's update within its capacity; every holder's role is
+    resident, budgets hold, and the schedule drains."""
     p = Policy({"g0": GroupSpec.colocated(budget)}, order=order)
     kinds = {"a": "x", "b": "x", "c": "x", "d": "y", "e": "y", "f": None}
+    trains = {"a": "x1", "b": "x1", "c": "x2", "d": "y1", "e": "y1"}  # c's update differs from a's and b's
     for t, key in kinds.items():
-        p.register(t, "g0", 1 if key else 2, 1, priority=ord(t) % 3,
-                   cobatch=None if key is None else CoBatch(key, 1 + ord(t) % 2, capacity))
+        batches = () if key is None else (CoBatch(key, 1 + ord(t) % 2, capacity),
+                                          CoBatch(trains[t], 1 + ord(t) % 2, capacity, T))
+        p.register(t, "g0", 1 if key else 2, 1, priority=ord(t) % 3, cobatch=batches)
     holding, now = {}, 0.0
     for i, action in steps:
         now += 1
@@ -162,8 +194,8 @@ def test_random_schedules_keep_holds_within_one_base_group_and_the_batch(steps, 
         for r in p.resources():
             members = p.holders(r)
             if len(members) > 1:
-                keys = {kinds[m] for m in members}
-                assert r.phase is R and len(keys) == 1 and None not in keys
+                keys = {(kinds if r.phase is R else trains).get(m) for m in members}
+                assert len(keys) == 1 and None not in keys
                 assert sum(1 + ord(m) % 2 for m in members) <= capacity
             for m in members:
                 assert holding[m] is r.phase and p.resident(m, r.phase.role)

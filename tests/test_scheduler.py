@@ -361,7 +361,7 @@ def test_a_task_arrives_at_a_running_scheduler_and_a_resubmitted_name_starts_afr
     async def scenario():
         s = _scheduler(tasks=("a",))
         await s.acquire("a", "train")
-        assert s.admit("b", "g0", 100, 300) == []  # fits beside a: created on device, nothing to offload
+        assert await s.admit("b", "g0", 100, 300) == []  # fits beside a: created on device, nothing to offload
         waiting = asyncio.create_task(s.acquire("b", "train"))
         await asyncio.sleep(0.05)
         locks = s.locks()
@@ -370,12 +370,12 @@ def test_a_task_arrives_at_a_running_scheduler_and_a_resubmitted_name_starts_afr
         assert locks["g0/train"]["waiting"][0]["waited_s"] >= 0.05
         assert locks["g0/rollout"] == {"holder": None, "holders": [], "held_s": None, "waiting": []}
         with pytest.raises(PolicyError, match="is live"):  # a live task's name cannot be taken
-            s.admit("a", "g0", 100, 300)
+            await s.admit("a", "g0", 100, 300)
         await s.fail("a", "cancelled")
         await asyncio.wait_for(waiting, 1)  # its lock passed on
         with pytest.raises(LeaseLost):
             await s.acquire("a", "rollout")
-        assert s.admit("a", "g0", 100, 300) == []
+        assert await s.admit("a", "g0", 100, 300) == []
         assert "a" not in s.failed()
         lease = await asyncio.wait_for(s.acquire("a", "rollout"), 1)  # the new "a" takes locks again
         assert lease.task == "a"

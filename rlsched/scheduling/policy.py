@@ -28,13 +28,19 @@ Design decisions (and why):
   alone could never train); being just used, it is naturally the last candidate.
 - **Moves are decisions.** `grant` updates the accounting as if its moves were done; the holder
   executes them (offloads first, its onload last) before working, through `memory.Residency`.
-- **Co-batched ROLLOUT** (LoRA tasks of one base group, `CoBatch`). Their engines are slots of one sampler over
-  one resident base, so one program run can serve all their rows at once. When the rollout lock goes to such a
-  task, the other queued rollout requests of its base group join the hold, in the order's preference, while their
-  rows fit the engine's batch (and their adapters fit in memory). The lock is free again when every member has
-  released it; each is charged the hold's time by its share of the rows (fair share stays per task), and a
-  joiner's own lock time ends when it releases. A hold grows only when it is granted: a request that arrives
-  during a hold waits for the next one.
+- **Co-batched ROLLOUT and TRAIN** (LoRA tasks of one base group, `CoBatch`, one per phase). Their engines are
+  slots of one sampler over one resident base, so one program run can serve all their rows at once; their actors
+  read that base too, and tasks whose update is the same program run their optimizer steps as one. When a phase's
+  lock goes to such a task, the other queued requests of that phase and key join the hold, in the order's
+  preference, while their rows fit the phase's capacity (and their roles fit in memory). The lock is free again
+  when every member has released it; each is charged the hold's time by its share of the rows (fair share stays
+  per task), and a joiner's own lock time ends when it releases. A hold grows only when it is granted: a request
+  that arrives during a hold waits for the next one.
+- **Shared bases are pinned** (`register(..., bases=)`). A LoRA task's roles read its base group's one copy of the
+  base, which stays on the devices while any live task reads it: it is counted once in its pool from the first
+  reader's registration to the last reader's end, never evicted, and a role must fit beside the pool's bases. A
+  new base that does not fit in the free room evicts idle roles when it is registered (their OFFLOAD moves come
+  first in `register`'s result), since it is loaded with the task's roles.
 - **Failure frees memory.** `fail` drops a task's lease and queued request and forgets its memory:
   its process died or, on lease expiry, is being killed by the caller.
 
@@ -42,7 +48,8 @@ Deadlock freedom: (1) a lease holder waits for nothing (one lock, its role alrea
 every lease ends (release, fail or expiry). (2) A pool serves at most two slots (colocated: its
 group's rollout and train; disaggregated: one), so a head at a free slot can only be blocked by the
 role the other slot's holder protects; once that holder releases, nothing in the pool is protected
-and, every budget being >= each of its roles (checked at register), evicting idle roles makes room.
+and, every budget being >= each of its roles plus its pinned bases (checked at register), evicting idle
+roles makes room.
 (3) The oldest head is tried first and each queue is FIFO, so every queued request is granted.
 """
 
@@ -162,13 +169,14 @@ class Move:
 
 @dataclasses.dataclass(frozen=True)
 class CoBatch:
-    """A task's place in a base group whose ROLLOUT can be co-batched: tasks of one `key` (in one device group)
-    share a rollout hold while their `rows` (prompts x generations per step) add up to at most `capacity` (the
-    shared engine's batch)."""
+    """A task's place in a base group whose `phase` can be co-batched: tasks of one `key` (in one device group)
+    share a hold of that phase while their `rows` add up to at most `capacity`. ROLLOUT: prompts x generations per
+    step against the shared engine's batch; TRAIN: micro-batch rows against the co-batched update's."""
 
     key: str
     rows: int
     capacity: int
+    phase: Phase = Phase.ROLLOUT
 
     def __post_init__(self) -> None:
         if not isinstance(self.rows, int) or not isinstance(self.capacity, int) or self.rows < 1 or self.capacity < 1:
@@ -185,6 +193,14 @@ class Grant:
     moves: tuple[Move, ...]  # evictions (offloads) first, then the grantee's onload; execute in order
     cohort: tuple[str, ...] = ()  # a co-batched ROLLOUT hold's tasks (this one included); () alone
     hold: int = 0  # the hold's id (its first grant's request id); 0 alone
+
+
+@dataclasses.dataclass
+class _Base:
+    """A shared base pinned in a pool: counted once while any live task reads it."""
+
+    nbytes: int
+    readers: set[str]
 
 
 @dataclasses.dataclass
@@ -209,7 +225,7 @@ class _Task:
     failed: bool = False
     priority: int = 0
     weight: float = 1.0
-    cobatch: CoBatch | None = None
+    cobatch: dict[Phase, CoBatch] = dataclasses.field(default_factory=dict)  # the phases it may share a hold of
     share: float = 1.0  # of the hold it holds: its rows / the cohort's rows (1 alone)
     usage: dict[Phase, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(Phase, 0.0))  # s / weight
 
@@ -233,6 +249,7 @@ class Policy:
         self._queues = {Resource(g, p): deque() for g in self._groups for p in Phase}
         self._holders: dict[Resource, list[str]] = {}  # a co-batched ROLLOUT hold has several
         self._tasks: dict[str, _Task] = {}
+        self._bases: dict[tuple[str, str], _Base] = {}  # (pool, key) -> a shared base pinned there
         self._request_tasks: dict[int, str] = {}  # queued or dropped request id -> task
         self._next_id = 0
         self._tick = 0
@@ -240,12 +257,17 @@ class Policy:
     # ---- tasks ------------------------------------------------------------------------------------
 
     def register(self, task: str, group: str, engine_bytes: int, actor_bytes: int, *, resident: bool = True,
-                 priority: int = 0, weight: float = 1.0, cobatch: CoBatch | None = None) -> list[Move]:
+                 priority: int = 0, weight: float = 1.0, cobatch: CoBatch | tuple[CoBatch, ...] | None = None,
+                 bases: tuple[tuple[str, Role, int], ...] = ()) -> list[Move]:
         """Add a task. `resident=True`: its roles were created on device; those that fit in the pools'
         free room stay (engine first: ROLLOUT comes first) and the returned OFFLOAD moves must be done
         at once. Registering never evicts other tasks. `resident=False`: created on host, returns [].
         `priority` (order "priority": higher first) and `weight` (order "fair": its share of lock time); `cobatch`:
-        its base group, whose rollouts may share a hold."""
+        its base group's co-batched phases (one CoBatch per phase), whose holds it may share. `bases`: the shared
+        bases its roles read, (key, role, bytes per device), left out of `engine_bytes` / `actor_bytes`: each is
+        pinned once in its role's pool while a live task reads it; a new one that does not fit in the free room
+        evicts idle roles of other tasks (their OFFLOAD moves come first in the result: do them before the task's
+        roles are created)."""
         if task in self._tasks:
             raise PolicyError(f"task {task!r} is already registered")
         if not isinstance(weight, int | float) or not weight > 0:
@@ -253,25 +275,37 @@ class Policy:
         if group not in self._groups:
             raise PolicyError(f"task {task!r}: unknown device group {group!r} (known: {sorted(self._groups)})")
         nbytes = {Role.ENGINE: engine_bytes, Role.ACTOR: actor_bytes}
+        pinned = {}  # (pool, key) -> bytes: the pools' bases once this task is registered
+        for key, role, n in bases:
+            if not isinstance(n, int) or n < 0:
+                raise PolicyError(f"task {task!r}: shared base {key!r} bytes must be a non-negative int, got {n!r}")
+            pinned[self._groups[group].pool_of(group, Role(role)), key] = n
+        for (pool, key), b in self._bases.items():
+            pinned.setdefault((pool, key), b.nbytes)
         for role, n in nbytes.items():
             if not isinstance(n, int) or n < 0:
                 raise PolicyError(f"task {task!r}: {role} bytes must be a non-negative int, got {n!r}")
             pool = self._groups[group].pool_of(group, role)
             budget = self._budgets[pool]
-            if budget is not None and n > budget:
+            held = sum(b for (p, _), b in pinned.items() if p == pool)
+            if budget is not None and n + held > budget:
                 shown = (n, budget)
-                raise PolicyError(f"task {task!r}: {role} needs {format_bytes(n, like=shown)} but pool {pool!r} has "
-                                  f"a budget of only {format_bytes(budget, like=shown)}; no amount of offloading can "
-                                  "make it fit")
+                beside = f" beside {format_bytes(held)} of shared bases that never offload" if held else ""
+                raise PolicyError(f"task {task!r}: {role} needs {format_bytes(n, like=shown)}{beside} but pool "
+                                  f"{pool!r} has a budget of only {format_bytes(budget, like=shown)}; no amount of "
+                                  "offloading can make it fit")
+        batches = (cobatch,) if isinstance(cobatch, CoBatch) else tuple(cobatch or ())
+        if len({b.phase for b in batches}) != len(batches):
+            raise PolicyError(f"task {task!r}: give at most one CoBatch per phase, got {batches}")
         state = _Task(task, group, nbytes, dict.fromkeys(Role, False), dict.fromkeys(Role, 0),
-                      priority=int(priority), weight=float(weight), cobatch=cobatch)
+                      priority=int(priority), weight=float(weight), cobatch={b.phase: b for b in batches})
         # A task arriving late starts level with the least served live task of its group, not at zero: a
         # newcomer does not get the lock until it has caught up with tasks that ran for hours.
         peers = [t for t in self._tasks.values() if t.group == group and not t.failed]
         if peers:
             state.usage = {ph: min(t.usage[ph] for t in peers) for ph in Phase}
         self._tasks[task] = state
-        moves = []
+        moves = self._pin(state, bases)
         for role in (Role.ENGINE, Role.ACTOR) if resident else ():
             pool = self._pool(state, role)
             budget = self._budgets[pool]
@@ -282,8 +316,39 @@ class Policy:
                 moves.append(Move(task, role, Action.OFFLOAD))
         return moves
 
+    def _pin(self, state: _Task, bases) -> list[Move]:
+        """Count `state`'s shared bases as read by it; a base new to its pool is pinned there, evicting idle roles
+        (least recently used first) while it does not fit the free room. Returns those evictions."""
+        moves = []
+        for key, role, n in bases:
+            pool = self._pool(state, Role(role))
+            if (pool, key) in self._bases:
+                self._bases[pool, key].readers.add(state.name)
+                continue
+            budget = self._budgets[pool]
+            idle = sorted((other.last_used[r], other.name, r) for other in self._tasks.values() for r in Role
+                          if other.resident[r] and self._pool(other, r) == pool and other.nbytes[r] > 0
+                          and not (other.holding is not None and other.holding.role is r))
+            for _, name, r in idle:
+                if budget is None or self._used[pool] + n <= budget:
+                    break
+                self._set_resident(self._tasks[name], r, False)
+                moves.append(Move(name, r, Action.OFFLOAD))
+            self._bases[pool, key] = _Base(n, {state.name})
+            self._used[pool] += n  # held roles that do not fit beside it are over until they release (then evicted)
+        return moves
+
+    def _unpin(self, state: _Task) -> None:
+        """`state` reads its bases no more: a base with no live reader left is no longer counted."""
+        for (pool, key), b in list(self._bases.items()):
+            b.readers.discard(state.name)
+            if not b.readers:
+                self._used[pool] -= b.nbytes
+                del self._bases[pool, key]
+
     def fail(self, task: str) -> None:
-        """The task died or lost its lease: drop its lease and queued request, forget its memory. Idempotent."""
+        """The task died or lost its lease: drop its lease and queued request, forget its memory (a shared base
+        it was the last to read included). Idempotent."""
         state = self._task(task)
         if state.holding is not None:
             self._let_go(state)
@@ -292,6 +357,7 @@ class Policy:
             state.request = None
         for role in Role:
             self._set_resident(state, role, False)
+        self._unpin(state)
         state.failed = True
 
     def forget(self, task: str) -> None:
@@ -336,7 +402,7 @@ class Policy:
             for other in queue:
                 if all(other is not r for r, _ in cohort):
                     other.passed += 1
-            rows = [self._tasks[r.task].cobatch.rows if len(cohort) > 1 else 1 for r, _ in cohort]
+            rows = [self._tasks[r.task].cobatch[r.phase].rows if len(cohort) > 1 else 1 for r, _ in cohort]
             tasks = tuple(r.task for r, _ in cohort) if len(cohort) > 1 else ()
             for (r, m), n in zip(cohort, rows, strict=True):
                 self._hand(r, now, share=n / sum(rows))
@@ -353,15 +419,15 @@ class Policy:
         self._touch(state, req.phase.role)
 
     def _joiners(self, lead: _Request, queue: deque[_Request]) -> list[tuple[_Request, tuple]]:
-        """The rollout requests of `lead`'s base group that share its hold: in the order's preference, while their
-        rows fit the engine's batch and their roles fit in memory (each admitted as it joins; a joiner's onload
-        never evicts a member's engine, which its hold protects)."""
-        mine = self._tasks[lead.task].cobatch
-        if lead.phase is not Phase.ROLLOUT or mine is None:
+        """The requests of `lead`'s phase and co-batch key that share its hold: in the order's preference, while their
+        rows fit the capacity and their roles fit in memory (each admitted as it joins; a joiner's onload never
+        evicts a member's role of the phase, which its hold protects)."""
+        mine = self._tasks[lead.task].cobatch.get(lead.phase)
+        if mine is None:
             return []
         rows, members, out = mine.rows, [lead.task], []
         for req in sorted(queue, key=self._preference):
-            other = self._tasks[req.task].cobatch
+            other = self._tasks[req.task].cobatch.get(req.phase)
             if req is lead or other is None or other.key != mine.key or rows + other.rows > mine.capacity:
                 continue
             moves = self._admit(req, members=members)
@@ -517,7 +583,9 @@ class Policy:
         """JSON-safe state for logs and timelines."""
         return {
             "order": str(self.order), "starvation_limit": self.starvation_limit,
-            "pools": {p: {"budget": self._budgets[p], "used": self._used[p]} for p in self._budgets},
+            "pools": {p: {"budget": self._budgets[p], "used": self._used[p],
+                          **({"bases": {k: b.nbytes for (q, k), b in self._bases.items() if q == p}}
+                             if any(q == p for q, _ in self._bases) else {})} for p in self._budgets},
             "holders": {r.id: ",".join(ts) for r, ts in self._holders.items()},
             "queues": {r.id: [req.task for req in q] for r, q in self._queues.items() if q},
             "tasks": {t.name: {"group": t.group, "bytes": {str(r): n for r, n in t.nbytes.items()},
@@ -525,7 +593,7 @@ class Policy:
                                "holding": t.holding and str(t.holding),
                                "waiting": t.request and str(t.request.phase), "failed": t.failed,
                                "priority": t.priority, "weight": t.weight,
-                               **({"cobatch": t.cobatch.key} if t.cobatch else {}),
+                               **({"cobatch": {str(p): b.key for p, b in t.cobatch.items()}} if t.cobatch else {}),
                                "lock_s_per_weight": {str(ph): u for ph, u in t.usage.items()}}
                       for t in self._tasks.values()},
         }

@@ -45,7 +45,7 @@ class Lease:
     moves: tuple  # residency moves the holder must perform before working (see policy.Move)
     granted_at: float  # scheduler clock (time.monotonic) at grant
     waited_s: float  # time between request and grant
-    cohort: tuple[str, ...] = ()  # a co-batched ROLLOUT hold's tasks (this one included); () alone
+    cohort: tuple[str, ...] = ()  # a co-batched hold's tasks (this one included); () alone
     hold: int = 0  # that hold's id (its first grant's request id); 0 alone
 
     def together(self):
@@ -127,17 +127,21 @@ class Scheduler:
         for resource in self.policy.resources():
             self.timeline.counter(f"queue/{resource.id}", {"waiting": len(self.policy.queue(resource))})
 
-    def admit(self, task: str, group: str, engine_bytes: int, actor_bytes: int, *, priority: int = 0,
-              weight: float = 1.0, cobatch=None) -> list[tuple[str, str]]:
+    async def admit(self, task: str, group: str, engine_bytes: int, actor_bytes: int, *, priority: int = 0,
+                    weight: float = 1.0, cobatch=None, bases=()) -> list[tuple[str, str]]:
         """A task arriving at a running scheduler (rlsched.service.server): registered with the policy as created on
         device, returning the offloads it must do at once ((role, action) pairs). A task of the same name that
-        ended before is forgotten first, with what the scheduler knew of it. `cobatch`: its base group
-        (rlsched.scheduling.policy.CoBatch), whose rollouts may share a hold with it."""
+        ended before is forgotten first, with what the scheduler knew of it. `cobatch`: its base group's
+        co-batched phases (rlsched.scheduling.policy.CoBatch), whose holds it may share. `bases`: the shared bases
+        its roles read, (key, role, bytes), pinned once (Policy.register): when a new one evicts idle roles of
+        other tasks, this returns once they are offloaded, so the task's roles load its base into the room made."""
         if task in self.policy.tasks():
             self.forget_task(task)  # refuses a live one (PolicyError)
         moves = self.policy.register(task, group, engine_bytes, actor_bytes, priority=priority, weight=weight,
-                                     cobatch=cobatch)
-        return [(str(m.role), str(m.action)) for m in moves]
+                                     cobatch=cobatch, bases=tuple((k, Role(r), int(n)) for k, r, n in bases))
+        evictions = [self._evict(m, task) for m in moves if m.task != task]
+        await asyncio.gather(*evictions, return_exceptions=True)  # each settles its own failure (`_offload`)
+        return [(str(m.role), str(m.action)) for m in moves if m.task == task]
 
     def locks(self) -> dict[str, dict[str, Any]]:
         """Per lock: its holder and for how long, and its waiters with how long each has waited (seconds)."""
@@ -175,22 +179,22 @@ class Scheduler:
             # grant to the victim waits for it: its own onload must come after, or the offload would land on
             # the state its phase is about to use.
             before = [t for t in self._evicting.get(grant.task, ()) if not t.done()]
-            evictions = [self._evict(m, lease) for m in grant.moves if m.task != grant.task]
+            evictions = [self._evict(m, grant.task) for m in grant.moves if m.task != grant.task]
             if before or evictions:
                 asyncio.get_running_loop().create_task(self._grant_after(before + evictions, future, lease))
             elif not future.done():
                 future.set_result(lease)
 
-    def _evict(self, move, lease: Lease) -> asyncio.Task:
-        """Start offloading another task's idle role for `lease` (its driver does it: it holds no lease, so
-        nothing of its own runs on those buffers); the victim's next grant waits for it."""
-        evicting = asyncio.get_running_loop().create_task(self._offload(move, lease))
+    def _evict(self, move, for_task: str) -> asyncio.Task:
+        """Start offloading another task's idle role to make room for `for_task` (its driver does it: it holds no
+        lease, so nothing of its own runs on those buffers); the victim's next grant waits for it."""
+        evicting = asyncio.get_running_loop().create_task(self._offload(move, for_task))
         pending = self._evicting.setdefault(move.task, set())
         pending.add(evicting)
         evicting.add_done_callback(pending.discard)
         return evicting
 
-    async def _offload(self, move, lease: Lease) -> None:
+    async def _offload(self, move, for_task: str) -> None:
         if move.task in self._failed:
             return  # fenced (or failed) already: its processes, and their bytes, are gone
         try:
@@ -200,7 +204,7 @@ class Scheduler:
         except Exception as err:  # noqa: BLE001 - the evicted task pays for it, never the waiter
             # Its role may still hold the bytes: stopping it is what frees them for the waiter.
             await self.fail(move.task, f"its {move.role} could not be offloaded to make room for task "
-                                       f"{lease.task}: {cause_of(err)}", fence=True)
+                                       f"{for_task}: {cause_of(err)}", fence=True)
 
     async def _grant_after(self, moves: list[asyncio.Task], future: asyncio.Future, lease: Lease) -> None:
         await asyncio.gather(*moves, return_exceptions=True)  # each settles its own failure (`_offload`)

@@ -457,11 +457,15 @@ class Service:
         admitted = self._need_now(record)
         try:
             bases = task_bases(sub.cfg, name, self.processes)
-            engine, actor = estimate_bytes(task, shared_bytes(bases, name) if record.bases else None)
-            # A LoRA task rolls out together with waiting tasks of its base group, whichever submission they came in
+            # A shared base is the policy's to count, once, pinned while any task reads it (Policy.register); the
+            # task's own bytes leave it out
+            engine, actor = estimate_bytes(task, shared_bytes(bases, name))
+            pinned = [(repr(b.key), role, b.nbytes) for b in bases for t, role in b.roles if t == name]
+            # A LoRA task rolls out (and trains) together with waiting tasks of its base group, whichever submission
+            # they came in
             cobatch = cobatches(sub.cfg, bases).get(name)
             moves = ray.get(self.scheduler.admit.remote(name, ray_cluster.GROUP, engine, actor, priority=task.priority,
-                                                        weight=task.weight, cobatch=cobatch), timeout=60)
+                                                        weight=task.weight, cobatch=cobatch, bases=pinned), timeout=60)
         except Exception as err:  # noqa: BLE001 - the policy refused it: this task fails, nothing else
             self._end(name, FAILED, f"the scheduler refused it: {err}")
             return
@@ -648,8 +652,9 @@ class Service:
 
     def _bases(self, cfg: ExperimentConfig, name: str) -> list:
         """The shared bases a LoRA task reads in this service's device group's process, counted once per base group
-        for admission. Colocated and without --overcommit only: elsewhere each task counts its own copy (more than
-        it holds, never less; with --overcommit the policy's evictions must see the base in each task's bytes)."""
+        for the service's own admission. Colocated and without --overcommit only: with --overcommit the scheduler's
+        policy admits (it pins each base once, Policy.register); disaggregated, each task counts its own copy here
+        (more than it holds, never less)."""
         from rlsched.run.experiment import task_bases
 
         if self.settings["placement"] != "colocated" or self.settings.get("overcommit"):
