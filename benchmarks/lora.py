@@ -24,7 +24,8 @@ Figures per configuration:
 The issue's three goals are checked from these: 32 LoRA tasks >= 8 x the aggregate throughput of 32 full-weight
 tasks; per-task step time at 32 LoRA tasks <= 4 x one LoRA task alone; device bytes for 32 LoRA tasks <= 1.5 x
 one full-weight task's. LoRA tasks of the base group share ROLLOUT holds (their rows in one program run, up to
-`rollout.max_batch_size` rows: 8 of the demo's tasks); the mean number of tasks whose rows ran together is reported.
+`rollout.max_batch_size` rows: 8 of the demo's tasks) and TRAIN holds (their optimizer steps in one program run, up
+to `actor.max_cobatch_rows` micro-batch rows); the mean number of tasks in each is reported.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def measure(root: Path, name: str, n: int, lora: bool, args) -> dict:
         rate = sum(samples[t] * (len(e) - 1 - w) for t, e in ends.items()) / span
     step_s = statistics.mean((e[-1] - e[w]) / (len(e) - 1 - w) for e in ends.values())
     cobatched = statistics.mean(m["rollout/cobatched"] for rows in metrics.values() for m in rows[w:])
+    cotrained = statistics.mean(m.get("train/cobatched", 1) for rows in metrics.values() for m in rows[w:])
     # bytes per device 0, measured: each role's own (its adapter when LoRA), each distinct shared base once
     held = {"tasks": 0, "bases": 0, "process_live": 0}
     bases = set()
@@ -171,6 +173,7 @@ def measure(root: Path, name: str, n: int, lora: bool, args) -> dict:
         (r.bytes.get("grads", 0) + r.bytes.get("activations", 0) for r in on0 if r.role == "actor"), default=0) + max(
         (r.bytes.get("kv_cache", 0) for r in on0 if r.role == "engine"), default=0)
     print(f"{name}: {rate:.1f} samples/s, {step_s:.3f} s/step per task, {cobatched:.1f} tasks per rollout, "
+          f"{cotrained:.1f} per train, "
           f"{held['total'] / 2**20:.2f} MiB held "
           f"(plan {planned['total'] / 2**20:.2f} MiB), {wall:.1f} s wall", flush=True)
     # the same config, kept beside the results: `rlsched plan` (and `rlsched train`) of it from the repo's root
@@ -179,8 +182,8 @@ def measure(root: Path, name: str, n: int, lora: bool, args) -> dict:
     write_atomic(saved, experiment(name, n, lora, args, base=f"runs/models/{args.preset}-lora-base", output_dir="runs"))
     plan_command = ["plan", str(saved), *(a for o in overrides(n, args) for a in ("--set", o))]
     return dict(tasks=n, lora=lora, wall_s=wall, plan_command=plan_command, samples_per_step=samples,
-                samples_per_s=rate, step_s=step_s, cobatched=cobatched, window_s=max(stop - start, 0.0),
-                bytes_measured=held,
+                samples_per_s=rate, step_s=step_s, cobatched=cobatched, cotrained=cotrained,
+                window_s=max(stop - start, 0.0), bytes_measured=held,
                 bytes_planned=planned, shared_bases=len(bases))
 
 
@@ -248,7 +251,8 @@ def report(runs: dict[str, dict], verdicts: dict, args) -> str:
     for name, r in runs.items():
         seq = r.get("sequential_samples_per_s")
         rows.append(f"| {name} | {r['samples_per_s']:.1f} | {'-' if seq is None else f'{seq:.1f}'} | "
-                    f"{r['step_s']:.3f} | {r['cobatched']:.1f} | {r['bytes_measured']['total'] / mib:.2f} | "
+                    f"{r['step_s']:.3f} | {r['cobatched']:.1f} | {r.get('cotrained', 1.0):.1f} | "
+                    f"{r['bytes_measured']['total'] / mib:.2f} | "
                     f"{r['bytes_planned']['total'] / mib:.2f} | "
                     f"{r['bytes_planned']['one_phase_at_a_time'] / mib:.2f} | "
                     f"{r['bytes_planned']['every_role_resident'] / mib:.2f} | "
@@ -259,11 +263,11 @@ def report(runs: dict[str, dict], verdicts: dict, args) -> str:
         f"warmup steps" + (f"; --set {' '.join(args.overrides)}" if args.overrides else ""),
         "",
         "| run | aggregate samples/s | LoRA one after another, samples/s (derived from lora-1) | step s per task "
-        "| tasks per rollout | MiB held, measured | MiB held, plan | MiB plan, one phase at a time "
+        "| tasks per rollout | tasks per train | MiB held, measured | MiB held, plan | MiB plan, one phase at a time "
         "| MiB plan, every role resident "
         "| MiB live in the process | "
         "steady window s | wall s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
         "MiB held: device 0, between phases: actor params + optimizer + reference and engine params per task (a "

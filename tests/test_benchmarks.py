@@ -91,7 +91,8 @@ def check_lora(results: dict, out: Path) -> None:
     assert results["goals"]["bytes"]["ratio"] == two["total"] / runs["full-1"]["bytes_measured"]["total"]
     for name in ("lora-1", "lora-2"):  # tasks whose rows ran together, per step: at most the run's tasks
         assert 1 <= runs[name]["cobatched"] <= runs[name]["tasks"], runs[name]["cobatched"]
-    assert "tasks per rollout" in (out / "report.md").read_text()
+        assert 1 <= runs[name]["cotrained"] <= runs[name]["tasks"], runs[name]["cotrained"]
+    assert "tasks per rollout | tasks per train" in (out / "report.md").read_text()
 
 
 def check_cobatch(results: dict, out: Path) -> None:

@@ -1,10 +1,11 @@
-"""32 LoRA tasks on one base in one experiment, through the CLI: every task finishes, and what the device group's
-process really holds on the device (its live bytes, not the roles' own reports) is what `rlsched plan` says: the
-base once and 32 adapters with their optimizer state, within 10 %."""
+"""32 LoRA tasks on one base in one experiment, through the CLI, rolling out and training in shared holds: every task
+finishes, and what the device group's process really holds on the device (its live bytes, not the roles' own
+reports) is what `rlsched plan` says: the base once and 32 adapters with their optimizer state, within 10 %."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -27,7 +28,8 @@ def _config(tmp_path, base) -> dict:
             "rollout": {"max_batch_size": 256},  # 16 tasks' rows (4 prompts x 4 samples) in one program run
             "grpo": {"prompts_per_step": 4, "num_generations": 4, "max_prompt_len": 16, "max_new_tokens": 4,
                      "beta": 0.0, "mini_batch_size": 16},
-            "optim": {"lr": 1.0e-2}})
+            "optim": {"lr": 1.0e-2},
+            "actor": {"cobatch": True}})  # their updates share holds too: one program per optimizer step
     return {"experiment": {"name": "lora-scale", "output_dir": str(tmp_path / "runs"), "seed": 0},
             "cluster": {"placement": "colocated"}, "tasks": tasks}
 
@@ -49,6 +51,8 @@ def test_thirty_two_lora_tasks_run_on_one_base_holding_what_the_plan_says(tmp_pa
     metrics = {p.name: read_metrics(p / "metrics.jsonl") for p in tasks.iterdir()}
     assert len(metrics) == TASKS and all([m["step"] for m in ms] == [1, 2] for ms in metrics.values())
     assert max(m["rollout/cobatched"] for ms in metrics.values() for m in ms) > 1  # holds were shared
+    assert max(m["train/cobatched"] for ms in metrics.values() for m in ms) > 1  # updates ran together
+    assert re.search(r"train \d+\.\d+ \((\d+) tasks\)\)", done.stdout), done.stdout[-3000:]  # the user sees it
 
     planned = _cli("plan", str(config), "--json")
     assert planned.returncode == 0, planned.stderr

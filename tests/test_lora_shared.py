@@ -241,7 +241,8 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
 
     demo = Path(__file__).parent.parent / "configs" / "demo_multitask.yaml"
     overrides = [f"tasks.{i}.{k}" for i in (0, 1) for k in (f"model.path={tiny_model_dir}", "model.init_preset=null",
-                                                            "lora.rank=8")] + ["cluster.memory_budget_gb=1"]
+                                                            "lora.rank=8", "actor.cobatch=true")]
+    overrides += ["cluster.memory_budget_gb=1"]
     cfg = load_config(demo, overrides)
     model = ModelConfig.from_dir(tiny_model_dir)
     base = param_bytes(model.param_shapes(), cfg.tasks[0].actor.mesh.as_dict(), kv_heads=model.num_key_value_heads,
@@ -259,14 +260,27 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
     g = cfg.tasks[0].grpo
     assert batch.tasks == ["addition", "subtraction"] and batch.rows == [g.prompts_per_step * g.num_generations] * 2
     assert "co-batched rollout: addition, subtraction on one base" in plan.render()
+    (update,) = plan.train_batches  # one update program (same settings and adapter): their TRAINs share holds too
+    assert update.tasks == ["addition", "subtraction"]
+    assert update.rows == [cfg.tasks[0].batch_plan().micro_batch_size] * 2
+    assert update.capacity == cfg.tasks[0].actor.max_cobatch_rows
+    assert "co-batched train: addition, subtraction, one update program" in plan.render()
+    other_lr = device_plan(load_config(demo, [*overrides, "tasks.1.optim.lr=1e-4"]))
+    assert [b.tasks for b in other_lr.train_batches] == [["addition"], ["subtraction"]]
+    default = [o for o in overrides if not o.endswith("actor.cobatch=true")]  # off unless asked for
+    assert device_plan(load_config(demo, default)).train_batches == []
+    assert "co-batched train" not in other_lr.render() and len(other_lr.rollout_batches) == 1
 
     snap = build_policy(cfg)[0].snapshot()
     assert snap["pools"]["g0/shared"]["budget"] == 2**30 - base
     assert snap["tasks"]["addition"]["bytes"] == {"engine": full["engine"] - base, "actor": full["actor"] - base}
     # their engines are slots of one sampler: their rollouts may share a hold (rlsched.scheduling.policy.CoBatch)
     assert snap["tasks"]["addition"]["cobatch"] == snap["tasks"]["subtraction"]["cobatch"]
-    alone = build_policy(load_config(demo, [*overrides, "tasks.1.rollout.cobatch=false"]))[0].snapshot()
-    assert "cobatch" in alone["tasks"]["addition"] and "cobatch" not in alone["tasks"]["subtraction"]
+    assert snap["tasks"]["addition"]["cobatch"].keys() == {"rollout", "train"}
+    alone = build_policy(load_config(demo, [*overrides, "tasks.1.rollout.cobatch=false",
+                                            "tasks.1.actor.cobatch=false"]))[0].snapshot()
+    assert alone["tasks"]["addition"]["cobatch"].keys() == {"rollout", "train"}
+    assert "cobatch" not in alone["tasks"]["subtraction"]
 
     per_role = load_config(demo, [*overrides, "cluster.processes=per_role"])
     assert not any(r.role == "base" for r in device_plan(per_role).roles)
@@ -295,8 +309,9 @@ def _demo_lora(out, tasks=None, steps=3):
 def test_eight_lora_tasks_roll_out_together_on_one_base_and_each_computes_what_it_computes_alone(tmp_path):
     """configs/demo_lora.yaml through the CLI: eight LoRA tasks start at once on one preset base that none of them
     finds made (one creates it, the others wait for it: none replaces it while another reads it); every task reads
-    the one base of the device group's process; their rollouts share holds (several tasks' rows in one program run);
-    and a task among its seven neighbours, co-batched, computes what it computes alone (rewards, losses: 1e-6)."""
+    the one base of the device group's process; their rollouts share holds (several tasks' rows in one program run)
+    while each trains alone (actor.cobatch is off by default); and a task among its seven neighbours, co-batched,
+    computes what it computes alone (rewards, losses: 1e-6)."""
     from rlsched.observe.tracking import read_metrics
 
     names = ("add-9", "sub-9", "add-19", "sub-19", "add-49", "sub-49", "add-99", "sub-99")
@@ -310,11 +325,12 @@ def test_eight_lora_tasks_roll_out_together_on_one_base_and_each_computes_what_i
     together = [m["rollout/cobatched"] for ms in metrics.values() for m in ms]
     assert len(together) == 24 and max(together) > 1, together  # holds were shared, rows run together
     assert re.search(r"rollout \d+\.\d+ \([2-8] tasks\) reward", printed), printed[-2000:]  # and the user sees it
+    assert {m["train/cobatched"] for ms in metrics.values() for m in ms} == {1}  # each update alone, by default
     _, alone, _ = _demo_lora(tmp_path / "alone", tasks="add-19")
     alone = read_metrics(alone / "add-19" / "metrics.jsonl")
-    assert [m["rollout/cobatched"] for m in alone] == [1, 1, 1]
+    assert [m["rollout/cobatched"] for m in alone] == [m["train/cobatched"] for m in alone] == [1, 1, 1]
     for got, want in zip(metrics["add-19"], alone, strict=True):
-        keys = [k for k in want if not k.startswith(("time/", "mem/")) and k != "rollout/cobatched"]
+        keys = [k for k in want if not k.startswith(("time/", "mem/")) and not k.endswith("/cobatched")]
         assert {"loss", "grad_norm", "reward/mean"} <= set(keys)
         for k in keys:
             assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-6), (got["step"], k)
@@ -328,17 +344,25 @@ def test_a_service_gives_lora_tasks_of_one_base_the_same_cobatch_whichever_submi
     from rlsched.config.loading import load_config
     from rlsched.run.experiment import cobatches, task_bases
 
-    def task_cobatch(cfg, name, processes):  # as rlsched.service.server admits a task of a submission
-        return cobatches(cfg, task_bases(cfg, name, processes)).get(name)
+    def task_cobatch(cfg, name, processes, phase="rollout"):  # as rlsched.service.server admits a task of a submission
+        return next((b for b in cobatches(cfg, task_bases(cfg, name, processes)).get(name, ()) if b.phase == phase),
+                    None)
 
     demo = Path(__file__).parent.parent / "configs" / "demo_multitask.yaml"
     lora = [f"tasks.{i}.{k}" for i in (0, 1) for k in (f"model.path={tiny_model_dir}", "model.init_preset=null",
-                                                       "lora.rank=8")]
+                                                       "lora.rank=8", "actor.cobatch=true")]
     first = load_config(demo, [*lora, "tasks.1.lora.rank=4"])  # its own submission: another rank, same base
     second = load_config(demo, [*lora, "experiment.name=another", "tasks.0.grpo.num_generations=4"])
     a, b = task_cobatch(first, "subtraction", "per_device_group"), task_cobatch(second, "addition", "per_device_group")
     g = first.tasks[1].grpo
     assert a.key == b.key and a.rows == g.prompts_per_step * g.num_generations and b.rows == g.prompts_per_step * 4
     assert a.capacity == first.tasks[1].rollout.max_batch_size
+    # their updates are not one program: subtraction's adapter is of rank 4 in the first submission, 8 in the second
+    train_a, train_b = (task_cobatch(first, "subtraction", "per_device_group", "train"),
+                        task_cobatch(second, "subtraction", "per_device_group", "train"))
+    assert train_a.key != train_b.key and train_a.rows == first.tasks[1].batch_plan().micro_batch_size
+    # one update program whichever submission: rank 8 and 16 generations in both, only the experiment's name differs
+    assert train_b.key == task_cobatch(first, "addition", "per_device_group", "train").key
+    assert train_b.key != task_cobatch(second, "addition", "per_device_group", "train").key  # 4 generations
     assert task_cobatch(first, "subtraction", "per_role") is None  # an engine per process: nothing to share
     assert task_cobatch(load_config(demo), "addition", "per_device_group") is None  # full weights

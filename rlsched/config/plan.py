@@ -154,7 +154,8 @@ class DevicePlan:
     roles: list[RolePlan]
     per_device: list[int]  # bytes on each device of the pool with every role resident
     groups: list[GroupPlan]
-    rollout_batches: list[RolloutBatch] = dataclasses.field(default_factory=list)  # co-batched rollouts
+    rollout_batches: list[SharedHold] = dataclasses.field(default_factory=list)  # co-batched rollouts
+    train_batches: list[SharedHold] = dataclasses.field(default_factory=list)  # co-batched updates
 
     @property
     def runnable(self) -> bool:
@@ -166,7 +167,8 @@ class DevicePlan:
                 "num_devices_from": self.num_devices_from, "memory_budget_bytes": self.budget,
                 "models": self.models, "roles": roles, "per_device": self.per_device,
                 "groups": [dataclasses.asdict(g) for g in self.groups], "runnable": self.runnable,
-                "rollout_batches": [dataclasses.asdict(b) for b in self.rollout_batches]}
+                "rollout_batches": [dataclasses.asdict(b) for b in self.rollout_batches],
+                "train_batches": [dataclasses.asdict(b) for b in self.train_batches]}
 
     def render(self) -> str:
         budget = "no memory budget" if self.budget is None else f"memory budget {_size(self.budget)} per device"
@@ -187,12 +189,14 @@ class DevicePlan:
             line = (f"group {g.name} ({where}): {_size(g.resident)} on device {peak} with every role resident; "
                     f"largest role {_size(g.largest_role)}")
             lines.append(f"{line}; {verdict}" if verdict else line)
-        for b in self.rollout_batches:
+        for b in self.rollout_batches + self.train_batches:
             if len(b.tasks) > 1:
                 names = ", ".join(b.tasks) if len(b.tasks) <= 4 else f"{len(b.tasks)} tasks ({b.tasks[0]}, ...)"
+                rows = f"up to {b.capacity} rows ({', '.join(map(str, sorted(set(b.rows))))} per task)"
                 lines.append(f"co-batched rollout: {names} on one base; the waiting ones share a hold, their rows "
-                             f"in one program run, up to {b.capacity} rows ({', '.join(map(str, sorted(set(b.rows))))} "
-                             "per task)")
+                             f"in one program run, {rows}" if b.phase == "rollout" else
+                             f"co-batched train: {names}, one update program; the waiting ones share a hold, their "
+                             f"optimizer steps in one program run, {rows}")
         return "\n".join(lines)
 
 
@@ -208,19 +212,21 @@ class SharedBase:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RolloutBatch:
-    """LoRA tasks whose engines are slots of one shared sampler (one base, one mesh, the same engine sizes): their
-    waiting ROLLOUTs share a hold (rlsched.scheduling.policy.CoBatch), their rows in one program run."""
+class SharedHold:
+    """LoRA tasks whose waiting requests of `phase` share a hold (rlsched.scheduling.policy.CoBatch). ROLLOUT: their
+    engines are slots of one shared sampler (one base, one mesh, the same engine sizes), their rows in one program
+    run. TRAIN: their actors read one base and their update is one program (workers.actor_cobatch)."""
 
+    phase: str  # "rollout" | "train"
     key: str
     tasks: list[str]
-    rows: list[int]  # each task's rows per step: prompts_per_step x num_generations
-    capacity: int  # rows per hold: the engine's rollout.max_batch_size
+    rows: list[int]  # each task's rows: ROLLOUT prompts_per_step x num_generations, TRAIN its micro-batch
+    capacity: int  # rows per hold: rollout.max_batch_size, actor.max_cobatch_rows
 
 
-def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[RolloutBatch]:
+def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[SharedHold]:
     """The co-batched rollouts of `cfg`'s base groups (tasks with rollout.cobatch false left out)."""
-    found: dict[str, RolloutBatch] = {}
+    found: dict[str, SharedHold] = {}
     by_name = {t.name: t for t in cfg.tasks}
     for b in bases:
         for name, role in b.roles:
@@ -229,9 +235,33 @@ def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[Roll
             if role != "engine" or not r.cobatch:
                 continue
             key = repr((b.key, g.max_prompt_len, g.max_new_tokens, r.max_batch_size))
-            batch = found.setdefault(key, RolloutBatch(key=key, tasks=[], rows=[], capacity=r.max_batch_size))
+            batch = found.setdefault(key, SharedHold(phase="rollout", key=key, tasks=[], rows=[],
+                                                     capacity=r.max_batch_size))
             batch.tasks.append(name)
             batch.rows.append(g.prompts_per_step * g.num_generations)
+    return list(found.values())
+
+
+def train_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[SharedHold]:
+    """The co-batched updates of `cfg`'s base groups: LoRA tasks whose actors read one base and whose update is one
+    program (everything workers.actor.ActorSettings is built from, and the adapter's shape: data, rewards and
+    seeds may differ); tasks with actor.cobatch false left out."""
+    found: dict[str, SharedHold] = {}
+    by_name = {t.name: t for t in cfg.tasks}
+    for b in bases:
+        for name, role in b.roles:
+            task = by_name[name]
+            if role != "actor" or not task.actor.cobatch:
+                continue
+            g, plan = task.grpo, task.batch_plan()
+            update = (dataclasses.replace(plan, task=""), task.optim.model_dump(), task.lora.model_dump(),
+                      g.epsilon, g.epsilon_high, g.beta, g.loss_aggregation, g.temperature,
+                      task.actor.router_aux_loss_coef)
+            key = repr((b.key, update, task.actor.max_cobatch_rows))
+            batch = found.setdefault(key, SharedHold(phase="train", key=key, tasks=[], rows=[],
+                                                     capacity=task.actor.max_cobatch_rows))
+            batch.tasks.append(name)
+            batch.rows.append(plan.micro_batch_size)
     return list(found.values())
 
 
@@ -305,7 +335,8 @@ def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None)
         placement=placement, num_devices=n,
         num_devices_from="the meshes" if cfg.cluster.num_devices is None else "cluster.num_devices",
         budget=budget, models={t.name: _describe_model(t, models[t.name]) for t in cfg.tasks}, roles=roles,
-        per_device=per_device, groups=groups, rollout_batches=rollout_batches(cfg, bases))
+        per_device=per_device, groups=groups, rollout_batches=rollout_batches(cfg, bases),
+        train_batches=train_batches(cfg, bases))
 
 
 def _group(name: str, devices: list[int], roles: list[RolePlan], per_device: list[int],

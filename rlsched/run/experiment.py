@@ -32,7 +32,7 @@ from rlsched.run.stopping import Stopped, StopSignals
 from rlsched.rundir.files import prepare_run_dir, run_summary, write_atomic
 from rlsched.rundir.lock import RunLock
 from rlsched.rundir.log import RunLog
-from rlsched.scheduling.policy import CoBatch, GroupSpec, Policy
+from rlsched.scheduling.policy import CoBatch, GroupSpec, Phase, Policy
 from workers.models import sharding
 
 
@@ -157,14 +157,18 @@ def shared_bytes(bases: list, name: str) -> dict[str, int]:
     return {role: b.nbytes for b in bases for task, role in b.roles if task == name}
 
 
-def cobatches(cfg: ExperimentConfig, bases) -> dict[str, CoBatch]:
-    """The LoRA tasks whose engines are slots of one shared sampler (workers.rollout.shared_engine: one base, one
-    mesh and the same engine sizes), so their ROLLOUTs can share a hold: {task: its CoBatch}
-    (rlsched.config.plan.rollout_batches, which `rlsched plan` shows)."""
-    from rlsched.config.plan import rollout_batches
+def cobatches(cfg: ExperimentConfig, bases) -> dict[str, tuple[CoBatch, ...]]:
+    """{task: its CoBatch per co-batched phase}: the LoRA tasks whose engines are slots of one shared sampler
+    (workers.rollout.shared_engine: one base, one mesh and the same engine sizes), so their ROLLOUTs can share a
+    hold, and those whose actors read one base with one update program, so their TRAINs can
+    (rlsched.config.plan.rollout_batches and train_batches, which `rlsched plan` shows)."""
+    from rlsched.config.plan import rollout_batches, train_batches
 
-    return {task: CoBatch(b.key, rows, b.capacity) for b in rollout_batches(cfg, bases)
-            for task, rows in zip(b.tasks, b.rows, strict=True)}
+    out: dict[str, tuple[CoBatch, ...]] = {}
+    for b in rollout_batches(cfg, bases) + train_batches(cfg, bases):
+        for task, rows in zip(b.tasks, b.rows, strict=True):
+            out[task] = (*out.get(task, ()), CoBatch(b.key, rows, b.capacity, Phase(b.phase)))
+    return out
 
 
 def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str | None = None, echo=print,

@@ -135,15 +135,18 @@ def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int,
         "rollout/weight_version": output.weight_version, "weight_version": version, **times,
         # tasks of its base group whose rows ran in one program run with this one's (1: alone)
         "rollout/cobatched": output.cobatched,
+        # tasks whose optimizer steps ran in one program run with this one's (1: alone)
+        "train/cobatched": int(train.get("cobatched", 1)),
         # models with experts: the router's load-balancing loss (unweighted), when it is trained with
         **({"router_aux_loss": train["router_aux_loss"]} if "router_aux_loss" in train else {}),
     }
 
 
 def progress_line(task: str, step: int, steps: int, m: dict[str, Any]) -> str:
-    together = m.get("rollout/cobatched", 1)
+    together, trained = m.get("rollout/cobatched", 1), m.get("train/cobatched", 1)
     shared = f" ({together} tasks)" if together > 1 else ""  # the tasks whose rows ran in one co-batched run
+    trained = f" ({trained} tasks)" if trained > 1 else ""  # the tasks whose updates ran in one program run
     return (f"[{task}] step {step:>4}/{steps}  reward {m['reward/mean']:.3f}±{m['reward/std']:.3f}  "
             f"kl {m['kl']:.4f}  loss {m['loss']:+.4f}  len {m['response_len/mean']:.1f}  "
             f"step {m['time/step_s']:.2f}s (compile {m['time/compile_s']:.2f} rollout {m['time/rollout_s']:.2f}"
-            f"{shared} reward {m['time/reward_s']:.2f} train {m['time/train_s']:.2f})")
+            f"{shared} reward {m['time/reward_s']:.2f} train {m['time/train_s']:.2f}{trained})")

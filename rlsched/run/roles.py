@@ -220,9 +220,10 @@ class ActorRole(_Role):
         meta = self.restore_latest() if resume else None
         return meta, self._publish()
 
-    def train(self, batch, rewards, step: int) -> PhaseResult:
+    def train(self, batch, rewards, step: int, together=None) -> PhaseResult:
         """TRAIN: group advantages from `rewards` (N,), logprobs and the GRPO updates of one step, then
-        publish v+1."""
+        publish v+1. `together` (workers.rollout.base.Together): this task shares its hold with others whose update
+        is the same program, and its optimizer steps run with theirs as one (workers.actor_cobatch)."""
         import jax.numpy as jnp
 
         from workers.grpo import group_advantages
@@ -232,7 +233,9 @@ class ActorRole(_Role):
             # jnp, not numpy: the math is the jitted kind everywhere (numpy's float32 sums round differently)
             advantages = group_advantages(jnp.asarray(rewards), g.num_generations,
                                           normalize_std=g.normalize_advantage_std)
-            metrics = self.worker.train(batch.with_advantages(advantages), step=step, timeline=self.timeline)
+            kwargs = {} if together is None else {"together": together}
+            metrics = self.worker.train(batch.with_advantages(advantages), step=step, timeline=self.timeline,
+                                        **kwargs)
         before = self._published_checksum
         message = self._publish()
         if metrics.pop("moved") and message.checksum == before:

@@ -314,9 +314,11 @@ class TaskDriver:
             self.prepare(Role.ACTOR, batch.size, batch.tokens.shape[1])
             self._prepared.add((batch.size, batch.tokens.shape[1]))
         t.mark("ask_train")
-        with self.hold(Phase.TRAIN):
+        with self.hold(Phase.TRAIN) as lease:
             t.mark("train")
-            train = self.call(Role.ACTOR, "train", batch, rewards, n)  # advantages, updates, publish v+1
+            # advantages, updates, publish v+1; in a hold shared with tasks of the same update program, the
+            # optimizer steps of all of them run as one (lease.together)
+            train = self.call(Role.ACTOR, "train", batch, rewards, n, lease.together())
             self.published = train.message
             t.mark("end")
             metrics = step_metrics(rollout.value, rewards, reward_errors, train.value, self.published.version, {

@@ -116,9 +116,10 @@ def _unpack_output(tokens, logprobs, lengths, meta, weight_version, generate_sec
 
 @dataclasses.dataclass(frozen=True)
 class Together:
-    """One co-batched ROLLOUT hold (rlsched.scheduling.policy.CoBatch): the scheduler granted the rollout lock to
-    `tasks` tasks of one base group at once, and their engines' generate calls within it run as one program run
-    (workers.rollout.shared_engine). `hold` names the hold (the scheduler's id of its first grant)."""
+    """One co-batched hold (rlsched.scheduling.policy.CoBatch): the scheduler granted a phase's lock to `tasks` tasks
+    of one base group at once. ROLLOUT: their engines' generate calls within it run as one program run
+    (workers.rollout.shared_engine); TRAIN: their actors' optimizer steps do (workers.actor). `hold` names the hold
+    (the scheduler's id of its first grant)."""
 
     hold: int
     tasks: int
