@@ -309,16 +309,17 @@ class LoraSection(_Section):
     """Rank r of the adapter on each targeted projection (its bytes grow in proportion to it)."""
     alpha: float = Field(16.0, gt=0)
     """The adapter's output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
-    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down", "lm_head"]] = Field(
         default_factory=lambda: ["q", "k", "v", "o"])
-    """Projections adapted in every layer: attention q, k, v, o and the MLP's gate, up, down (not on a
-    mixture-of-experts layer)."""
+    """Projections adapted: in every layer attention q, k, v, o and the MLP's gate, up, down (not on a
+    mixture-of-experts layer); once, the output head lm_head (tied to the embedding or not; a merged export of
+    a tied base unties it)."""
 
     @model_validator(mode="after")
     def _targets_once(self) -> LoraSection:
         if not self.targets or len(set(self.targets)) != len(self.targets):
             raise _FieldError("targets", list(self.targets), "name each projection once, at least one "
-                              "(q, k, v, o, gate, up, down)")
+                              "(q, k, v, o, gate, up, down, lm_head)")
         return self
 
 

@@ -354,7 +354,8 @@ def _lora_of(ckpt: Checkpoint):
 
 def _export_adapter(ckpt: Checkpoint, spec, out: Path, *, merge: bool) -> Exported:
     """A LoRA checkpoint's adapter as PEFT's files, or merged into its base (workers.models.peft_files: both
-    atomic, both checked against the base's config.json first)."""
+    atomic, both checked against the base's config.json first). A merged adapter on the head of a base that
+    ties its embeddings is written untied: lm_head.weight of its own, tie_word_embeddings false in config.json."""
     from workers.models import peft_files
     from workers.models.config import ModelConfig
     from workers.models.lora import adapter_shapes
@@ -369,6 +370,8 @@ def _export_adapter(ckpt: Checkpoint, spec, out: Path, *, merge: bool) -> Export
     except peft_files.AdapterError as err:
         raise ExportError(f"{ckpt.describe()}: {err}") from None
     files = ["model.safetensors"] if merge else [peft_files.ADAPTER_WEIGHTS]
+    if merge and cfg.tie_word_embeddings and "lm_head" in spec.targets:
+        cfg = cfg.replace(tie_word_embeddings=False)  # save_merged untied the head: the model has one more matrix
     params = cfg.num_params if merge else sum(int(np.prod(s)) for s in adapter_shapes(cfg, spec).values())
     return Exported(ckpt, out, files, params, cfg.dtype if merge else "float32")
 

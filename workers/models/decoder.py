@@ -19,8 +19,9 @@ Design decisions:
   returned logits are float32, as in the reference implementation.
 - RoPE uses the config's `rope_theta` (a known JAX port hard-codes 1e6; Qwen3 presets differ).
 - LoRA adapters (workers.models.lora.AdapterBatch) are an explicit argument of every call, passed down to the
-  projections they target (no module state): one program serves any adapters and any row -> adapter mix, and
-  `adapters=None` traces exactly the program without them.
+  projections they target (no module state), the output head's included (`logits(hidden, adapters)`): one
+  program serves any adapters and any row -> adapter mix, and `adapters=None` traces exactly the program without
+  them.
 
 Shapes: B batch, T query tokens, S key slots, H hidden, N query heads, K kv heads, D head_dim, V vocab.
 """
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from workers.models.config import ModelConfig
+from workers.models.lora import HEAD
 from workers.models.lora_batch import AdapterBatch, check_modules
 from workers.models.moe import MoeBlock, load_balancing_loss
 
@@ -200,7 +202,8 @@ class CausalLM(nnx.Module):
     - `model.forward(input_ids, positions, kv_mask, cache, cache_index)`: KV-cached step used by the
       rollout engine. Writes the T new tokens' keys/values at slots [cache_index, cache_index + T)
       of every row and returns final hidden states (B, T, H) plus the new cache; `kv_mask` (B, S)
-      marks valid slots. Apply `model.logits(hidden)` to the positions you need.
+      marks valid slots. Apply `model.logits(hidden, adapters)` to the positions you need (with the same
+      adapters: an adapter on the output head acts there).
     - `model.with_router_loss(...)`: see there.
     - Every call takes `adapters=` (workers.models.lora.AdapterBatch, one adapter index per batch row, -1 for
       the base): the LoRA adapters each row runs with. None (the default) is the base model.
@@ -216,7 +219,7 @@ class CausalLM(nnx.Module):
                  adapters: AdapterBatch | None = None) -> jax.Array:
         positions, mask = self._defaults(input_ids, positions, attention_mask)
         hidden, _ = self.forward(input_ids, positions, mask, None, 0, adapters=adapters)
-        return self.logits(hidden)
+        return self.logits(hidden, adapters)
 
     def with_router_loss(self, input_ids, *, positions=None, attention_mask=None,
                          adapters: AdapterBatch | None = None) -> tuple[jax.Array, jax.Array]:
@@ -226,7 +229,7 @@ class CausalLM(nnx.Module):
         collected: list = []
         hidden, _ = self.forward(input_ids, positions, mask, None, 0, router_logits=collected, adapters=adapters)
         k = getattr(self.config, "num_experts_per_tok", 1)
-        return self.logits(hidden), load_balancing_loss(collected, k, mask)
+        return self.logits(hidden, adapters), load_balancing_loss(collected, k, mask)
 
     @staticmethod
     def _defaults(input_ids, positions, attention_mask):
@@ -258,10 +261,19 @@ class CausalLM(nnx.Module):
                 new_cache.append(layer_cache)
         return self.model.norm(x), new_cache
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden (..., H) -> float32 logits (..., V)."""
+    def logits(self, hidden: jax.Array, adapters: AdapterBatch | None = None) -> jax.Array:
+        """hidden (B, ..., H) -> float32 logits (B, ..., V), plus what adapters on the output head ("lm_head") add
+        to row b (adapters.rows (B,)), in float32."""
         if self.lm_head is None:  # tied: the (V, H) embedding doubles as the head
-            return jnp.einsum("...h,vh->...v", hidden, self.model.embed_tokens.weight[...],
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+            out = jnp.einsum("...h,vh->...v", hidden, self.model.embed_tokens.weight[...],
+                             preferred_element_type=jnp.float32)
+        else:
+            out = jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        if adapters is None or HEAD not in adapters.a:
+            return out
+        check_modules(self.config, adapters, hidden.shape[0])
+        b, h = hidden.shape[0], hidden.shape[-1]
+        # delta takes (B, T, in) and returns x's dtype: given float32, the head's delta stays float32
+        delta = adapters.delta(HEAD, hidden.reshape(b, -1, h).astype(jnp.float32))
+        return out + delta.reshape(out.shape)
 

@@ -1,6 +1,7 @@
 """Several LoRA adapters in one forward: `AdapterBatch` (K adapters stacked, and the adapter of each batch row),
 built by `stack` from flat adapters (workers.models.lora's layout) and fresh ones from `init_adapter`. The
-decoder calls `AdapterBatch.delta` in each projection an adapter targets.
+decoder calls `AdapterBatch.delta` in each projection an adapter targets, and on the final hidden state for the
+output head ("lm_head": the logits get the delta, in float32).
 
     batch = stack([adapter_0, adapter_1], [spec_0, spec_1], rows=[-1, 0, 1, 1])   # row 0 runs the base
     logits = model(tokens, attention_mask=mask, adapters=batch)
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from workers.models.config import ModelConfig, ModelConfigError
-from workers.models.lora import MLP_TARGETS, TARGETS, LoraSpec, adapted_modules
+from workers.models.lora import HEAD, LAYER_TARGETS, MLP_TARGETS, LoraSpec, adapted_modules
 
 
 def init_adapter(cfg: ModelConfig, spec: LoraSpec, key: jax.Array) -> dict[str, jax.Array]:
@@ -154,8 +155,8 @@ def _module_order(module: str) -> tuple:
 def check_modules(cfg: ModelConfig, batch: AdapterBatch, batch_size: int) -> None:
     """The decoder's check of an AdapterBatch against the model it runs in (at trace time: shapes and names are
     static): every module is an adaptable projection of this model, and there is one row per batch row."""
-    allowed = {f"model.layers.{i}.{TARGETS[t]}" for i in range(cfg.num_hidden_layers) for t in TARGETS
-               if not (t in MLP_TARGETS and cfg.moe_layer(i))}
+    allowed = {f"model.layers.{i}.{LAYER_TARGETS[t]}" for i in range(cfg.num_hidden_layers) for t in LAYER_TARGETS
+               if not (t in MLP_TARGETS and cfg.moe_layer(i))} | {HEAD}
     unknown = sorted(set(batch.a) - allowed, key=_module_order)
     if unknown:
         moe = [m for m in unknown if m.rsplit(".", 2)[-2] == "mlp"]

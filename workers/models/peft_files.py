@@ -13,13 +13,18 @@ An adapter directory is what `peft.PeftModel.save_pretrained` writes for a LoRA 
 
 torch's (out, in) orientation of rlsched's (in, r) / (r, out) arrays (workers/models/lora.py), and
 adapter_config.json says peft_type LORA, r, lora_alpha (scale = alpha / r, as rlsched's) and target_modules by
-their Hugging Face names (q_proj ... down_proj).
+their Hugging Face names (q_proj ... down_proj, lm_head). The output head's tensors are
+base_model.model.lm_head.lora_A/B.weight, tied base or not: PEFT adapts the head's output either way (on a tied
+base it warns that `ensure_weight_tying` is off; on, it would adapt the embedding's lookups too, which rlsched's
+adapter does not, so it stays off).
 
 Design decisions:
 - Adapter files are numpy, safetensors and json only: a process that holds an adapter's arrays writes them without
   JAX. `save_merged` builds the model with rlsched's own decoder and `save_pretrained`, so JAX is imported there.
 - Only what rlsched's layout can express is read: every layer adapted alike, one rank and alpha, no DoRA,
   no rsLoRA, no bias or modules_to_save. Anything else is refused by name, never approximated.
+- A merged head of a base that ties its embeddings is untied (lora.merged): the merged model has its own
+  lm_head.weight and says tie_word_embeddings false, the embedding stays the base's.
 - Writes are atomic: files go to a temporary sibling directory that replaces `out` in one rename, so a failure
   (a missing tensor, a full disk) leaves the old directory, or none, and never half of one.
 """
@@ -40,7 +45,7 @@ import safetensors
 from safetensors.numpy import save_file
 
 from workers.models.config import ModelConfig
-from workers.models.lora import TARGETS, LoraSpec, adapter_shapes, merged
+from workers.models.lora import HEAD, LAYER_TARGETS, MODEL_TARGETS, TARGETS, LoraSpec, adapter_shapes, merged
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -49,11 +54,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 
 # rlsched target -> the projection's Hugging Face module name (what PEFT's target_modules lists), and back.
-HF_NAMES = {t: path.rsplit(".", 1)[1] for t, path in TARGETS.items()}
+HF_NAMES = {t: path.rsplit(".", 1)[-1] for t, path in TARGETS.items()}
 _TARGET_OF = {name: t for t, name in HF_NAMES.items()}
 # PeftModel wraps the causal LM (base_model) which wraps the transformers model (.model): two prefixes.
 _PREFIX = "base_model.model."
 _TENSOR = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.\w+\.(\w+))\.lora_([AB])\.weight")
+_HEAD_TENSOR = re.compile(r"base_model\.model\.(lm_head)\.lora_([AB])\.weight")
 # numpy has no bfloat16 of its own: ml_dtypes' (which JAX's arrays use) is what a bf16 adapter reads back as.
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -218,18 +224,23 @@ def load_adapter(path: str | Path, cfg: ModelConfig | None = None) -> tuple[dict
     rank = config["r"]
     adapter, layers, targets = {}, {}, set()
     for name, tensor in _read_tensors(file).items():
-        match = _TENSOR.fullmatch(name)
-        target = _TARGET_OF.get(match[3]) if match else None
-        if target is None or match[1] != f"model.layers.{match[2]}.{TARGETS[target]}":
+        match, head = _TENSOR.fullmatch(name), _HEAD_TENSOR.fullmatch(name)
+        target = _TARGET_OF.get(match[3]) if match else HEAD if head else None
+        if head:
+            module, letter = HEAD, head[2]
+        elif target is None or target in MODEL_TARGETS or match[1] != f"model.layers.{match[2]}.{TARGETS[target]}":
             raise AdapterError(f"{file}: tensor {name} is not a LoRA A or B of a projection rlsched adapts "
-                               f"({', '.join(HF_NAMES.values())} of model.layers.<i>)")
-        module, letter = match[1], match[4]
+                               f"({', '.join(HF_NAMES[t] for t in LAYER_TARGETS)} of model.layers.<i>, or "
+                               f"{', '.join(MODEL_TARGETS)})")
+        else:
+            module, letter = match[1], match[4]
         want = "(r, in)" if letter == "A" else "(out, r)"
         if tensor.ndim != 2 or tensor.shape[0 if letter == "A" else 1] != rank:
             raise AdapterError(f"{file}: tensor {name} has shape {tuple(tensor.shape)}; with r = {rank} in "
                                f"{ADAPTER_CONFIG} it must be {want}")
         adapter[f"{module}.lora_{letter.lower()}"] = np.ascontiguousarray(tensor.T)
-        layers.setdefault(target, set()).add(int(match[2]))
+        if not head:
+            layers.setdefault(target, set()).add(int(match[2]))
         targets.add(target)
     if not adapter:
         raise AdapterError(f"{file} holds no LoRA tensors")
@@ -243,7 +254,7 @@ def load_adapter(path: str | Path, cfg: ModelConfig | None = None) -> tuple[dict
     absent = [HF_NAMES[t] for t in listed if t not in targets]
     if absent:
         raise AdapterError(f"{path}: {ADAPTER_CONFIG} targets {absent} but {ADAPTER_WEIGHTS} has no tensors for them")
-    first = next(iter(layers.values()))
+    first = next(iter(layers.values()), set())
     for target, seen in layers.items():
         if seen != first or seen != set(range(len(seen))):
             raise AdapterError(f"{file}: {HF_NAMES[target]} is adapted in layers {sorted(seen)}, other targets in "
@@ -264,11 +275,15 @@ def load_adapter(path: str | Path, cfg: ModelConfig | None = None) -> tuple[dict
 def save_merged(out_dir: str | Path, base_dir: str | Path, adapter: Mapping[str, object], spec: LoraSpec) -> Path:
     """The full model `adapter` stands for on the base in base_dir (every adapted kernel K + alpha/r A B, see
     lora.merged) as a Hugging Face model directory: config.json + model.safetensors by rlsched's save_pretrained,
-    and the base's tokenizer files copied. transformers.AutoModelForCausalLM loads it unchanged. Atomic."""
+    and the base's tokenizer files copied. transformers.AutoModelForCausalLM loads it unchanged. Atomic.
+
+    An adapted head of a base that ties its embeddings unties the merged model: it has its own lm_head.weight and
+    its config.json says tie_word_embeddings false (the embedding is the base's)."""
     from flax import nnx
 
     from workers.models import params as P
     from workers.models.checkpoint import load_pretrained, save_pretrained
+    from workers.models.decoder import CausalLM
 
     out_dir, base_dir = Path(out_dir), Path(base_dir)
     if out_dir.exists() and base_dir.exists() and out_dir.resolve() == base_dir.resolve():
@@ -276,6 +291,9 @@ def save_merged(out_dir: str | Path, base_dir: str | Path, adapter: Mapping[str,
     model, _ = load_pretrained(base_dir, with_tokenizer=False)
     _check_adapter(adapter, spec, model.config)
     weights = merged(P.host_params(model), {k: np.asarray(v) for k, v in adapter.items()}, spec)
+    if model.config.tie_word_embeddings and f"{HEAD}.kernel" in weights:  # untied: a model with its own head
+        untied = model.config.replace(tie_word_embeddings=False)
+        model = nnx.eval_shape(lambda: CausalLM(untied, rngs=nnx.Rngs(0)))  # shapes only: filled below
     nnx.update(model, P.from_flat(nnx.state(model, nnx.Param), weights, source=f"{base_dir} merged with the adapter"))
     with _staged(out_dir) as stage:
         save_pretrained(model, stage)

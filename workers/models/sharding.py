@@ -9,6 +9,7 @@ parameter's dimensions, matched on its flat name (workers.models.params). A new 
     parameter / array              logical dims            mesh axes
     embed_tokens.weight  (V, H)    vocab, embed            tp, fsdp
     lm_head.kernel       (H, V)    embed, vocab            fsdp, tp
+    LoRA lora_a / lora_b (in, r) / (r, out)                as the kernel's in / out (tied head: the embedding's)
     q_proj.kernel        (H, N*D)  embed, heads            fsdp, tp     (column parallel)
     k_proj/v_proj.kernel (H, K*D)  embed, kv_heads         fsdp, tp     (tp replicated if it does not divide K)
     o_proj.kernel        (N*D, H)  heads, embed            tp, fsdp     (row parallel)
@@ -227,12 +228,18 @@ def state_shardings(state, mesh_, *, kv_heads: int):
 def adapter_shardings(kernel_shardings: Mapping[str, Any], adapter: Mapping[str, Any]) -> dict[str, Any]:
     """A LoRA adapter's layout (workers.models.lora), following the projections it adapts: `<module>.lora_a`
     (in, r) splits its rows as the kernel (in, out) does, `<module>.lora_b` (r, out) its columns; the rank is
-    never split. `kernel_shardings`: {flat name: NamedSharding} of the base (state_shardings, flattened)."""
+    never split. `kernel_shardings`: {flat name: NamedSharding} of the base (state_shardings, flattened). The head
+    ("lm_head") of a model that ties its embeddings has no kernel: it follows the embedding (V, H), transposed."""
     out = {}
     for name in adapter:
         module, part = name.rsplit(".", 1)
-        kernel = kernel_shardings[f"{module}.kernel"]
-        spec = tuple(kernel.spec) + (None,) * (2 - len(kernel.spec))
+        if module == "lm_head" and "lm_head.kernel" not in kernel_shardings:
+            kernel = kernel_shardings["model.embed_tokens.weight"]
+            spec = tuple(kernel.spec) + (None,) * (2 - len(kernel.spec))
+            spec = (spec[1], spec[0])  # (vocab, embed) -> the head's (embed, vocab)
+        else:
+            kernel = kernel_shardings[f"{module}.kernel"]
+            spec = tuple(kernel.spec) + (None,) * (2 - len(kernel.spec))
         out[name] = named(kernel.mesh, (spec[0], None) if part == "lora_a" else (None, spec[1]))
     return out
 

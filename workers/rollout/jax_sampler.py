@@ -498,7 +498,7 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
     cache = [jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, kv_sharding), layer)
              for layer in init_cache(model.config, b, plen + new_bucket)]
     hidden, cache = model.forward(tokens, positions, kv_mask, cache, 0, adapters=adapters)
-    logits = model.logits(hidden[:, -1])  # left padding: the last column is every row's last prompt token
+    logits = model.logits(hidden[:, -1], adapters)  # left padding: the last column is every row's last prompt token
 
     def emit(t, logits, out_tok, out_lp, done, length, stopped):
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
@@ -524,7 +524,7 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
         t, cache, out_tok, out_lp, done, length, stopped = c
         prev = out_tok[:, t - 1][:, None]  # (B, 1)
         h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask, cache, plen + t - 1, adapters=adapters)
-        return (t + 1, cache, *emit(t, model.logits(h[:, 0]), out_tok, out_lp, done, length, stopped))
+        return (t + 1, cache, *emit(t, model.logits(h[:, 0], adapters), out_tok, out_lp, done, length, stopped))
 
     _, _, out_tok, out_lp, _, length, stopped = jax.lax.while_loop(cond, body, (1, cache, *carry))
     return out_tok, out_lp, length, stopped
