@@ -162,6 +162,17 @@ def test_the_head_adapter_trains_and_lays_out_like_the_embedding_on_a_mesh(train
     np.testing.assert_allclose(sharded.logprobs(batch), actor.logprobs(batch), atol=1e-5)
 
 
+def test_a_head_adapted_actor_s_merged_model_is_untied_and_computes_its_policy(trained):
+    actor, batch = trained
+    model = actor.model()
+    assert actor.config.tie_word_embeddings and not model.config.tie_word_embeddings
+    logits = np.asarray(model(np.asarray(batch.tokens), attention_mask=np.asarray(batch.attention_mask)))
+    logp = jax.nn.log_softmax(logits[:, :-1] / SETTINGS.temperature, axis=-1)
+    ours = np.take_along_axis(np.asarray(logp), np.asarray(batch.tokens)[:, 1:, None], axis=-1)[..., 0]
+    mask = np.asarray(batch.attention_mask)[:, 1:]
+    np.testing.assert_allclose(ours[mask], actor.logprobs(batch)[mask], atol=1e-5)
+
+
 def test_peft_loads_the_head_adapter_and_the_merged_export_loads_in_transformers(trained, bases, tmp_path):
     """`rlsched export` of a checkpoint of the head adapter on a tied base: peft loads the PEFT files onto the
     base with our logits; `--merge` writes an untied model (lm_head.weight, tie_word_embeddings false) that plain

@@ -541,8 +541,14 @@ class ActorWorker:
             self.base = self.ref_params = None
 
     def model(self) -> CausalLM:
-        """The policy as one model (a LoRA actor's: its base with the adapter merged in)."""
+        """The policy as one model (a LoRA actor's: its base with the adapter merged in; an adapted head of a base
+        that ties its embeddings gives an untied model, as workers.models.lora.merged does)."""
         if self.lora is None:
             return nnx.merge(self.graphdef, self.state.params)
         merged = L.merged(P.to_flat(self.base), jax.device_get(self.state.params), self.lora)
+        if self.config.tie_word_embeddings and "lm_head.kernel" in merged:  # one more matrix than the base's graph
+            untied = self.config.replace(tie_word_embeddings=False)
+            model = nnx.eval_shape(lambda: CausalLM(untied, rngs=nnx.Rngs(0)))  # shapes only: filled below
+            nnx.update(model, P.from_flat(nnx.state(model, nnx.Param), merged))
+            return model
         return nnx.merge(self.graphdef, P.from_flat(self.base, merged))

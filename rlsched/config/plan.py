@@ -17,7 +17,8 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
                  max_new_tokens) tokens x (per-layer values, summed over the layers, + 2 x vocab / tp) x 4 bytes
 The activation estimate counts what a layer's backward keeps per token: 10 x hidden (the inputs of the norms,
 q/k/v/o and the residual stream; not divided by tp) plus, for a dense MLP, 2 x its intermediate width (gate and
-up outputs), and float32 logits and their log-softmax over the vocab shard. A mixture-of-experts layer
+up outputs), and float32 logits and their log-softmax over the vocab shard (a LoRA adapter on the head adds
+its own float32 term over the vocab shard). A mixture-of-experts layer
 (workers.models.moe) runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I)
 intermediates: the ep group's rows (gathered over ep) x E / ep experts x I / tp, which per device is the
 device's own rows x E x I / tp; MOE_VALUES_PER_EXPERT of them per token. That count is XLA's, not the block's
@@ -83,6 +84,8 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
     tokens = rows * (task.grpo.max_prompt_len + task.grpo.max_new_tokens)
     out["activations"] = tokens * activation_values(model, mesh) * 4
+    if task.lora is not None and "lm_head" in task.lora.targets:  # the head adapter's float32 logits term too
+        out["activations"] += tokens * -(-model.vocab_size // mesh["tp"]) * 4
     return out
 
 
