@@ -97,7 +97,9 @@ class GroupProcess(JobMember):
             roots.add(str(spec.run_dir))
             shared.update(str(d) for d in [spec.checkpoint_dir, spec.compile_cache] if d)
             guarded = guard_run_files(sorted(roots), shared=sorted(shared))
-        self.roles[key] = cls(spec, channel=channel)
+        role = cls(spec, channel=channel)  # built outside the lock: a role's start loads its model
+        with self._calls_lock:  # other tasks' threads read self.roles meanwhile (`where`, `held`, `call`)
+            self.roles[key] = role
         return guarded
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
@@ -168,7 +170,9 @@ class GroupProcess(JobMember):
 
     def drop(self, key: str) -> None:
         """Forget a role (its driver closed it first): its arrays are freed with its last reference."""
-        if self.roles.pop(key, None) is not None:
+        with self._calls_lock:
+            dropped = self.roles.pop(key, None) is not None
+        if dropped:
             gc.collect()  # device buffers go now, not at the next collection
 
     def held(self) -> dict[str, Any]:
@@ -186,8 +190,10 @@ class GroupProcess(JobMember):
         """This process, the devices it sees and those each role's mesh uses (for tools and tests)."""
         import jax
 
+        with self._calls_lock:  # a copy: other tasks start roles from their threads meanwhile (every role's start
+            roles = dict(self.roles)  # asks `where`, so 32 tasks starting at once iterated a dict that grew)
         return {"pid": os.getpid(), "devices": [d.id for d in jax.local_devices()],
-                "roles": {key: role.device_ids() for key, role in self.roles.items()}}
+                "roles": {key: role.device_ids() for key, role in roles.items()}}
 
 
 def start_group_process(sites, kind: str, *, num_devices: int, max_tasks: int, bundle: int | None = None,
