@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -43,6 +44,15 @@ from rlsched.rundir.files import write_atomic
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "demo_lora.yaml"
 SHAPES = [(kind, operand) for operand in (9, 19, 49, 99) for kind in ("addition", "subtraction")]  # the demo's 8
+
+
+def _targets() -> list[str]:
+    import yaml
+
+    return yaml.safe_load(CONFIG.read_text())["tasks"][0]["lora"]["targets"]
+
+
+TARGETS = _targets()  # the demo's adapter targets, which every LoRA task here uses
 GOALS = {"throughput": 8.0, "step_time": 4.0, "bytes": 1.5}
 MEASURED = {"actor": ("params", "opt", "ref"), "engine": ("params",)}  # what a role reports it holds, by kind
 PLANNED = {"actor": ("params", "optimizer", "reference"), "engine": ("params",)}  # the same kinds in the plan
@@ -129,6 +139,9 @@ def measure(root: Path, name: str, n: int, lora: bool, args) -> dict:
     wall = time.perf_counter() - t0
     failed = {k: v.get("error", v["status"]) for k, v in results.items() if v["status"] != "ok"}
     if failed:
+        for task, v in results.items():  # where it failed: the remote traceback, for the report of a bug
+            if v["status"] != "ok" and v.get("traceback"):
+                print(f"{name}: task {task} failed:\n{v['traceback']}", file=sys.stderr, flush=True)
         raise SystemExit(f"{name}: tasks failed: {failed}")
     metrics = {t.name: read_metrics(cfg.run_dir / "tasks" / t.name / "metrics.jsonl") for t in cfg.tasks}
     short = {t: len(m) for t, m in metrics.items() if len(m) != args.steps}
@@ -258,7 +271,7 @@ def report(runs: dict[str, dict], verdicts: dict, args) -> str:
                     f"{r['bytes_planned']['every_role_resident'] / mib:.2f} | "
                     f"{r['bytes_measured']['process_live'] / mib:.2f} | {r['window_s']:.1f} | {r['wall_s']:.1f} |")
     lines = [
-        f"{args.preset} Qwen3 base, demo_lora's task shape (rank {args.rank} on q k v o gate up down), colocated, "
+        f"{args.preset} Qwen3 base, demo_lora's task shape (rank {args.rank} on {' '.join(TARGETS)}), colocated, "
         f"per_device_group under Ray; {args.steps} steps per task, steady state past {args.warmup_steps} "
         f"warmup steps" + (f"; --set {' '.join(args.overrides)}" if args.overrides else ""),
         "",

@@ -41,6 +41,8 @@ SMALLEST = {
              "goals"),
     "cobatch": (["--tasks", "1,3", "--prompts", "2", "--n", "2", "--prompt-len", "8", "--new-tokens", "4",
                  "--repeats", "1"], "runs"),
+    "cotrain": (["--tasks", "1,3", "--rows", "2", "--prompt-len", "4", "--completion-len", "4", "--steps", "1"],
+                "runs"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }
@@ -102,7 +104,17 @@ def check_cobatch(results: dict, out: Path) -> None:
     assert all(r["identical_samples"] == 1.0 and r["speedup"] > 0 for r in runs.values()), runs
 
 
-DEEPER = {"lora": check_lora, "cobatch": check_cobatch}  # module -> a check of its results beyond their presence
+def check_cotrain(results: dict, out: Path) -> None:
+    """benchmarks/cotrain.py: one task "co-batched" trains alone (the same adapter, to the bit); three share one
+    program and land within float rounding of training alone (docs/lora.md)."""
+    runs = {r["tasks"]: r for r in results["runs"]}
+    assert set(runs) == {1, 3} and runs[3]["cobatched_reported"] == [3] and runs[1]["cobatched_reported"] == [1]
+    assert runs[1]["apart"] == {"norm": 0.0, "element": 0.0}, runs[1]
+    assert 0 < runs[3]["apart"]["norm"] < 1e-2 and runs[3]["speedup"] > 0, runs[3]
+
+
+# module -> a check of its results beyond their presence
+DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain}
 
 
 def test_every_benchmark_has_a_smallest_setting():
