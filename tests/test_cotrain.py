@@ -287,3 +287,27 @@ def test_a_hold_on_a_dp_fsdp_mesh_gives_each_member_its_alone_update_in_its_own_
         _compare(got, want, cobatched=3.0)
         assert got["shardings"] == want["shardings"] == shardings
     assert actor_cobatch.open_holds() == []
+
+
+def test_an_actor_role_whose_advantages_fail_withdraws_from_its_train_hold():
+    """rlsched.run.roles.ActorRole.train computes the group advantages before the worker's train: if they raise (the
+    rewards do not split into groups), the hold's other members are told at once, not after the 30 s wait."""
+    import types
+
+    from rlsched.observe.timeline import Timeline
+    from rlsched.run.roles import ActorRole
+
+    withdrawn = []
+    role = types.SimpleNamespace(
+        spec=types.SimpleNamespace(config=types.SimpleNamespace(
+            grpo=types.SimpleNamespace(num_generations=4, normalize_advantage_std=True))),
+        timeline=Timeline("actor", task="t"),
+        worker=types.SimpleNamespace(withdraw=withdrawn.append, train=None))
+    batch = types.SimpleNamespace(size=6)
+    together = Together(hold=7, tasks=3)
+    with pytest.raises(ValueError, match="rewards must be"):
+        ActorRole.train(role, batch, np.zeros(6, np.float32), 1, together)  # 6 rewards, groups of 4
+    assert withdrawn == [together]
+    with pytest.raises(ValueError, match="rewards must be"):
+        ActorRole.train(role, batch, np.zeros(6, np.float32), 1)  # alone: nothing to withdraw from
+    assert withdrawn == [together]

@@ -230,9 +230,14 @@ class ActorRole(_Role):
 
         g = self.spec.config.grpo
         with self.timeline.span("train", samples=batch.size):
-            # jnp, not numpy: the math is the jitted kind everywhere (numpy's float32 sums round differently)
-            advantages = group_advantages(jnp.asarray(rewards), g.num_generations,
-                                          normalize_std=g.normalize_advantage_std)
+            try:
+                # jnp, not numpy: the math is the jitted kind everywhere (numpy's float32 sums round differently)
+                advantages = group_advantages(jnp.asarray(rewards), g.num_generations,
+                                              normalize_std=g.normalize_advantage_std)
+            except BaseException:
+                if together is not None:  # the hold's other members must not wait for an update that will not come
+                    self.worker.withdraw(together)  # (a failure inside train is the worker's: it withdraws itself)
+                raise
             kwargs = {} if together is None else {"together": together}
             metrics = self.worker.train(batch.with_advantages(advantages), step=step, timeline=self.timeline,
                                         **kwargs)
