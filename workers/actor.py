@@ -282,6 +282,11 @@ class ActorWorker:
         self._signature = ("actor", self.graphdef, settings, lora, self.mesh, jax.tree.structure(self._abstract),
                            tuple(jax.tree.leaves(self._abstract)))
 
+    def step_function(self):
+        """`train_step` with this actor's static parts bound: (state, batch[, base]) -> (state, metrics), not yet
+        jitted (workers.actor_cobatch vmaps it over a hold's members)."""
+        return partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings, lora=self.lora)
+
     def _program(self, kind: str, keys: tuple[str, ...] = ()):
         """The jitted train step (per set of batch keys) or logprobs program, with explicit shardings."""
         if (kind, keys) in self._programs:
@@ -291,8 +296,7 @@ class ActorWorker:
         base_sh = () if self.lora is None else (self.base_shardings, repl)
         if kind == "train":  # batch arrays (A, M, ...): rows (M) over dp x fsdp x ep
             batch_sh = {k: S.batch_sharding(self.mesh, 2 if k == "advantages" else 3, leading=1) for k in keys}
-            fn = jax.jit(partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings,
-                                 lora=self.lora),
+            fn = jax.jit(self.step_function(),
                          in_shardings=(self.shardings, batch_sh, *base_sh[:1]), out_shardings=(self.shardings, repl),
                          donate_argnums=0)
         else:  # (params, tokens, mask[, base, row]) -> logprobs (B, T-1), rows over dp x fsdp x ep

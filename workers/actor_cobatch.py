@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -153,8 +152,6 @@ def _stacked(sharding: NamedSharding) -> NamedSharding:
 def _programs(actor: ActorWorker, padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> tuple[Any, ...]:
     """(stack, step, unstack) for `padded` members of `actor`'s signature and these mini-batch shapes: compiled on
     first use, then shared by every actor of the signature in this process."""
-    from workers.actor import _shapes_key, train_step
-
     sig = actor._signature  # noqa: SLF001
     member_sh = actor.shardings
     stacked_sh = jax.tree.map(_stacked, member_sh)
@@ -173,7 +170,7 @@ def _programs(actor: ActorWorker, padded: int, keys: tuple[str, ...], shapes: di
         return compile_once(fn.lower(*([actor._abstract] * padded)))  # noqa: SLF001
 
     def build_step():
-        one = partial(train_step, graphdef=actor.graphdef, tx=actor.tx, settings=actor.settings, lora=actor.lora)
+        one = actor.step_function()
         fn = jax.jit(jax.vmap(one, in_axes=(0, 0, *(None,) * len(base))),
                      in_shardings=(stacked_sh, rows, *base_sh), out_shardings=(stacked_sh, repl), donate_argnums=0)
         return compile_once(fn.lower(abstract, batch, *base))
@@ -183,7 +180,7 @@ def _programs(actor: ActorWorker, padded: int, keys: tuple[str, ...], shapes: di
                      in_shardings=(stacked_sh,), out_shardings=tuple([member_sh] * padded))
         return compile_once(fn.lower(abstract))
 
-    shape_key = _shapes_key({name: (shape, dtype) for name, (shape, dtype) in shapes.items()})
+    shape_key = tuple(sorted((name, tuple(shape), np.dtype(dtype).str) for name, (shape, dtype) in shapes.items()))
     stack, _ = shared((sig, "cotrain-stack", padded), build_stack)
     step, _ = shared((sig, "cotrain-step", padded, keys, shape_key), build_step)
     unstack, _ = shared((sig, "cotrain-unstack", padded), build_unstack)
