@@ -42,6 +42,24 @@ def one_task_fits_gb(task) -> float:
     return (engine + actor + min(engine, actor) // 2) / 2**30
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _forget_compiled_programs():
+    """After each test module, free the programs it compiled in this process. Each holds a few memory maps of JIT
+    code, and Linux caps a process at vm.max_map_count (65530): the whole suite in one process reached it at test
+    606 of 753 (34k maps by test 330), and the next compile died of a segfault. Programs a later module needs are
+    compiled again (session fixtures keep theirs while they hold them)."""
+    yield
+    import gc
+
+    import jax
+
+    from workers import compiling
+
+    compiling.forget()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """`rlsched init-model --preset tiny` output, with weights peaked enough (std 0.2) that greedy

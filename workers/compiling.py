@@ -74,6 +74,17 @@ def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
         return executable, True
 
 
+def forget() -> int:
+    """Drop every executable `shared` keeps (returns how many): the next caller of a key builds it again. Each
+    compiled program holds a few memory maps of JIT code until it is freed, and a process has a bounded number
+    (Linux's vm.max_map_count, 65530 by default): a process that compiles without end (the test suite) forgets
+    what it no longer runs, with jax.clear_caches()."""
+    with _GUARD:
+        n = len(_EXECUTABLES)
+        _EXECUTABLES.clear()
+        return n
+
+
 def compile_once(lowered):
     """`lowered.compile()`, one process at a time per program when JAX's persistent cache is a local directory."""
     import jax
