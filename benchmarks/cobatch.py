@@ -169,22 +169,31 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def main(argv=None) -> dict:
+def jax_environment() -> dict:
+    """Where a JAX-only benchmark ran (no rlsched control plane: benchmarks.common needs Ray's dependencies)."""
     import flax
     import jax
 
-    args = parse_args(argv)
-    env = dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
-               jax_devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(), machine=platform.machine())
-    runs = [measure(k, args) for k in args.tasks]
-    text = report(runs, env, args)
+    return dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
+                jax_devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(), machine=platform.machine())
+
+
+def save(args, env: dict, runs: list[dict], text: str, title: str) -> dict:
+    """Print the report, write results.json and report.md into args.out atomically; the results."""
     print("\n" + text)
     results = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "env": env,
                "runs": runs, "timestamp": datetime.now(UTC).isoformat()}
     write_atomic(args.out / "results.json", json.dumps(results, indent=2) + "\n")
-    write_atomic(args.out / "report.md", f"# Co-batched rollout, engine level\n\n{text}\n")
+    write_atomic(args.out / "report.md", f"# {title}\n\n{text}\n")
     print(f"\nsaved {args.out / 'results.json'} and {args.out / 'report.md'}")
     return results
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    env = jax_environment()
+    runs = [measure(k, args) for k in args.tasks]
+    return save(args, env, runs, report(runs, env, args), "Co-batched rollout, engine level")
 
 
 if __name__ == "__main__":

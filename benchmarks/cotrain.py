@@ -24,18 +24,15 @@ an accelerator machine with only JAX; `JAX_PLATFORMS` picks the device (CPU when
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks.cobatch import SHAPES, write_atomic  # noqa: E402 - after the platform default
+from benchmarks.cobatch import SHAPES, jax_environment, save  # noqa: E402 - after the platform default
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,15 +196,13 @@ def report(runs: list[dict], env: dict, args) -> str:
 
 
 def main(argv=None) -> dict:
-    import flax
     import jax
 
     from workers import shared_base
     from workers.models import sharding as S
 
     args = parse_args(argv)
-    env = dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
-               jax_devices=[str(d) for d in jax.devices()], cpu_count=os.cpu_count(), machine=platform.machine())
+    env = jax_environment()
     dtype = args.dtype or SHAPES[args.shape]["dtype"]
     with tempfile.TemporaryDirectory(prefix="rlsched-cotrain-") as tmp:
         path = save_base(args.shape, dtype, Path(tmp))
@@ -216,15 +211,7 @@ def main(argv=None) -> dict:
             runs = [measure(k, lease, lease.config, args) for k in args.tasks]
         finally:
             lease.release()
-    text = report(runs, env, args)
-    print("\n" + text)
-    results = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "env": env,
-               "runs": runs, "timestamp": datetime.now(UTC).isoformat()}
-    write_atomic(args.out / "results.json", json.dumps(results, indent=2) + "\n")
-    write_atomic(args.out / "report.md", f"# Co-batched train, actor level\n\n{text}\n")
-    print(f"\nsaved {args.out / 'results.json'} and {args.out / 'report.md'}")
-    return results
-
+    return save(args, env, runs, report(runs, env, args), "Co-batched train, actor level")
 
 if __name__ == "__main__":
     main()
