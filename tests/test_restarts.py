@@ -72,10 +72,16 @@ class _Chaos:
         threading.Thread(target=self._run, daemon=True).start()
 
     def _pid(self, task, role):
+        """The pid of the role's live process, or None while the task still holds a process killed earlier: a
+        kill can land after the next step's rollout, so the task notices the death (and replaces the role) only
+        a step later, and a metrics line can come first."""
         import ray
 
         handle = ray.get(self.drivers[task].role_handles.remote())[role]
-        return ray.get(handle.where.remote(), timeout=60)["pid"]
+        try:
+            return ray.get(handle.where.remote(), timeout=60)["pid"]
+        except ray.exceptions.RayActorError:
+            return None
 
     def _run(self):
         try:
@@ -86,7 +92,7 @@ class _Chaos:
                     if len(read_metrics(path)) >= lines:
                         before = [pid for t, r, pid in self.killed if (t, r) == (task, role)]
                         pid = self._pid(task, role)  # the role's current process (a new one after a restart)
-                        if pid not in before:
+                        if pid is not None and pid not in before:
                             os.kill(pid, signal.SIGKILL)
                             self.killed.append((task, role, pid))
                             break
