@@ -69,8 +69,10 @@ def test_thirty_two_lora_tasks_run_on_one_base_holding_what_the_plan_says(tmp_pa
     assert len(base) == 1 and reported + base.pop() == pytest.approx(held, rel=0.10)
     # What the process really holds on its device: each probe (after a task's phase) sees the whole process's live
     # bytes. While every task lives, those are at least everyone's state, plus whatever another task's phase has
-    # under way then (its activations or KV cache); the least of them is the state alone.
+    # under way then (its activations or KV cache); the least of them is the state alone. How many probes come
+    # before the first task's last step is the schedule's choice (a hold of co-batched tasks may run both its steps
+    # before others run their first): 22 of 64 in one CI run. Fewer probes can only raise their least.
     every_task_alive = min(ms[-1]["time/end_unix"] for ms in metrics.values())
     live = [m[f"mem/{role}/device0/bytes_in_use"] for ms in metrics.values() for m in ms
             if m["time/end_unix"] < every_task_alive for role in ("actor", "engine")]
-    assert len(live) >= TASKS and min(live) == pytest.approx(held, rel=0.10), (min(live), held)
+    assert live and min(live) == pytest.approx(held, rel=0.10), (live, held)
