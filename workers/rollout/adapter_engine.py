@@ -27,6 +27,7 @@ from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.lora import LoraSpec, adapter_shapes
 from workers.rollout.base import RolloutOutput, SamplingParams
+from workers.rollout.stamp import StampedWeights
 
 
 def check_adapter(flat: Mapping[str, object], shapes: Mapping[str, tuple[int, int]], spec: LoraSpec,
@@ -48,7 +49,7 @@ def sync_stats(shapes: Mapping[str, tuple[int, int]], params_bytes: int) -> dict
     return {"params_bytes": params_bytes, "largest_leaf_bytes": max(sizes), "peak_extra_bytes": sum(sizes)}
 
 
-class AdapterEngine:
+class AdapterEngine(StampedWeights):
     """A RolloutEngine (workers.rollout.base) for one LoRA task over a JaxSampler that holds its base."""
 
     name = "jax_sampler"
@@ -63,31 +64,21 @@ class AdapterEngine:
 
     # ---- weights ---------------------------------------------------------------------------------------------
 
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def weight_checksum(self) -> str:
-        if self._checksum is None:
-            self._checksum = P.checksum(self._served())
-        return self._checksum
-
     def update_weights(self, flat: Mapping[str, object], version: int, *, checksum: str | None = None) -> dict:
         """Serve adapter `flat` ({<module>.lora_a / .lora_b: array}, host or device) as weights `version`."""
         check_adapter(flat, self._shapes, self.spec, version)
-        before = self._served()
+        before = self._served_flat()
         repl = S.replicated(self.mesh)
         self.sampler.set_adapters([{n: S.place(x, repl, copy=True) for n, x in flat.items()}], [self.spec])
-        digest = P.checksum(self._served())  # what landed, read back from the sampler
-        if checksum is not None and digest != checksum:
+        digest = P.checksum(self._served_flat())  # what landed, read back from the sampler
+        refused = self._refusal(version, digest, checksum, "adapter")
+        if refused:
             self.sampler.set_adapters([before], [self.spec])
-            raise P.WeightMismatchError(f"update_weights(version={version}): the adapter that landed hashes to "
-                                        f"{digest}, the sender's to {checksum}; keeping v{self._version}")
+            raise refused
         self._version, self._checksum = int(version), digest
         return sync_stats(self._shapes, self.memory_bytes()["params"])
 
-    def _served(self) -> dict[str, jax.Array]:
+    def _served_flat(self) -> dict[str, jax.Array]:
         """The adapter the sampler serves, in the flat layout: its slot 0 of the stacked a/b, unpadded."""
         stacked = self.sampler._live_adapters()  # noqa: SLF001 - the one reader of the sampler's stacked adapters
         return stacked.adapter(0, self._shapes)

@@ -21,9 +21,10 @@ from workers.rollout.base import (
     SamplingParams,
     validate_request,
 )
+from workers.rollout.stamp import StampedWeights
 
 
-class FakeEngine:
+class FakeEngine(StampedWeights):
     name = "fake"
 
     def __init__(self, *, vocab_size: int = 384, max_prompt_len: int = 512, max_new_tokens: int = 256,
@@ -61,13 +62,10 @@ class FakeEngine:
         engine._version = int(weight_version)
         return engine
 
-    @property
-    def weight_version(self) -> int:
-        return self._version
 
     @property
     def weight_checksum(self) -> str | None:
-        return self._checksum
+        return self._checksum  # a fake keeps no weights: the hash of the last ones it was sent (None before any)
 
     @property
     def offloaded(self) -> bool:
@@ -82,9 +80,9 @@ class FakeEngine:
             if got != self._shapes:
                 raise P.WeightMismatchError(f"update_weights(version={version}): shapes differ from the engine's")
         digest = P.checksum(flat_params)
-        if checksum is not None and digest != checksum:
-            raise P.WeightMismatchError(f"update_weights(version={version}): the weights hash to {digest}, the "
-                                        f"sender's to {checksum}; keeping v{self._version}")
+        refused = self._refusal(version, digest, checksum)
+        if refused:
+            raise refused
         self._version, self._checksum = int(version), digest
         self._params_bytes = int(sum(v.nbytes for v in flat_params.values()))
         largest = max((v.nbytes for v in flat_params.values()), default=0)

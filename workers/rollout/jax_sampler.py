@@ -63,6 +63,7 @@ from workers.rollout.base import (
     validate_request,
 )
 from workers.rollout.sampling import sample_tokens
+from workers.rollout.stamp import StampedWeights
 
 _STOP_SLOTS = 8  # stop-id array size (static); more stop ids -> next multiple of 8
 
@@ -73,7 +74,7 @@ def _bucket(n: int, minimum: int, cap: int) -> int:
     return min(b, cap)
 
 
-class JaxSampler:
+class JaxSampler(StampedWeights):
     """KV-cached JAX sampler over a `CausalLM`. See workers.rollout.base for the contract."""
 
     name = "jax_sampler"
@@ -118,15 +119,8 @@ class JaxSampler:
 
     # ---- weights and memory -------------------------------------------------------------------
 
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def weight_checksum(self) -> str:
-        if self._checksum is None:
-            self._checksum = P.checksum(P.to_flat(self._live_state()))
-        return self._checksum
+    def _served_flat(self) -> dict[str, jax.Array]:
+        return P.to_flat(self._live_state())
 
     def _live_state(self):
         if self._state is None:
@@ -217,9 +211,9 @@ class JaxSampler:
 
     def _verify(self, state, version: int, checksum: str | None) -> str:
         digest = P.checksum(P.to_flat(state))
-        if checksum is not None and digest != checksum:
-            raise P.WeightMismatchError(f"update_weights(version={version}): the weights that landed hash to "
-                                        f"{digest}, the sender's to {checksum}; keeping v{self._version}")
+        refused = self._refusal(version, digest, checksum)
+        if refused:
+            raise refused
         return digest
 
     def memory_bytes(self) -> dict[str, int]:

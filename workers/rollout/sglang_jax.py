@@ -59,6 +59,7 @@ from workers.rollout.base import (
     SamplingParams,
     validate_request,
 )
+from workers.rollout.stamp import StampedWeights
 
 INSTALL_HINT = "pip install -e '.[sglang]' (needs Python >= 3.12)"
 
@@ -105,7 +106,7 @@ def _row_seed(seed: int, prompt: int, sample: int) -> int:
     return int(np.random.SeedSequence([seed, prompt, sample]).generate_state(1)[0] % (2**31 - 1))
 
 
-class SglangJaxEngine:
+class SglangJaxEngine(StampedWeights):
     """RolloutEngine over sglang-jax (see workers.rollout.base for the contract, this module's
     docstring for what is rlsched's and what is the engine's)."""
 
@@ -188,19 +189,9 @@ class SglangJaxEngine:
 
     # ---- weights and memory -------------------------------------------------------------------
 
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def weight_checksum(self) -> str:
-        """Hash of the weights on the device now, in rlsched's flat format (same function as the
-        actor's and jax_sampler's, so the driver compares them directly)."""
-        if self._checksum is None:
-            self._checksum = P.checksum(self._flat_params())
-        return self._checksum
-
-    def _flat_params(self) -> dict[str, np.ndarray]:
+    def _served_flat(self) -> dict[str, np.ndarray]:
+        """The weights on the device now, in rlsched's flat layout (hashed as the actor's and jax_sampler's are,
+        so the driver compares the checksums directly)."""
         self._check_live()
         return {name: (np.asarray(x).T if t else np.asarray(x))
                 for name, x, t in zip(self._names, self._leaves, self._transposed, strict=True)}

@@ -55,6 +55,7 @@ from workers.offload import offload, onload
 from workers.rollout.adapter_engine import check_adapter, sync_stats
 from workers.rollout.base import EngineOffloadedError, RolloutOutput, SamplingParams, Together, validate_request
 from workers.rollout.cobatch import Gatherings
+from workers.rollout.stamp import StampedWeights
 
 
 @dataclasses.dataclass
@@ -246,7 +247,7 @@ def groups() -> dict[tuple, int]:
         return {key: sum(s is not None for s in g.slots) for key, g in _GROUPS.items()}
 
 
-class AdapterView:
+class AdapterView(StampedWeights):
     """One LoRA task's rollout engine (the RolloutEngine contract of workers.rollout.adapter_engine.AdapterEngine)
     over slot `k` of its base group's SharedSampler."""
 
@@ -267,17 +268,7 @@ class AdapterView:
 
     # ---- weights ---------------------------------------------------------------------------------------------
 
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def weight_checksum(self) -> str:
-        if self._checksum is None:
-            self._checksum = P.checksum(self._served())
-        return self._checksum
-
-    def _served(self) -> dict[str, jax.Array]:
+    def _served_flat(self) -> dict[str, jax.Array]:
         if self._slot.device is None:
             raise EngineOffloadedError("the engine is offloaded; call onload() first")
         return self.group.served(self.slot_index)
@@ -291,10 +282,10 @@ class AdapterView:
             before = slot.device  # None while offloaded: the host copy stays untouched until the new one verifies
             slot.device = {n: S.place(x, repl, copy=True) for n, x in flat.items()}
             digest = P.checksum(self.group.served(self.slot_index))  # what landed, read back as it is served
-            if checksum is not None and digest != checksum:
+            refused = self._refusal(version, digest, checksum, "adapter")
+            if refused:
                 slot.device = before
-                raise P.WeightMismatchError(f"update_weights(version={version}): the adapter that landed hashes "
-                                            f"to {digest}, the sender's to {checksum}; keeping v{self._version}")
+                raise refused
             if before is None and slot.host is not None:  # offloaded: it stays where the task left it, on host
                 slot.host, slot.device = offload(slot.device), None
         self._version, self._checksum = int(version), digest
