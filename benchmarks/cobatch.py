@@ -59,14 +59,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the base's dtype (default: the shape's: bfloat16 for qwen3-0.6b, else float32)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cobatch")
-    args = p.parse_args(argv)
+    return checked(p, p.parse_args(argv), ("prompts", "n", "prompt_len", "new_tokens", "rank", "repeats"))
+
+
+def checked(p: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...]) -> argparse.Namespace:
+    """`args` with --tasks read as a list of positive integers and every option in `positive` at least 1; anything
+    else ends the command with p.error naming the option."""
     try:
         args.tasks = [int(x) for x in args.tasks.split(",") if x.strip()]
     except ValueError:
         args.tasks = []
     if not args.tasks or min(args.tasks) < 1:
         p.error(f"--tasks: give positive integers, e.g. 8,32 (got {args.tasks!r})")
-    for name in ("prompts", "n", "prompt_len", "new_tokens", "rank", "repeats"):
+    for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args

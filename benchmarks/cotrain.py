@@ -32,7 +32,7 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from benchmarks.cobatch import SHAPES, jax_environment, save  # noqa: E402 - after the platform default
+from benchmarks.cobatch import SHAPES, checked, jax_environment, save  # noqa: E402 - after the platform default
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,17 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="the base's dtype (default: the shape's: bfloat16 for qwen3-0.6b, else float32)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cotrain")
-    args = p.parse_args(argv)
-    try:
-        args.tasks = [int(x) for x in args.tasks.split(",") if x.strip()]
-    except ValueError:
-        args.tasks = []
-    if not args.tasks or min(args.tasks) < 1:
-        p.error(f"--tasks: give positive integers, e.g. 8,32 (got {args.tasks!r})")
-    for name in ("rows", "prompt_len", "completion_len", "rank", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
+    return checked(p, p.parse_args(argv), ("rows", "prompt_len", "completion_len", "rank", "steps"))
 
 
 def save_base(shape: str, dtype: str, where: Path) -> Path:

@@ -42,6 +42,32 @@ def one_task_fits_gb(task) -> float:
     return (engine + actor + min(engine, actor) // 2) / 2**30
 
 
+def lora_task_dir(root, base_dir, lora: dict, actor, step: int = 2):
+    """A LoRA task's directory under `root` as a run leaves it, for `rlsched export`: hparams.json naming its base
+    (`base_dir`) and adapter (`lora`: {rank, alpha, targets}), and the adapter `actor` (a LoRA ActorWorker) holds
+    saved as checkpoint `step`."""
+    import json
+
+    from rlsched.run.checkpoints import TaskCheckpointer
+
+    task = root / "run" / "tasks" / "add"
+    task.mkdir(parents=True)
+    (task / "hparams.json").write_text(json.dumps({"model": {"path": str(base_dir)}, "lora": lora}))
+    saver = TaskCheckpointer(task / "checkpoints", background=False)
+    saver.save(step, actor.state, {"step": step, "version": actor.version})
+    saver.close()
+    return task
+
+
+def rlsched_export(task, *args):
+    """`rlsched export TASK ARGS...` in a process of its own, as a user runs it (the finished process)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "rlsched.cli", "export", str(task), *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _forget_compiled_programs():
     """After each test module, free the programs it compiled in this process. Each holds a few memory maps of JIT
@@ -51,12 +77,9 @@ def _forget_compiled_programs():
     yield
     import gc
 
-    import jax
-
     from workers import compiling
 
-    compiling.forget()
-    jax.clear_caches()
+    compiling.forget()  # with the sampler's programs and JAX's own caches
     gc.collect()
 
 

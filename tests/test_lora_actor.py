@@ -109,29 +109,17 @@ def test_prepare_compiles_what_train_runs(tiny_model_dir):
 def test_a_lora_checkpoint_exports_as_peft_loads_it_and_merged(trained, tiny_model_dir, tmp_path):
     """`rlsched export` of a LoRA task's checkpoint (the adapter alone) writes PEFT's files, which peft loads
     onto the base with the logits of the trained actor's merged model; `--merge` writes that merged model."""
-    import json
-    import subprocess
-    import sys
-
     import torch
+    from conftest import lora_task_dir, rlsched_export
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rlsched.run.checkpoints import TaskCheckpointer
-
     lora, batch = trained["lora"], trained["batch"]
-    task = tmp_path / "run" / "tasks" / "add"
-    task.mkdir(parents=True)
-    (task / "hparams.json").write_text(json.dumps({"model": {"path": str(tiny_model_dir)},
-                                                   "lora": {"rank": 4, "alpha": 8.0,
-                                                            "targets": ["q", "v", "o", "down"]}}))
-    saver = TaskCheckpointer(task / "checkpoints", background=False)
-    saver.save(2, lora.state, {"step": 2, "version": lora.version})
-    saver.close()
+    task = lora_task_dir(tmp_path, tiny_model_dir, {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "o", "down"]},
+                         lora)
 
     def export(*extra):
-        return subprocess.run([sys.executable, "-m", "rlsched.cli", "export", str(task), *extra],
-                              capture_output=True, text=True, timeout=300)
+        return rlsched_export(task, *extra)
 
     done = export(str(tmp_path / "adapter"))
     assert done.returncode == 0, done.stderr

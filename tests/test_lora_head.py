@@ -179,24 +179,17 @@ def test_peft_loads_the_head_adapter_and_the_merged_export_loads_in_transformers
     transformers loads with them too (1e-4)."""
     import peft
     import torch
+    from conftest import lora_task_dir, rlsched_export
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from rlsched.run.checkpoints import TaskCheckpointer
     from workers.models import peft_files as pf
 
     actor, _ = trained
-    task = tmp_path / "run" / "tasks" / "add"
-    task.mkdir(parents=True)
-    (task / "hparams.json").write_text(json.dumps({"model": {"path": str(bases["tied"])},
-                                                   "lora": {"rank": 4, "alpha": 8.0, "targets": list(SPEC.targets)}}))
-    saver = TaskCheckpointer(task / "checkpoints", background=False)
-    saver.save(2, actor.state, {"step": 2, "version": actor.version})
-    saver.close()
+    task = lora_task_dir(tmp_path, bases["tied"], {"rank": 4, "alpha": 8.0, "targets": list(SPEC.targets)}, actor)
 
     def export(*extra):
-        return subprocess.run([sys.executable, "-m", "rlsched.cli", "export", str(task), *extra],
-                              capture_output=True, text=True, timeout=300)
+        return rlsched_export(task, *extra)
 
     done, merged = export(str(tmp_path / "adapter")), export(str(tmp_path / "merged"), "--merge")
     assert done.returncode == 0, done.stderr
