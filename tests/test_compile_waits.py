@@ -9,13 +9,17 @@ import time
 from workers.compiling import shared, waits
 
 
+class Executable:
+    """What a build returns, as a JAX executable is: an object a weak reference can point at."""
+
+
 def test_a_wait_for_anothers_build_is_counted_for_the_waiter_only():
     started = threading.Event()
 
     def build():
         started.set()
         time.sleep(0.3)  # the compile the other caller waits for
-        return object()
+        return Executable()
 
     mine = {}
 

@@ -63,6 +63,10 @@ def test_two_processes_compiling_one_program_at_once_compile_it_once(tmp_path):
     assert [c["hits"] for c in unlocked] == [0, 0], unlocked
 
 
+class Executable:
+    """What a build returns, as a JAX executable is: an object a weak reference can point at."""
+
+
 def test_a_program_asked_for_by_two_roles_at_once_is_built_once():
     """`shared`: roles of one process (threads of a device group's) asking for one key at once build it once,
     and the second gets the first's executable; a build that raises leaves the key to the next caller."""
@@ -74,7 +78,7 @@ def test_a_program_asked_for_by_two_roles_at_once_is_built_once():
 
     def build():
         builds.append(threading.get_ident())
-        return object()
+        return Executable()
 
     got = []
     threads = [threading.Thread(target=lambda: (start.wait(), got.append(shared(("test", "once"), build))))
@@ -92,6 +96,27 @@ def test_a_program_asked_for_by_two_roles_at_once_is_built_once():
     with pytest.raises(RuntimeError, match="compile failed"):
         shared(("test", "fails"), fails)
     assert shared(("test", "fails"), build)[1] is True
+
+
+def test_a_program_goes_with_the_last_caller_that_holds_it():
+    """The registry holds executables weakly: a device group's process sees every learning rate of a sweep as a new
+    program, and one held for ever keeps its memory maps of JIT code (the process's cap is vm.max_map_count)."""
+    import gc
+
+    from workers.compiling import find, programs, shared
+
+    before = programs()
+    first, built = shared(("test", "weak"), Executable)
+    second, again = shared(("test", "weak"), Executable)
+    assert (built, again) == (True, False) and second is first and find(("test", "weak")) is first
+    assert programs() == before + 1
+    del first
+    gc.collect()
+    assert find(("test", "weak")) is second  # the other caller still holds it
+    del second
+    gc.collect()
+    assert find(("test", "weak")) is None and programs() == before
+    assert shared(("test", "weak"), Executable)[1] is True  # built again for the next caller
 
 
 def test_actors_of_like_tasks_in_one_process_share_their_programs(tiny_model_dir):

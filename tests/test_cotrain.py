@@ -89,10 +89,13 @@ def _norm(a, b) -> float:
                              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))))
 
 
-def _run(path, tasks, *, cobatch: bool, mesh=None):
+def _run(path, tasks, *, cobatch: bool, mesh=None, keep: list | None = None):
     """Train `tasks` (a fresh actor each) for STEPS, all in one hold per step or each alone: ({"params", "opt",
-    "metrics": per step}, per task), the actors released."""
+    "metrics": per step}, per task), the actors released (their device arrays freed; `keep` keeps the objects, and
+    with them the programs they hold)."""
     actors = [_actor(path, t["seed"], mesh) for t in tasks]
+    if keep is not None:
+        keep.extend(actors)
     init = [_host(a.state.params) for a in actors]
     metrics = []
     try:
@@ -141,8 +144,11 @@ OTHERS = [TASKS[0], _task(7, LONG), _task(8, LONG), _task(9, SHORT)]
 
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir):
-    """TASKS alone and co-batched, task 0 among OTHERS, and a hold of four long tasks; the programs each compiled."""
-    built = []
+    """TASKS alone and co-batched, task 0 among OTHERS, and a hold of four long tasks, their actors kept; then
+    TASKS co-batched again once those actors are gone. The programs each compiled."""
+    import gc
+
+    built, kept = [], []
     compile_once = actor_cobatch.compile_once
 
     def counted(lowered):
@@ -153,11 +159,16 @@ def trained(tiny_model_dir):
         mp.setattr(actor_cobatch, "compile_once", counted)
         alone, _ = _run(tiny_model_dir, TASKS, cobatch=False)
         assert built == []  # alone: the actor's own programs, not co-batched ones
-        together, _ = _run(tiny_model_dir, TASKS, cobatch=True)
+        together, _ = _run(tiny_model_dir, TASKS, cobatch=True, keep=kept)
         first = len(built)
-        others, _ = _run(tiny_model_dir, OTHERS, cobatch=True)
-        four, _ = _run(tiny_model_dir, [TASKS[0], TASKS[1], TASKS[2], OTHERS[1]], cobatch=True)
-    return dict(alone=alone, together=together, others=others, four=four, compiled=(first, len(built) - first))
+        others, _ = _run(tiny_model_dir, OTHERS, cobatch=True, keep=kept)
+        four, _ = _run(tiny_model_dir, [TASKS[0], TASKS[1], TASKS[2], OTHERS[1]], cobatch=True, keep=kept)
+        meanwhile = len(built) - first
+        kept.clear()
+        gc.collect()
+        _run(tiny_model_dir, TASKS, cobatch=True)
+    return dict(alone=alone, together=together, others=others, four=four,
+                compiled=(first, meanwhile, len(built) - first - meanwhile))
 
 
 def test_the_members_of_a_hold_each_get_their_alone_update(trained):
@@ -187,9 +198,10 @@ def test_a_member_s_update_is_its_own_bit_for_bit_whoever_its_partners_are(train
         {k: v for k, v in m.items() if k != "cobatched"} for m in want["metrics"]]
 
 
-def test_three_and_four_members_run_one_compiled_program(trained):
-    # Three members compiled stack, step and unstack for K = 4 (padded); four members and other partners none
-    assert trained["compiled"] == (3, 0)
+def test_three_and_four_members_run_one_compiled_program_while_an_actor_holds_it(trained):
+    # Three members compiled stack, step and unstack for K = 4 (padded); four members and other partners none, while
+    # the first ones live; once every actor that held them is gone, so are they (workers.compiling.shared)
+    assert trained["compiled"] == (3, 0, 3)
 
 
 def test_the_states_come_back_in_their_own_layout_and_nothing_is_left_open(trained):

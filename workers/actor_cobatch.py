@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from workers.compiling import compile_once, shared
+from workers.compiling import compile_once, kept, shared
 from workers.models import sharding as S
 from workers.multihost import global_array, host_value
 from workers.rollout.cobatch import Gatherings
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from workers.actor import ActorWorker
 
 _LOCK = threading.Lock()
-_GATHERINGS: dict[tuple, Gatherings] = {}  # by shared base (workers.shared_base key): one per base group
+_GATHERINGS: dict[tuple, Gatherings] = kept({})  # by shared base (workers.shared_base key): one per base group
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,7 +126,10 @@ def _run_group(requests: list[TrainRequest]) -> list[tuple[list[dict], int]]:
     lead = actors[0]
     keys = tuple(sorted(requests[0].minis[0]))
     shapes = {name: (v.shape, v.dtype) for name, v in requests[0].minis[0].items()}
-    stack, step, unstack = _programs(lead, padded, keys, shapes)
+    programs = _programs(lead, padded, keys, shapes)
+    for actor in actors:  # each member holds them (workers.compiling.shared): they live while one of them does
+        actor._prepared[("cotrain", padded, keys, _shape_key(shapes))] = programs  # noqa: SLF001
+    stack, step, unstack = programs
     rows = {name: S.batch_sharding(lead.mesh, len(shape) + 1, leading=2) for name, (shape, _) in shapes.items()}
     states = [a.state for a in actors] + [actors[0].state] * (padded - k)
     stacked = stack(*states)
@@ -151,7 +154,10 @@ def _stacked(sharding: NamedSharding) -> NamedSharding:
 
 def _programs(actor: ActorWorker, padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> tuple[Any, ...]:
     """(stack, step, unstack) for `padded` members of `actor`'s signature and these mini-batch shapes: compiled on
-    first use, then shared by every actor of the signature in this process."""
+    first use, then shared by every actor of the signature in this process that holds them."""
+    held = actor._prepared.get(("cotrain", padded, keys, _shape_key(shapes)))  # noqa: SLF001
+    if held is not None:
+        return held
     sig = actor._signature  # noqa: SLF001
     member_sh = actor.shardings
     stacked_sh = jax.tree.map(_stacked, member_sh)
@@ -180,8 +186,11 @@ def _programs(actor: ActorWorker, padded: int, keys: tuple[str, ...], shapes: di
                      in_shardings=(stacked_sh,), out_shardings=tuple([member_sh] * padded))
         return compile_once(fn.lower(abstract))
 
-    shape_key = tuple(sorted((name, tuple(shape), np.dtype(dtype).str) for name, (shape, dtype) in shapes.items()))
     stack, _ = shared((sig, "cotrain-stack", padded), build_stack)
-    step, _ = shared((sig, "cotrain-step", padded, keys, shape_key), build_step)
+    step, _ = shared((sig, "cotrain-step", padded, keys, _shape_key(shapes)), build_step)
     unstack, _ = shared((sig, "cotrain-unstack", padded), build_unstack)
     return stack, step, unstack
+
+
+def _shape_key(shapes: dict[str, tuple]) -> tuple:
+    return tuple(sorted((name, tuple(shape), np.dtype(dtype).str) for name, (shape, dtype) in shapes.items()))

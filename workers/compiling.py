@@ -9,11 +9,23 @@ and writes the cache entry, the others then find it. Without a local persistent 
 A process that dies holding a lock releases it (flock).
 
 Within one process (a device group's, holding several tasks' roles) the same program need not even be traced
-again: `shared(key, build)` keeps the executable under a key naming everything it depends on (architecture,
+again: `shared(key, build)` finds the executable under a key naming everything it depends on (architecture,
 settings, mesh, shapes), so the second task with that key takes the first one's executable. Tracing and lowering a
 program is ~0.2-0.4 s of Python per program on the demo's model, on the GIL the process's other roles share.
 A task that waited for another's build spent that time on a compile all the same: `waits()` tells its caller how
 long, so that the task's trace shows it as a compile (rlsched.run.roles), not as a gap before its lock.
+
+The registry holds executables weakly: a program lives while a caller that asked for it holds it, and goes (with
+its memory maps of JIT code) with the last one; a caller of `shared` keeps what it gets for as long as it runs it.
+Why: a device group's process lives as long as the scheduler service, and a sweep's every learning rate is a new
+program there (the settings are in the key). Held for ever, one tiny actor's programs kept ~590 memory maps
+(measured on CPU), so ~100 tasks of a sweep would reach the process's cap (Linux's vm.max_map_count, 65530 by
+default), where the next compile dies of a segfault.
+
+What a process keeps for roles to come besides (other modules' caches registered with `kept`: the sampler's jitted
+generate functions, the copy programs, the co-batching registries; JAX's own caches) it gives back when told:
+`forget()`. A device group's process forgets whenever it holds no role (rlsched.cluster.group_process); the
+next task's programs then come from JAX's persistent compilation cache, as in a new process.
 """
 
 from __future__ import annotations
@@ -22,17 +34,27 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
-_EXECUTABLES: dict[Hashable, Any] = {}
+_EXECUTABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # while a caller holds it
 _BUILDING: dict[Hashable, threading.Lock] = {}
 _GUARD = threading.Lock()
 BUILD_WAIT_S = 3600.0  # longest wait for another caller's build of the same program (a compile that hangs)
 _WAITS = threading.local()  # .seconds: this thread's waits for another caller's build, while `waits()` counts
+_KEPT: list[dict] = []  # other modules' caches of programs and registries for roles to come (`kept`)
+
+
+def kept(cache: dict) -> dict:
+    """Register `cache`, a module's own dict of what it keeps for roles to come (compiled programs, the jitted
+    functions that build them, registries of groups): `forget` empties it too and `programs` counts it."""
+    _KEPT.append(cache)
+    return cache
 
 
 @contextlib.contextmanager
@@ -47,14 +69,23 @@ def waits() -> Iterator[dict[str, float]]:
         _WAITS.record = outer
 
 
-def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
-    """The executable this process holds under `key`, built by `build()` (trace, lower, compile) the first time;
-    (executable, whether this call built it). Two roles asking for one key at once build it once: the second
-    waits for the first. `key` must name all the program depends on: equal keys share one executable.
-    A build that raises stores nothing under `key`; the next caller builds it again."""
+def find(key: Hashable) -> Any | None:
+    """The executable a caller of `shared(key, ...)` still holds, or None."""
     with _GUARD:
-        if key in _EXECUTABLES:
-            return _EXECUTABLES[key], False
+        return _EXECUTABLES.get(key)
+
+
+def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
+    """The executable another caller holds under `key`, else built by `build()` (trace, lower, compile; it must
+    return an object a weak reference can point at, as JAX's executables are); (executable, whether this call built
+    it). Two roles asking for one key at once build it once: the second waits for the first. `key` must name all
+    the program depends on: equal keys share one executable. The caller keeps it for as long as it runs it: the
+    registry forgets it when no caller holds it any more. A build that raises stores nothing under `key`; the next
+    caller builds it again."""
+    with _GUARD:
+        executable = _EXECUTABLES.get(key)
+        if executable is not None:
+            return executable, False
         lock = _BUILDING.setdefault(key, threading.Lock())
     asked = time.perf_counter()
     if not lock.acquire(timeout=BUILD_WAIT_S):
@@ -62,11 +93,13 @@ def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
                            f"{BUILD_WAIT_S:.0f} s (a compile that hangs)")
     with contextlib.ExitStack() as held:
         held.callback(lock.release)
-        if key in _EXECUTABLES:  # built while this caller waited
+        with _GUARD:
+            executable = _EXECUTABLES.get(key)
+        if executable is not None:  # built while this caller waited
             record = getattr(_WAITS, "record", None)
             if record is not None:
                 record["seconds"] += time.perf_counter() - asked
-            return _EXECUTABLES[key], False
+            return executable, False
         executable = build()
         with _GUARD:
             _EXECUTABLES[key] = executable
@@ -74,15 +107,26 @@ def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
         return executable, True
 
 
-def forget() -> int:
-    """Drop every executable `shared` keeps (returns how many): the next caller of a key builds it again. Each
-    compiled program holds a few memory maps of JIT code until it is freed, and a process has a bounded number
-    (Linux's vm.max_map_count, 65530 by default): a process that compiles without end (the test suite) forgets
-    what it no longer runs, with jax.clear_caches()."""
+def programs() -> int:
+    """How many entries this process keeps: the executables of `shared` some caller holds, and the entries of every
+    `kept` cache."""
     with _GUARD:
-        n = len(_EXECUTABLES)
+        return len(_EXECUTABLES) + sum(len(cache) for cache in _KEPT)
+
+
+def forget() -> int:
+    """Drop everything this process keeps for roles to come (returns `programs()` as it was): the registry of
+    `shared` (what callers still hold stays theirs), every `kept` cache, and JAX's own caches. The next caller of a
+    key builds it again. Call it where no role of the process runs: a role that runs keeps working, but compiles
+    again what it asks for next."""
+    with _GUARD:
+        n = len(_EXECUTABLES) + sum(len(cache) for cache in _KEPT)
         _EXECUTABLES.clear()
-        return n
+        for cache in _KEPT:
+            cache.clear()
+    if "jax" in sys.modules:  # nothing to clear in a process that never imported JAX
+        sys.modules["jax"].clear_caches()
+    return n
 
 
 def compile_once(lowered):

@@ -35,6 +35,12 @@ Design decisions (and why):
   called SPMD (`GroupProcessesRole`); everything within one host lives in the first host's process. Every process
   must enter collectives in the same order while several drivers call them at once, so each SPMD call takes a turn from
   the first host and every host runs the turns in order (`GroupProcess.in_turn`).
+- **Programs go with their roles.** The process lives as long as the scheduler service and sees every task
+  shape and setting submitted there; each compiled program holds memory maps of JIT code, and a process has a
+  bounded number (workers.compiling). A role's programs are shared with the roles of the same shapes and settings
+  and go with the last of them (workers.compiling.shared); whenever the last role leaves and none is being built,
+  the process also drops what it keeps for roles to come (`workers.compiling.forget`). The next task's programs
+  come from JAX's persistent compilation cache, as in a new process.
 - Ray is imported inside the functions: importing this module costs nothing without Ray.
 """
 
@@ -73,6 +79,7 @@ class GroupProcess(JobMember):
         self._calls: dict[str, int] = {}  # role key -> its calls running or waiting (a fence drops an idle role only)
         self._turns_of: dict[str, threading.Lock] = {}  # role key -> held by the one call of it that runs
         self._dropped: set[str] = set()  # keys a fence dropped: a late call on one is refused, not run
+        self._building = 0  # roles being built now (`start`): the process is not empty while one is
         self._calls_lock = threading.Lock()
         # Ray restarted this process after it died (start_group_process's max_restarts): every role it held is gone.
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -97,9 +104,16 @@ class GroupProcess(JobMember):
             roots.add(str(spec.run_dir))
             shared.update(str(d) for d in [spec.checkpoint_dir, spec.compile_cache] if d)
             guarded = guard_run_files(sorted(roots), shared=sorted(shared))
-        role = cls(spec, channel=channel)  # built outside the lock: a role's start loads its model
-        with self._calls_lock:  # other tasks' threads read self.roles meanwhile (`where`, `held`, `call`)
-            self.roles[key] = role
+        with self._calls_lock:
+            self._building += 1
+        try:
+            role = cls(spec, channel=channel)  # built outside the lock: a role's start loads its model
+            with self._calls_lock:  # other tasks' threads read self.roles meanwhile (`where`, `held`, `call`)
+                self.roles[key] = role
+        finally:
+            with self._calls_lock:
+                self._building -= 1
+            self._forget_if_empty()  # a start that failed may leave the process as empty as it found it
         return guarded
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
@@ -136,6 +150,7 @@ class GroupProcess(JobMember):
             dropped = self.roles.pop(key, None) is not None
         if dropped:
             gc.collect()  # device buffers go now, not at the next collection
+            self._forget_if_empty()
         return True
 
     def ticket(self) -> int:
@@ -174,17 +189,32 @@ class GroupProcess(JobMember):
             dropped = self.roles.pop(key, None) is not None
         if dropped:
             gc.collect()  # device buffers go now, not at the next collection
+            self._forget_if_empty()
+
+    def _forget_if_empty(self) -> None:
+        """No role held and none being built: drop every program this process keeps (see the module's notes). Under
+        the book's lock, so that a role's start waits for it rather than have its programs dropped half built."""
+        from workers import compiling
+
+        with self._calls_lock:
+            if not self.roles and not self._building:
+                compiling.forget()
+                gc.collect()  # the executables' memory maps go now
 
     def held(self) -> dict[str, Any]:
-        """This process's pid, the roles it holds and the bytes of its live arrays on its devices: what a task that
+        """This process's pid, the roles it holds, the bytes of its live arrays on its devices, the programs it
+        keeps (workers.compiling.programs) and its memory maps (None where the OS does not say): what a task that
         ended leaves here is nothing (`rlsched status`)."""
+        from workers import compiling
+
         with self._calls_lock:
             roles = sorted(self.roles)
-        if not roles and "jax" not in sys.modules:
-            return {"pid": os.getpid(), "roles": roles, "device_bytes": 0}  # nothing started JAX here yet
+        kept = {"programs": compiling.programs(), "memory_maps": _memory_maps()}
+        if not roles and "jax" not in sys.modules:  # nothing started JAX here yet
+            return {"pid": os.getpid(), "roles": roles, "device_bytes": 0, **kept}
         from workers.offload import device_bytes
 
-        return {"pid": os.getpid(), "roles": roles, "device_bytes": device_bytes()}
+        return {"pid": os.getpid(), "roles": roles, "device_bytes": device_bytes(), **kept}
 
     def where(self) -> dict[str, Any]:
         """This process, the devices it sees and those each role's mesh uses (for tools and tests)."""
@@ -194,6 +224,15 @@ class GroupProcess(JobMember):
             roles = dict(self.roles)  # asks `where`, so 32 tasks starting at once iterated a dict that grew)
         return {"pid": os.getpid(), "devices": [d.id for d in jax.local_devices()],
                 "roles": {key: role.device_ids() for key, role in roles.items()}}
+
+
+def _memory_maps() -> int | None:
+    """This process's memory mappings (Linux: lines of /proc/self/maps; the cap is vm.max_map_count), else None."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
 
 
 def start_group_process(sites, kind: str, *, num_devices: int, max_tasks: int, bundle: int | None = None,

@@ -175,7 +175,9 @@ def _service_lines(report: dict[str, Any]) -> list[str]:
     for process in report.get("group_processes", []):  # cluster.processes: per_device_group
         lines.append(f"device-group process: {process['error']}" if "error" in process else
                      f"device-group process pid {process['pid']}: {len(process['roles'])} role(s), "
-                     f"{format_bytes(process['device_bytes'])} on its devices")
+                     f"{format_bytes(process['device_bytes'])} on its devices, {process['programs']} compiled "
+                     f"program(s) kept" + (f", {process['memory_maps']} memory maps"
+                                           if process.get("memory_maps") is not None else ""))
     return lines
 
 

@@ -43,6 +43,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from workers.compiling import kept
+
 AXES = ("dp", "fsdp", "ep", "tp")
 
 # logical axis -> mesh axes (None: replicated)
@@ -254,7 +256,7 @@ def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-_COPIES: dict = {}
+_COPIES: dict = kept({})
 
 
 def place(x, sharding, *, copy: bool):

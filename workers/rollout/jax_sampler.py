@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from workers.compiling import compile_once, shared
+from workers.compiling import compile_once, find, kept, shared
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
@@ -106,6 +106,9 @@ class JaxSampler(StampedWeights):
         self._checksum: str | None = None
         self._rng = np.random.default_rng(seed)
         self.compiled_shapes: set[tuple[int, int, int, int]] = set()
+        # program key -> the executable `prepare` compiled or found (workers.compiling.shared: held here, shared by
+        # every engine of this process that holds it; it goes with the last of them)
+        self._executables: dict = {}
         # What the weights look like, for compiling without them (`prepare`)
         self._abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                       self._state, self._shardings)
@@ -247,9 +250,9 @@ class JaxSampler(StampedWeights):
         self._checksum = None
 
     def programs_compiled(self) -> int:
-        """Executables compiled so far for this engine's architecture and mesh (shared between engines)."""
-        arch = (self._graphdef, self.mesh, self.config.num_key_value_heads)
-        return self._jitted()._cache_size() + sum(key[:3] == arch for key in _COMPILED)
+        """Executables this engine runs: those it prepared (shared with the other engines of its architecture and
+        mesh in this process) and those its jitted program compiled on first use."""
+        return self._jitted()._cache_size() + len(self._executables)
 
     def _jitted(self):
         """The jitted generate program of this engine's architecture and mesh (shared between engines)."""
@@ -301,8 +304,8 @@ class JaxSampler(StampedWeights):
         compiled = 0
         adapters = adapters if adapters is not None else self._abstract_adapters()
         for key, args, _ in self._joint_chunks(requests, [0] * len(requests), adapters):
-            if key not in _COMPILED:  # engines in one process (a device group's) share it; built once if asked at once
-                _COMPILED[key], built = shared(("generate", *key), partial(self._compile, args))
+            if key not in self._executables:  # engines in one process (a device group's) share it: built once
+                self._executables[key], built = shared(("generate", *key), partial(self._compile, args))
                 compiled += built
         return compiled
 
@@ -352,7 +355,9 @@ class JaxSampler(StampedWeights):
 
     def _run_chunk(self, key, state, args):
         """One program run over one chunk's rows -> host arrays (tokens, logprobs, lengths, stopped)."""
-        prepared = _COMPILED.get(key)
+        prepared = self._executables.get(key)
+        if prepared is None:  # another engine of this process may hold it (prepared for a request like this one)
+            prepared = find(("generate", *key))
         # A prepared executable has the static bucket (the last argument) built in
         out = prepared(state, *args[:-1]) if prepared is not None else self._jitted()(state, *args)
         return jax.device_get(out)
@@ -456,10 +461,7 @@ def _describe(params: SamplingParams) -> str:
             f"max_new_tokens={params.max_new_tokens}")
 
 
-_PROGRAMS: dict = {}
-# (architecture, mesh, kv heads, adapters' (K, module ranks) or None, batch, prompt, new-token and stop buckets)
-# -> executable
-_COMPILED: dict = {}
+_PROGRAMS: dict = kept({})
 
 
 def _program(graphdef, mesh, kv_heads: int, state_shardings):
