@@ -149,8 +149,7 @@ class GroupProcess(JobMember):
             self._dropped.add(key)
             dropped = self.roles.pop(key, None) is not None
         if dropped:
-            gc.collect()  # device buffers go now, not at the next collection
-            self._forget_if_empty()
+            self._let_go()
         return True
 
     def ticket(self) -> int:
@@ -188,8 +187,16 @@ class GroupProcess(JobMember):
         with self._calls_lock:
             dropped = self.roles.pop(key, None) is not None
         if dropped:
-            gc.collect()  # device buffers go now, not at the next collection
-            self._forget_if_empty()
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """After a role left: its device buffers go now, not at the next collection; a process left without roles
+        drops its programs (`_forget_if_empty`); and the heap its host arrays used goes back to the OS. glibc keeps
+        freed memory in its arenas: measured, this process grew 717 -> 1035 MiB over 24 tasks that came and went
+        one after another on a service, and 378 -> 436 MiB with the trim."""
+        gc.collect()
+        self._forget_if_empty()
+        _trim_heap()
 
     def _forget_if_empty(self) -> None:
         """No role held and none being built: drop every program this process keeps (see the module's notes). Under
@@ -224,6 +231,15 @@ class GroupProcess(JobMember):
             roles = dict(self.roles)  # asks `where`, so 32 tasks starting at once iterated a dict that grew)
         return {"pid": os.getpid(), "devices": [d.id for d in jax.local_devices()],
                 "roles": {key: role.device_ids() for key, role in roles.items()}}
+
+
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim); nothing where the C library has none."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
 
 
 def _memory_maps() -> int | None:
