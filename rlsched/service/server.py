@@ -30,6 +30,10 @@ Design decisions (and why):
   was submitted with (rlsched.service.submissions), until `rlsched forget TASK`: `rlsched resume TASK` continues it from
   any directory, exactly as it was submitted. Its name cannot be submitted anew meanwhile, nor `--resume`d in
   another run directory (that would resume some other run under its name). A FINISHED task's name is free.
+- **A long submission does not grow the service.** A run's timeline holds every scheduler event of its time, so
+  the scheduler kept all events since the oldest live submission began: a task training for a week kept a week of
+  every task's events in memory. The monitor moves the events older than a few seconds to each live submission's
+  spool file every `spool_s` (rlsched.service.spool); the run's outputs read it back when its last task ends.
 - **Threads, not asyncio.** A monitor thread polls the drivers (their progress lines and rows, as the
   `train` command does), finishes the tasks that ended and admits pending ones; calls from clients take
   other threads of the actor and share its state under one lock.
@@ -40,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -52,6 +57,7 @@ from rlsched.config.schema import ConfigError, ExperimentConfig
 from rlsched.rundir.files import RunDirError, json_safe, task_dir, write_atomic
 from rlsched.rundir.lock import RunLock
 from rlsched.service.bounded import RecentAnswers, TailLines
+from rlsched.service.spool import SPOOL_EVERY_S, SPOOL_MARGIN_S, EventSpool, event_end
 from rlsched.service.submissions import Given, last_checkpoint, resume_notes
 
 NAME, NAMESPACE = "service", "rlsched"  # the actor's name and Ray namespace
@@ -69,6 +75,7 @@ LIMITS = {
     "lines": 1000,  # lines per task for `rlsched logs` (all of them are in the run's run.log)
     "finished": 100,  # finished tasks shown in `status`; older ones are in <state dir>/history.jsonl
     "grants": 1000,  # the scheduler's log of its last grants
+    "spool_s": SPOOL_EVERY_S,  # seconds between moves of the scheduler's events to live submissions' spools
 }
 MAX_TASKS = 16  # tasks a device group's process has threads for at once (4 each); more tasks' calls wait for one
 
@@ -111,6 +118,11 @@ class _Submission:
     results: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     events: list[dict] = dataclasses.field(default_factory=list)
     started: float = dataclasses.field(default_factory=time.time)  # wall clock: its timeline starts here
+    spool: EventSpool | None = None  # the scheduler's events of its time so far, on disk (rlsched.service.spool)
+    spooled: float = 0.0  # wall clock: its events that ended before this are in its spool (0: none yet)
+
+    def __post_init__(self):
+        self.spooled = self.spooled or self.started
 
 
 class Service:
@@ -159,6 +171,9 @@ class Service:
         self.group_processes: dict[str, Any] = {}  # role -> its device group's process, for the service's life
         if self.processes == "per_device_group":
             self.where = self._start_group_processes()
+        self._spooling = threading.Lock()  # one spool pass at a time, and none while a run's outputs read a spool
+        self._next_spool = time.monotonic() + self.limits["spool_s"]
+        shutil.rmtree(self.state_dir / "spool", ignore_errors=True)  # a dead service's: its runs' timelines are gone
         self._save()
         self._monitor = threading.Thread(target=self._watch, name="rlsched-service-monitor", daemon=True)
         self._monitor.start()
@@ -533,6 +548,9 @@ class Service:
             if done:
                 self._save()
             self._release_idle_dirs()
+        if time.monotonic() >= self._next_spool:
+            self._spool_events()
+            self._next_spool = time.monotonic() + self.limits["spool_s"]
 
     def _poll(self, name: str) -> dict[str, Any] | None:
         import ray
@@ -600,7 +618,8 @@ class Service:
         """Every task of `sub` ended: its run's outputs are written (if any task of it ran), then it is dropped."""
         if sub.results:
             self._write_outputs(sub)
-        with self._lock:
+        with self._spooling, self._lock:  # a spool pass appends to live submissions' files only
+            sub.spool.remove()
             self._subs.pop(request, None)  # nothing more is asked of it
 
     def _ended(self, sub: _Submission) -> bool:
@@ -619,16 +638,39 @@ class Service:
             with self._lock:
                 self._say(sub.tasks[0], line)
 
-        try:  # the scheduler's events of this submission's time only, then those no live submission needs go
-            events = list(ray.get(self.scheduler.events_since.remote(sub.started), timeout=60)) + sub.events
+        try:  # the scheduler's events of this submission's time only (spooled, then those since), and its tasks'
+            with self._spooling:  # not while a spool pass moves events out of the scheduler
+                events = sub.spool.read() + list(ray.get(self.scheduler.events_since.remote(sub.spooled),
+                                                         timeout=60))
             state = ray.get(self.scheduler.state.remote(), timeout=60)
-            write_run_outputs(sub.cfg, events, sub.results, state, echo=say)
+            write_run_outputs(sub.cfg, events + sub.events, sub.results, state, echo=say)
         except Exception as err:  # noqa: BLE001 - the tasks' own files are written; say what is missing
             say(f"the run's timeline and summary were not written: {type(err).__name__}: {err}")
         with self._lock:
-            live = [s.started for s in self._subs.values() if s is not sub]
-        with contextlib.suppress(Exception):
+            live = [s.spooled for s in self._subs.values() if s is not sub]
+        with contextlib.suppress(Exception):  # the events no live submission needs go
             ray.get(self.scheduler.forget_events_before.remote(min(live, default=time.time())), timeout=60)
+
+    def _spool_events(self) -> None:
+        """Move the scheduler's events that ended before the cut (SPOOL_MARGIN_S ago) to the spool of each live
+        submission whose time they fall in, then let the scheduler forget them: its memory holds a few seconds of
+        events, not the age of the oldest live submission (rlsched.service.spool)."""
+        import ray
+
+        with self._spooling:
+            cut = time.time() - SPOOL_MARGIN_S
+            with self._lock:
+                live = [s for s in self._subs.values() if s.spooled < cut]
+            if not live:
+                return
+            events = [e for e in ray.get(self.scheduler.events_since.remote(min(s.spooled for s in live)),
+                                         timeout=60) if event_end(e) < cut]
+            for sub in live:
+                sub.spool.append(e for e in events if event_end(e) >= sub.spooled)
+                sub.spooled = cut
+            with self._lock:
+                oldest = min((s.spooled for s in self._subs.values()), default=cut)
+            ray.get(self.scheduler.forget_events_before.remote(oldest), timeout=60)
 
     # ---- records -------------------------------------------------------------------------------------
 
@@ -648,7 +690,8 @@ class Service:
             self._lines.setdefault(task.name, TailLines(self.limits["lines"]))
             self._say(task.name, f"[{task.name}] submitted ({cfg.experiment.name}, {task.steps} steps"
                                  + (", resuming from its last checkpoint" if resume else "") + ")")
-        self._subs[request_id] = _Submission(cfg, resume, list(names))
+        self._subs[request_id] = _Submission(cfg, resume, list(names),
+                                             spool=EventSpool(self.state_dir / "spool" / f"{request_id}.jsonl"))
 
     def _bases(self, cfg: ExperimentConfig, name: str) -> list:
         """The shared bases a LoRA task reads in this service's device group's process, counted once per base group
