@@ -1,7 +1,9 @@
 """A service that lives for weeks does not grow: two minutes of benchmarks/soak.py (submit / cancel / finish cycles
-of tiny tasks on a real service), its verdict checked: the service's RSS and every record it keeps flat after the
-warm-up (its bounds lowered so the soak reaches them), every finished task's outputs complete, every task ended as
-its kind should, and no process left after `rlsched down`."""
+of tiny tasks on a real service, its roles in one device group's process as on GPU/TPU, a resident task training
+there all along, a sweep of learning rates), its verdict checked: the service's RSS, the device group process's
+programs and memory maps and every record the service keeps flat after the warm-up (its bounds lowered so the soak
+reaches them), the resident's timeline whole though its events went to disk meanwhile, every finished task's
+outputs complete, every task ended as its kind should, and no process left after `rlsched down`."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ def test_two_minutes_of_submit_cancel_finish_cycles_leave_the_service_flat(tmp_p
     assert kinds == set(soak.KINDS), kinds
     assert results["wrong"] == [], results["wrong"]
     assert results["left"] == [] and results["incomplete"] == []
-    grown = {name: f for name, f in results["flat"].items() if not f["flat"]}
+    grown = {name: f for name, f in results["flat"].items() if not f["flat"] and not f["unchecked"]}
     assert not grown, grown
+    assert {"group_maps", "group_programs", "records/scheduler events"} <= results["flat"].keys()
+    assert results["resident_trace"]["ok"] and results["resident_trace"]["twice"] == 0, results["resident_trace"]
     # Each bound was reached (the records are flat because they are bounded, not because the soak was short).
     last = samples[-1]["sizes"]
     assert last["requests"] == soak.LIMITS["requests"] and last["grant log"] == soak.LIMITS["grants"], last
