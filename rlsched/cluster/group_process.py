@@ -234,12 +234,13 @@ class GroupProcess(JobMember):
 
 
 def _trim_heap() -> None:
-    """Give the heap's free pages back to the OS (glibc's malloc_trim); nothing where the C library has none."""
+    """Give the heap's free pages back to the OS (glibc's malloc_trim); nothing where the C library has none. The
+    symbol is looked up in this process (CDLL(None)), not by ctypes.util.find_library, which runs ldconfig in a
+    subprocess: a fork on every role's drop, from a process whose JAX threads a fork may deadlock."""
     import ctypes
-    import ctypes.util
 
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _memory_maps() -> int | None:
