@@ -52,7 +52,7 @@ from flax import nnx
 
 from workers import grpo
 from workers.batch import TrainBatch
-from workers.compiling import compile_once, shared
+from workers.compiling import compile_once, shapes_key, shared
 from workers.models import lora as L
 from workers.models import lora_batch as LB
 from workers.models import params as P
@@ -208,11 +208,6 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
     return new_state, metrics
 
 
-def _shapes_key(arrays: dict) -> tuple:
-    """{name: (shape, dtype)} as a hashable key."""
-    return tuple(sorted((k, tuple(shape), np.dtype(dtype).str) for k, (shape, dtype) in arrays.items()))
-
-
 @contextlib.contextmanager
 def _no_span(name: str, **attrs):
     yield {}
@@ -313,7 +308,7 @@ class ActorWorker:
         m, off_policy = s.micro_batch_size, self._off_policy(size)
         shapes = {"tokens": ((m, length), np.int32), "attention_mask": ((m, length), np.bool_)}
         if off_policy or s.beta > 0:
-            key = ("logprobs", (), _shapes_key(shapes))
+            key = ("logprobs", (), shapes_key(shapes))
             if key not in self._prepared:
                 rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
                 args = (self._abstract.params, *rows, *self._abstract_base)
@@ -327,7 +322,7 @@ class ActorWorker:
             if wanted:
                 mini[extra] = ((acc, m, length - 1), np.float32)
         keys = tuple(sorted(mini))
-        key = ("train", keys, _shapes_key(mini))
+        key = ("train", keys, shapes_key(mini))
         if key not in self._prepared:
             batch = {k: jax.ShapeDtypeStruct(*v) for k, v in mini.items()}
             self._prepared[key], built = shared(
@@ -340,7 +335,7 @@ class ActorWorker:
     def _run(self, kind: str, keys: tuple[str, ...], arrays: dict, *args):
         """Program `kind` on `args`: the executable `prepare` made for these shapes, else the jitted one."""
         shapes = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
-        prepared = self._prepared.get((kind, keys, _shapes_key(shapes)))
+        prepared = self._prepared.get((kind, keys, shapes_key(shapes)))
         return (prepared or self._program(kind, keys))(*args)
 
     def _base_args(self) -> tuple:

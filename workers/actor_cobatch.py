@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from workers.compiling import compile_once, kept, shared
+from workers.compiling import compile_once, kept, shapes_key, shared
 from workers.models import sharding as S
 from workers.multihost import global_array, host_value
 from workers.rollout.cobatch import Gatherings
@@ -128,7 +128,7 @@ def _run_group(requests: list[TrainRequest]) -> list[tuple[list[dict], int]]:
     shapes = {name: (v.shape, v.dtype) for name, v in requests[0].minis[0].items()}
     programs = _programs(lead, padded, keys, shapes)
     for actor in actors:  # each member holds them (workers.compiling.shared): they live while one of them does
-        actor._prepared[("cotrain", padded, keys, _shape_key(shapes))] = programs  # noqa: SLF001
+        actor._prepared[("cotrain", padded, keys, shapes_key(shapes))] = programs  # noqa: SLF001
     stack, step, unstack = programs
     rows = {name: S.batch_sharding(lead.mesh, len(shape) + 1, leading=2) for name, (shape, _) in shapes.items()}
     states = [a.state for a in actors] + [actors[0].state] * (padded - k)
@@ -155,7 +155,7 @@ def _stacked(sharding: NamedSharding) -> NamedSharding:
 def _programs(actor: ActorWorker, padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> tuple[Any, ...]:
     """(stack, step, unstack) for `padded` members of `actor`'s signature and these mini-batch shapes: compiled on
     first use, then shared by every actor of the signature in this process that holds them."""
-    held = actor._prepared.get(("cotrain", padded, keys, _shape_key(shapes)))  # noqa: SLF001
+    held = actor._prepared.get(("cotrain", padded, keys, shapes_key(shapes)))  # noqa: SLF001
     if held is not None:
         return held
     sig = actor._signature  # noqa: SLF001
@@ -187,10 +187,6 @@ def _programs(actor: ActorWorker, padded: int, keys: tuple[str, ...], shapes: di
         return compile_once(fn.lower(abstract))
 
     stack, _ = shared((sig, "cotrain-stack", padded), build_stack)
-    step, _ = shared((sig, "cotrain-step", padded, keys, _shape_key(shapes)), build_step)
+    step, _ = shared((sig, "cotrain-step", padded, keys, shapes_key(shapes)), build_step)
     unstack, _ = shared((sig, "cotrain-unstack", padded), build_unstack)
     return stack, step, unstack
-
-
-def _shape_key(shapes: dict[str, tuple]) -> tuple:
-    return tuple(sorted((name, tuple(shape), np.dtype(dtype).str) for name, (shape, dtype) in shapes.items()))

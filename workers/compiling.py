@@ -69,6 +69,13 @@ def waits() -> Iterator[dict[str, float]]:
         _WAITS.record = outer
 
 
+def shapes_key(arrays: dict) -> tuple:
+    """{name: (shape, dtype)} as a hashable part of a `shared` key."""
+    import numpy as np
+
+    return tuple(sorted((k, tuple(shape), np.dtype(dtype).str) for k, (shape, dtype) in arrays.items()))
+
+
 def find(key: Hashable) -> Any | None:
     """The executable a caller of `shared(key, ...)` still holds, or None."""
     with _GUARD:
