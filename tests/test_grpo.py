@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from workers.grpo import group_advantages, loss_denominator, policy_loss
+from workers.grpo import group_advantages, loss_denominator, policy_loss, tied_groups
 
 
 def test_group_advantages_by_hand():
@@ -22,6 +22,19 @@ def test_group_advantages_by_hand():
     np.testing.assert_allclose(group_advantages(rewards[:4], 4, eps=0.5), [0.5, -0.5, -0.5, 0.5], atol=1e-6)
     with pytest.raises(ValueError, match="G=3"):
         group_advantages(rewards, 3)
+
+
+@pytest.mark.parametrize("group_size", [5, 8, 12, 16])
+@pytest.mark.parametrize("value", [0.7, 2.1, 1 / 3, 0.1, -0.3, 1e-3, 7.77])
+def test_a_tied_group_gets_advantage_zero_exactly(value, group_size):
+    # A float32 mean of G copies of r need not be r (8 x 0.7 -> 0.70000005), and the old (r - mean) / (std + 1e-6)
+    # turned that rounding into +0.056 per sample; with or without the std, a tied group must carry no signal.
+    rewards = jnp.concatenate([jnp.full(group_size, value), jnp.arange(group_size, dtype=jnp.float32) ** 2])  # no member at the mean
+    for normalize_std in (True, False):
+        adv = np.asarray(group_advantages(rewards, group_size, normalize_std=normalize_std))
+        assert (adv[:group_size] == 0.0).all(), adv[:group_size]
+        assert np.abs(adv[group_size:]).min() > 0  # the other group still has its signal
+    assert float(tied_groups(rewards, group_size)) == 0.5
 
 
 def test_on_policy_loss_is_minus_mean_advantage():

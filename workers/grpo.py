@@ -30,7 +30,17 @@ def group_advantages(rewards: jnp.ndarray, group_size: int, *, normalize_std: bo
     centred = grouped - grouped.mean(axis=1, keepdims=True)
     if normalize_std:
         centred = centred / (grouped.std(axis=1, keepdims=True) + eps)
-    return centred.reshape(-1)
+    # A float32 mean of G equal rewards is not always that reward (8 x 0.7 sums to 5.6000004), and dividing the
+    # rounding by a std of ~1e-8 + eps makes it a push of ~0.05-0.2 on every sample of the group: a tied group
+    # carries no signal, so its advantage is 0 exactly.
+    tied = (grouped == grouped[:, :1]).all(axis=1, keepdims=True)  # (P, 1)
+    return jnp.where(tied, 0.0, centred).reshape(-1)
+
+
+def tied_groups(rewards: jnp.ndarray, group_size: int) -> jnp.ndarray:
+    """rewards (N,) prompt-major -> the share of groups whose G rewards are all equal (advantage 0: no signal)."""
+    grouped = rewards.reshape(-1, group_size)
+    return (grouped == grouped[:, :1]).all(axis=1).mean()
 
 
 def loss_denominator(mask: jnp.ndarray, aggregation: str) -> jnp.ndarray:
