@@ -14,6 +14,7 @@
     rlsched init-model --preset tiny DIR
     rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]   DIR: a model, run or checkpoint
     rlsched export RUN_DIR [--task T] [--step N] OUT   a checkpoint as a Hugging Face model directory
+    rlsched eval TARGET [--task T] [--step N] [--split test] [--json]   held-out accuracy, pass@n, mean reward
 """
 
 from __future__ import annotations
@@ -79,6 +80,79 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                   f"{s.logprobs.mean():.3f})")
         print(text)
     print(f"[{out.num_tokens} tokens in {out.generate_seconds:.2f}s, compile included]", file=sys.stderr)
+    return 0
+
+
+_REWARD_OF_KIND = {"addition": "addition", "subtraction": "subtraction", "gsm8k": "gsm8k"}
+_EVAL_FLAGS = ("split", "problems", "samples", "temperature", "correct")
+
+
+def _eval_task(args: argparse.Namespace, loaded):
+    """The task config `rlsched eval` scores with: the run's (TARGET within a run), `--config`'s, or one built from
+    --data / --reward for a bare model; its eval section is the task's with the flags given on top."""
+    from rlsched.config.loading import load_config, validate
+    from rlsched.config.schema import EvalSection
+
+    cfg = loaded.task
+    if args.config is not None:
+        tasks = load_config(args.config).tasks
+        names = [t.name for t in tasks]
+        if args.task is None and len(tasks) > 1:
+            raise UsageError(f"{args.config} has {len(tasks)} tasks ({', '.join(names)}); choose one with --task")
+        cfg = tasks[0] if args.task is None else next((t for t in tasks if t.name == args.task), None)
+        if cfg is None:
+            raise UsageError(f"{args.config} has no task {args.task!r}; its tasks are {', '.join(names)}")
+    elif args.data is not None:
+        reward = args.reward or _REWARD_OF_KIND.get(args.data)
+        if reward is None:
+            raise UsageError(f"--data {args.data} has no built-in reward: name one with --reward")
+        data = {"kind": args.data, **({"path": args.data_path} if args.data_path else {})}
+        eval_path = {"path": args.eval_path} if args.eval_path else {}
+        raw = {"experiment": {"name": "eval"}, "tasks": [{
+            "name": "eval", "model": {"path": "."}, "data": data, "reward": {"name": reward}, "steps": 1,
+            "grpo": {"max_prompt_len": 4096, "max_new_tokens": args.max_new_tokens or 256}, "eval": eval_path}]}
+        cfg = validate(raw, label="rlsched eval's --data/--reward").tasks[0]
+    elif cfg is None:
+        raise UsageError(f"{args.target} is not a run's checkpoint, so nothing says which problems to score: give "
+                         "--data KIND (addition, subtraction, gsm8k; jsonl/parquet with --data-path and --eval-path) "
+                         "[--reward NAME], or --config CONFIG.yaml [--task NAME]")
+    given = {k: getattr(args, k) for k in _EVAL_FLAGS if getattr(args, k) is not None}
+    if args.eval_path is not None:
+        given["path"] = args.eval_path
+    base = (cfg.eval or EvalSection()).model_dump()
+    try:
+        section = EvalSection.model_validate({**base, **given})
+    except ValueError as err:
+        raise UsageError(f"rlsched eval: {err}") from None
+    update = {"eval": section}
+    if args.max_new_tokens is not None:
+        update["grpo"] = cfg.grpo.model_copy(update={"max_new_tokens": args.max_new_tokens})
+    return cfg.model_copy(update=update)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from rlsched.run import targets
+    from rlsched.run.evaluation import score_model
+
+    loaded = targets.load(args.target, task=args.task, step=args.step, base=args.base, dtype=args.dtype)
+    print(f"[loaded {loaded.what}]", file=sys.stderr)
+    cfg = _eval_task(args, loaded)
+    t0 = time.perf_counter()
+    metrics = score_model(loaded.model, loaded.tokenizer, cfg, task=cfg.name, seed=args.seed, step=args.step or 0)
+    seconds = time.perf_counter() - t0
+    e = cfg.eval
+    if args.json:
+        print(json.dumps({"target": str(args.target), "task": cfg.name, "data": cfg.data.kind, "split": e.split,
+                          "samples": e.samples, "temperature": e.temperature, "seconds": round(seconds, 3),
+                          **{k.removeprefix("eval/"): v for k, v in metrics.items()}}))
+        return 0
+    n = e.samples
+    how = "greedy" if e.temperature == 0 else f"temperature {e.temperature:g}"
+    print(f"{cfg.name}: {cfg.data.kind} {e.split} split, {metrics['eval/problems']} problems x {n} ({how}): "
+          f"accuracy {metrics['eval/accuracy']:.3f}  pass@{n} {metrics[f'eval/pass@{n}']:.3f}  "
+          f"reward {metrics['eval/reward']:.3f}  ({seconds:.1f}s)")
     return 0
 
 
@@ -503,6 +577,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="override the stored dtype")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("eval", help="score a run, checkpoint, model or adapter on held-out problems: accuracy, "
+                                    "pass@n, mean reward (no Ray)")
+    p.add_argument("target", metavar="TARGET", help="a run directory (runs/<experiment>: its last checkpoint), a "
+                   "task's directory, a checkpoint, a model directory (an export) or a PEFT adapter directory")
+    p.add_argument("--task", default=None, help="which task of a run (or of --config) of several")
+    p.add_argument("--step", type=int, default=None, help="which checkpoint (default: the last)")
+    p.add_argument("--base", default=None, help="a PEFT adapter's base model directory (default: the one "
+                   "adapter_config.json names)")
+    p.add_argument("--config", default=None, help="take data, reward and eval settings from this config's task "
+                   "(default: the run's own, for a run's checkpoint)")
+    p.add_argument("--data", default=None, choices=["addition", "subtraction", "gsm8k", "jsonl", "parquet"],
+                   help="score a bare model on this data kind's held-out split")
+    p.add_argument("--data-path", default=None, help="--data jsonl/parquet: the training file (for --split train)")
+    p.add_argument("--eval-path", default=None, help="the held-out file (jsonl/parquet; gsm8k: default the "
+                   "shipped test split)")
+    p.add_argument("--reward", default=None, help="a built-in reward (default: the data kind's own)")
+    p.add_argument("--split", default=None, choices=["test", "train", "all"], help="test: held out (default)")
+    p.add_argument("--problems", type=int, default=None, help="score the first K problems of a fixed shuffle")
+    p.add_argument("--samples", type=int, default=None, help="completions per problem: n of pass@n (default 1)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--correct", type=float, default=None, help="the reward of a right answer (default 1.0)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's grpo.max_new_tokens")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="override the stored dtype")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory (transformers "
                                       "loads it)")

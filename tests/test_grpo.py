@@ -29,7 +29,8 @@ def test_group_advantages_by_hand():
 def test_a_tied_group_gets_advantage_zero_exactly(value, group_size):
     # A float32 mean of G copies of r need not be r (8 x 0.7 -> 0.70000005), and the old (r - mean) / (std + 1e-6)
     # turned that rounding into +0.056 per sample; with or without the std, a tied group must carry no signal.
-    rewards = jnp.concatenate([jnp.full(group_size, value), jnp.arange(group_size, dtype=jnp.float32) ** 2])  # no member at the mean
+    squares = jnp.arange(group_size, dtype=jnp.float32) ** 2  # a group with no member at its mean
+    rewards = jnp.concatenate([jnp.full(group_size, value), squares])
     for normalize_std in (True, False):
         adv = np.asarray(group_advantages(rewards, group_size, normalize_std=normalize_std))
         assert (adv[:group_size] == 0.0).all(), adv[:group_size]

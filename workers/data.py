@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Literal, Protocol
@@ -168,9 +169,22 @@ def load_gsm8k(path: str | Path | None = None, *, name: str | None = None) -> Pr
 # ---------------------------------------------------------------- synthetic generators
 
 
+HELDOUT_EVERY = 10  # one arithmetic problem in this many is held out of training (see `heldout`)
+_MAX_DRAWS = 1000  # draws of one prompt that all land on held-out problems: every problem is held out
+
+
+def heldout(question: str) -> bool:
+    """Whether an arithmetic problem belongs to the held-out split: crc32 of its text is 0 modulo HELDOUT_EVERY.
+    A rule of the problem's text, not of its index or seed, so every seed and every run holds out the same
+    problems, and training never sees one of them (`_ArithmeticTask` draws again when it lands on one)."""
+    return zlib.crc32(question.encode()) % HELDOUT_EVERY == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class _ArithmeticTask:
-    """Infinite, indexable "a<op>b=" prompts with operands in [0, max_operand]; prompt i depends only on (seed, i)."""
+    """Infinite, indexable "a<op>b=" prompts with operands in [0, max_operand]; prompt i depends only on (seed, i).
+    `split` "train" (the prompts a task trains on) never yields a held-out problem (`heldout`); `problems(split)`
+    lists the distinct problems of a split, for evaluation."""
 
     seed: int = 0
     max_operand: int = 9
@@ -183,31 +197,51 @@ class _ArithmeticTask:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise DataError(f"{type(self).__name__}.{field} must be an integer >= 0, got {value!r}")
 
+    def problem(self, a: int, b: int) -> tuple[str, str]:
+        """(question, answer) of operands a, b."""
+        raise NotImplementedError
+
     def _operands(self, index: int) -> tuple[int, int]:
         if isinstance(index, bool) or not isinstance(index, int | np.integer) or index < 0:
             raise IndexError(f"{self.name} prompt index must be an integer >= 0, got {index!r}")
-        a, b = np.random.default_rng([self.seed, int(index)]).integers(0, self.max_operand + 1, size=2)
-        return int(a), int(b)
+        rng = np.random.default_rng([self.seed, int(index)])
+        for _ in range(_MAX_DRAWS):  # a held-out problem is drawn again: the next draw of the same stream
+            a, b = (int(x) for x in rng.integers(0, self.max_operand + 1, size=2))
+            if not heldout(self.problem(a, b)[0]):
+                return a, b
+        raise DataError(f"{self.name} with max_operand {self.max_operand}: every problem is held out for "
+                        "evaluation, none is left to train on; raise data.max_operand")
 
     def __getitem__(self, index: int) -> Prompt:
-        raise NotImplementedError
+        question, answer = self.problem(*self._operands(index))
+        return Prompt(uid=f"{self.name}:s{self.seed}:{index}", question=question, answer=answer)
+
+    def problems(self, split: Literal["train", "test", "all"]) -> PromptDataset:
+        """The distinct problems of `split` ("test": the held-out ones), as operands (a, b) first give them; uids
+        "<name>:<question>" (a problem's text names it whatever the seed)."""
+        found: dict[str, str] = {}
+        for a in range(self.max_operand + 1):
+            for b in range(self.max_operand + 1):
+                question, answer = self.problem(a, b)
+                if split == "all" or heldout(question) == (split == "test"):
+                    found.setdefault(question, answer)
+        return PromptDataset([Prompt(uid=f"{self.name}:{q}", question=q, answer=ans) for q, ans in found.items()],
+                             name=f"{self.name}-{split}")
 
 
 class AdditionTask(_ArithmeticTask):
     name = "addition"
 
-    def __getitem__(self, index: int) -> Prompt:
-        a, b = self._operands(index)
-        return Prompt(uid=f"addition:s{self.seed}:{index}", question=f"{a}+{b}=", answer=str(a + b))
+    def problem(self, a: int, b: int) -> tuple[str, str]:
+        return f"{a}+{b}=", str(a + b)
 
 
 class SubtractionTask(_ArithmeticTask):
     name = "subtraction"
 
-    def __getitem__(self, index: int) -> Prompt:
-        a, b = self._operands(index)
+    def problem(self, a: int, b: int) -> tuple[str, str]:
         a, b = max(a, b), min(a, b)  # non-negative results: no "-" sign for a tiny model to learn
-        return Prompt(uid=f"subtraction:s{self.seed}:{index}", question=f"{a}-{b}=", answer=str(a - b))
+        return f"{a}-{b}=", str(a - b)
 
 
 SOURCES: dict[str, Callable[..., PromptSource]] = {

@@ -232,6 +232,35 @@ class RewardSection(_Section):
         return self
 
 
+class EvalSection(_Section):
+    every: int = Field(0, ge=0)
+    """GRPO steps between evaluations; 0 = only after the last step. The last step is always evaluated."""
+    before: bool = False
+    """Also evaluate the starting weights, before the first step (metrics.jsonl's step 0)."""
+    split: Literal["test", "train", "all"] = "test"
+    """`test`: the held-out problems, never trained on (GSM8K's test file; one arithmetic problem in ten, by a
+    rule of its text; a jsonl/parquet task's `eval.path`). `train` / `all`: the training problems / both."""
+    path: str | None = None
+    """The held-out file of a jsonl/parquet task (the fields of data.path); for gsm8k, None = GSM8K's test split
+    shipped with rlsched. Synthetic kinds take none."""
+    problems: int | None = Field(None, ge=1)
+    """Problems scored: the first N of the split in a fixed shuffle (the same for every run); None = all."""
+    samples: int = Field(1, ge=1)
+    """Completions per problem (n of pass@n)."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature; 0 = greedy."""
+    correct: float = 1.0
+    """A sample is right when its reward is at least this: the reward's maximum (1.0 for the built-in rewards,
+    whose partial credit stays below it). eval/accuracy is the share of right samples."""
+
+    @model_validator(mode="after")
+    def _samples_need_a_temperature(self) -> EvalSection:
+        if self.samples > 1 and self.temperature == 0:
+            raise _FieldError("samples", self.samples, "more than one sample at temperature 0 repeats the one greedy "
+                              "answer; set eval.temperature > 0 for pass@n, or samples: 1")
+        return self
+
+
 class MeshSection(_Section):
     """A role's device mesh, dp x fsdp x ep x tp devices (how each array splits: workers.models.sharding)."""
 
@@ -416,6 +445,9 @@ class TaskConfig(_Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     optim: OptimSection = Field(default_factory=OptimSection)
+    eval: EvalSection | None = None
+    """Score the policy on held-out problems (eval/accuracy, eval/pass@n, eval/reward) under the task's ROLLOUT
+    lock, every `eval.every` steps and after the last; None = no evaluation (`rlsched eval` scores a run later)."""
     lora: LoraSection | None = None
     """Train a LoRA adapter on `model.path` (the base, frozen) instead of every weight: the optimizer holds the
     adapter's moments only, the KL reference is the base, and the engine receives the adapter only. None: a
@@ -464,6 +496,19 @@ class TaskConfig(_Section):
             raise _FieldError("rollout.engine", self.rollout.engine,
                               f"{why}; a LoRA task rolls out with rollout.engine=jax_sampler (it serves several "
                               "tasks' adapters in one batch)")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_split_exists(self) -> TaskConfig:
+        e, kind = self.eval, self.data.kind
+        if e is None:
+            return self
+        if kind in _SYNTHETIC_KINDS and e.path is not None:
+            raise _FieldError("eval.path", e.path, f"synthetic kind {kind!r} holds its problems out by a rule and "
+                              "reads no file; remove eval.path")
+        if kind in ("jsonl", "parquet") and e.path is None and e.split != "train":
+            raise _FieldError("eval.path", None, f"a {kind} task's held-out problems are a file of their own: set "
+                              "eval.path (same fields as data.path), or eval.split: train")
         return self
 
     def batch_plan(self) -> BatchPlan:

@@ -139,23 +139,26 @@ class JsonlTracker(_FinishOnExit):
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl. A last line cut short (its writer killed mid-line) is read as absent, with a
-    line on stderr: that step is redone on resume. A bad line before the last is an error naming it."""
+    """The rows of a metrics.jsonl, one per step: lines of one step are merged in order (a held-out evaluation
+    logs its eval/* metrics in a line of its own after its step's line; step 0 is the evaluation before the
+    first step). A last line cut short (its writer killed mid-line) is read as absent, with a line on stderr:
+    that step is redone on resume. A bad line before the last is an error naming it."""
     path = Path(path)
     if not path.exists():
         return []
     lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    rows = []
+    rows: dict[Any, dict[str, Any]] = {}
     for n, line in lines:
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
+            rows.setdefault(row.get("step"), {}).update(row)
         except json.JSONDecodeError as err:
             if n != lines[-1][0]:
                 raise UsageError(f"{path} line {n} is not JSON ({err.msg}); the file was changed by hand or "
                                  "damaged: remove that line (and the steps after it) to resume") from None
             print(f"{path}: its last line (line {n}) was cut short, e.g. by a kill mid-write; read as absent",
                   file=sys.stderr)
-    return rows
+    return list(rows.values())
 
 
 # --- W&B ------------------------------------------------------------------------------------------------------

@@ -59,6 +59,12 @@ def check_model_path(spec: TaskSpec) -> Path:
     return path
 
 
+def render_prompt(tokenizer, data, prompt: D.Prompt) -> list[int]:
+    """Token ids of `prompt` as the policy sees it under the task's data section (template, system prompt): the
+    one rendering of training, evaluation and `rlsched eval`."""
+    return D.render_prompt(tokenizer, prompt.question, template=data.template, system_prompt=data.system_prompt)
+
+
 class HostWork:
     """A task's tokenizer, prompt loader and reward: the work between its phases."""
 
@@ -95,8 +101,7 @@ class HostWork:
                        batch.truncated)
 
     def render(self, prompt: D.Prompt) -> list[int]:
-        d = self.spec.config.data
-        return D.render_prompt(self.tokenizer, prompt.question, template=d.template, system_prompt=d.system_prompt)
+        return render_prompt(self.tokenizer, self.spec.config.data, prompt)
 
     def sampling_params(self, step: int) -> SamplingParams:
         return SamplingParams(**self.sampling, seed=rollout_seed(self.spec.seed, step))

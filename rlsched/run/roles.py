@@ -376,6 +376,14 @@ class EngineRole(_Role):
         output = self._generate(prompt_ids, params, together)
         return PhaseResult(output, self.timeline.drain(), self.memory_probe())
 
+    def evaluate(self, message: WeightMessage, prompt_ids, params, together=None) -> PhaseResult:
+        """A held-out evaluation under the ROLLOUT lock: `rollout` of the evaluation's prompts, alone. In a hold
+        co-batched with its base group's tasks (`together`), this task's slot withdraws first: the others' rows
+        run without waiting for these (rlsched.run.evaluation)."""
+        if together is not None and self._view:
+            self.engine.withdraw(together)
+        return self.rollout(message, prompt_ids, params)
+
     def prepare(self, prompt_ids, params) -> tuple[int, list[dict]]:
         """Compile ROLLOUT's programs for these prompts, before the lock is asked for (the weights may be on
         host); (programs compiled now, spans: a "compile" span if any was)."""

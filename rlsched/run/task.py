@@ -41,6 +41,7 @@ from rlsched.cluster.rolegroup import RoleGroup
 from rlsched.config.spec import TaskSpec
 from rlsched.observe.timeline import Timeline
 from rlsched.observe.tracking import make_trackers
+from rlsched.run.evaluation import EvalWork, eval_line
 from rlsched.run.export import export_final
 from rlsched.run.phases import HostWork, check_model_path, progress_line, step_metrics
 from rlsched.run.roles import ActorRole, EngineRole, PhaseResult, RemoteRole, channel_for, spawn
@@ -77,6 +78,8 @@ class TaskDriver:
         self.restarts: list[str] = []  # why each role restart happened ("step 4: its engine process died ...")
         self._charged = 0  # restarts that count against max_restarts (not those a fence of another task caused)
         self._prepared: set[tuple[int, int]] = set()  # batch shapes the actor has compiled for
+        self.eval: EvalWork | None = None  # the held-out evaluation's host side (tasks[i].eval)
+        self._evaluated = -1  # the last step whose weights were evaluated (0: the starting weights)
         self._loader_start: dict | None = None  # the data position before the first step (a restart without
                                                 # a checkpoint goes back to it)
 
@@ -96,6 +99,7 @@ class TaskDriver:
                 self._spawn_engine()               # is created in the background)
             meta, self.published = self.roles[Role.ACTOR].start(self.resume)  # what the engine must hold
             self.host = HostWork(self.spec, self.echo)
+            self.eval = EvalWork.of(self.spec, self.host) if self.spec.config.eval is not None else None
             if Role.ENGINE not in self.roles:  # the actor made the model: now the engine can load it
                 self._spawn_engine()
             self.tracker = make_trackers(self.spec.tracking, run_dir=self.spec.dir, experiment=self.spec.experiment,
@@ -158,6 +162,8 @@ class TaskDriver:
             while self.step_done < last and not self._stop.is_set():
                 n, position = self.step_done + 1, self.host.loader.state()
                 try:
+                    if self._eval_due():  # the weights of the step done (0: before the first), before step n
+                        self.evaluate(self.step_done)
                     history[n] = self.step(n)
                 except BaseException as err:
                     _annotate(err, f"task {self.name}, step {n}")  # where, beside what (the error's own message)
@@ -169,6 +175,8 @@ class TaskDriver:
                     self.echo(self.memory_vs_plan(n))
             if self._stop.is_set():
                 self.save_on_stop()
+            elif self._eval_due():  # after the last step
+                self.evaluate(self.step_done)
         except BaseException as err:
             self.close(exit_code=1)  # roles stopped first: their memory is really free when the scheduler hears
             with contextlib.suppress(Exception):  # the scheduler may be gone too; the error below says why
@@ -333,6 +341,35 @@ class TaskDriver:
             metrics["fault/restarts_charged"] = self._charged
             self.record(n, metrics, train.value)
             self.checkpoint_if_due(n)
+        return metrics
+
+    def _eval_due(self) -> bool:
+        """Whether the weights of the step done are to be evaluated now (and were not yet): the starting ones
+        with eval.before, every eval.every steps, and the last step's always."""
+        e, n = self.spec.config.eval, self.step_done
+        if e is None or self._evaluated == n:
+            return False
+        return (n == 0 and e.before) or (n > 0 and bool(e.every) and n % e.every == 0) or n == self.spec.config.steps
+
+    def evaluate(self, n: int) -> dict[str, Any]:
+        """Score the weights of step `n` on the held-out problems: the engine generates under the ROLLOUT lock like
+        any generation (brought up to the published weights first); the rewards are scored on the host, and the
+        metrics join step n's row in metrics.jsonl (a row of their own, merged by step when read)."""
+        t0 = time.perf_counter()
+        params = self.eval.sampling_params(n)
+        self.prepare(Role.ENGINE, self.eval.prompts.ids, params)  # compile before the lock, not in it
+        # (the span's arguments are read once the lock is held: self.where names it)
+        with self.hold(Phase.ROLLOUT) as lease, self.timeline.span("eval", step=n, problems=len(self.eval.prompts.ids),
+                                                                  **self.where):
+            # a co-batched hold's other tasks do not wait for these rows: the engine withdraws from it first
+            output = self.call(Role.ENGINE, "evaluate", self.published, self.eval.prompts.ids, params,
+                               lease.together())
+        with self.timeline.span("reward", step=n, eval=True):
+            metrics = self.eval.score(output.value)
+        metrics["time/eval_s"] = time.perf_counter() - t0
+        self.tracker.log(n, metrics)
+        self._evaluated = n
+        self.echo(eval_line(self.name, n, metrics, metrics["time/eval_s"]))
         return metrics
 
     @contextlib.contextmanager

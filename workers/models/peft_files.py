@@ -279,25 +279,34 @@ def save_merged(out_dir: str | Path, base_dir: str | Path, adapter: Mapping[str,
 
     An adapted head of a base that ties its embeddings unties the merged model: it has its own lm_head.weight and
     its config.json says tie_word_embeddings false (the embedding is the base's)."""
-    from flax import nnx
-
-    from workers.models import params as P
-    from workers.models.checkpoint import load_pretrained, save_pretrained
-    from workers.models.decoder import CausalLM
+    from workers.models.checkpoint import save_pretrained
 
     out_dir, base_dir = Path(out_dir), Path(base_dir)
     if out_dir.exists() and base_dir.exists() and out_dir.resolve() == base_dir.resolve():
         raise AdapterError(f"{out_dir} is the base model's directory; write the merged model elsewhere")
-    model, _ = load_pretrained(base_dir, with_tokenizer=False)
-    _check_adapter(adapter, spec, model.config)
-    weights = merged(P.host_params(model), {k: np.asarray(v) for k, v in adapter.items()}, spec)
-    if model.config.tie_word_embeddings and f"{HEAD}.kernel" in weights:  # untied: a model with its own head
-        untied = model.config.replace(tie_word_embeddings=False)
-        model = nnx.eval_shape(lambda: CausalLM(untied, rngs=nnx.Rngs(0)))  # shapes only: filled below
-    nnx.update(model, P.from_flat(nnx.state(model, nnx.Param), weights, source=f"{base_dir} merged with the adapter"))
+    model = merged_model(base_dir, adapter, spec)
     with _staged(out_dir) as stage:
         save_pretrained(model, stage)
         for name in TOKENIZER_FILES:
             if (base_dir / name).is_file():
                 shutil.copy2(base_dir / name, stage / name)
     return out_dir
+
+
+def merged_model(base_dir: str | Path, adapter: Mapping[str, object], spec: LoraSpec, *, dtype: str | None = None):
+    """The model (CausalLM) `adapter` stands for on the base in base_dir: every adapted kernel K + alpha/r A B
+    (lora.merged), untied when the head of a tied base is adapted (see save_merged). `dtype` overrides the base's."""
+    from flax import nnx
+
+    from workers.models import params as P
+    from workers.models.checkpoint import load_pretrained
+    from workers.models.decoder import CausalLM
+
+    model, _ = load_pretrained(base_dir, dtype=dtype, with_tokenizer=False)
+    _check_adapter(adapter, spec, model.config)
+    weights = merged(P.host_params(model), {k: np.asarray(v) for k, v in adapter.items()}, spec)
+    if model.config.tie_word_embeddings and f"{HEAD}.kernel" in weights:  # untied: a model with its own head
+        untied = model.config.replace(tie_word_embeddings=False)
+        model = nnx.eval_shape(lambda: CausalLM(untied, rngs=nnx.Rngs(0)))  # shapes only: filled below
+    nnx.update(model, P.from_flat(nnx.state(model, nnx.Param), weights, source=f"{base_dir} merged with the adapter"))
+    return model
