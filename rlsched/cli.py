@@ -12,7 +12,7 @@
                                        a long-lived scheduler that tasks join and leave (rlsched.service.server)
     rlsched resume TASK [--fresh] / forget TASK    continue a cancelled or failed task as submitted / drop its record
     rlsched init-model --preset tiny DIR
-    rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]   DIR: a model, run or checkpoint
+    rlsched generate DIR --prompt TEXT [--max-new-tokens N] [--temperature T]   DIR: a model, adapter, run or checkpoint
     rlsched export RUN_DIR [--task T] [--step N] OUT   a checkpoint as a Hugging Face model directory
     rlsched eval TARGET [--task T] [--step N] [--split test] [--json]   held-out accuracy, pass@n, mean reward
 """
@@ -50,24 +50,13 @@ def _encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from rlsched.run.export import find_checkpoint, is_checkpoint_source, load_model
-    from workers.models import load_pretrained
+    from rlsched.run import targets
     from workers.rollout import SamplingParams
     from workers.rollout.jax_sampler import JaxSampler
 
-    path = Path(args.model_dir)
-    if (path / "config.json").is_file():
-        model, tok = load_pretrained(path, dtype=args.dtype)
-        print(f"[loaded the model directory {path}]", file=sys.stderr)
-    elif is_checkpoint_source(path):
-        ckpt = find_checkpoint(path, task=args.task, step=args.step)
-        model, tok = load_model(ckpt, dtype=args.dtype)
-        print(f"[loaded {ckpt.describe()}; config and tokenizer from {ckpt.model_dir}]", file=sys.stderr)
-    else:
-        what = (f"model directory {path} does not exist" if not path.exists() else
-                f"{path} has no config.json and holds no run, task or checkpoint")
-        raise UsageError(f"{what}; DIR is a model directory (config.json, *.safetensors), a run directory "
-                         "(runs/<experiment>), a task's directory or a checkpoint (.../checkpoints/<step>)")
+    loaded = targets.load(args.model_dir, task=args.task, step=args.step, base=args.base, dtype=args.dtype)
+    print(f"[loaded {loaded.what}]", file=sys.stderr)
+    model, tok = loaded.model, loaded.tokenizer
     ids = _encode_prompt(tok, args.prompt, args.chat)
     engine = JaxSampler(model, max_prompt_len=max(len(ids), 16), max_new_tokens=args.max_new_tokens)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
@@ -564,8 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_init_model)
 
     p = sub.add_parser("generate", help="print a completion of a prompt")
-    p.add_argument("model_dir", metavar="DIR", help="a model directory, a run directory (runs/<experiment>: its last "
-                                                    "checkpoint), a task's directory or one checkpoint")
+    p.add_argument("model_dir", metavar="DIR", help="a model directory, a PEFT adapter directory, a run directory "
+                   "(runs/<experiment>: its last checkpoint), a task's directory or one checkpoint")
+    p.add_argument("--base", default=None, help="a PEFT adapter's base model directory (default: the one "
+                   "adapter_config.json names)")
     p.add_argument("--task", default=None, help="DIR is a run of several tasks: this one's checkpoint")
     p.add_argument("--step", type=int, default=None, help="this checkpoint (default: the last)")
     p.add_argument("--prompt", required=True)

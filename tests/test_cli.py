@@ -24,7 +24,7 @@ def test_init_model_then_generate(tmp_path, capsys):
 
 def test_generate_reports_bad_input_without_a_traceback(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
-    assert "error: model directory" in capsys.readouterr().err
+    assert "missing does not exist; give a model directory" in capsys.readouterr().err
 
 
 def test_init_model_with_the_real_qwen3_tokenizer(tmp_path, capsys):

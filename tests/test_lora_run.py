@@ -52,6 +52,13 @@ def test_a_lora_task_trains_under_ray_and_exports_its_adapter(tmp_path, tiny_mod
     assert merged.returncode == 0, merged.stderr
     assert ModelConfig.from_dir(tmp_path / "merged").param_shapes() == ModelConfig.from_dir(tiny_model_dir) \
         .param_shapes()
+    # `rlsched generate` on the run (its adapter merged into the base), the adapter directory and the merged export:
+    # the same weights, the same greedy tokens (test_lora_actor checks merged == adapter numerically)
+    prompt = ("--prompt", "3+4=", "--max-new-tokens", "6")
+    outs = [_cli("generate", str(target), *prompt) for target in (run, tmp_path / "adapter", tmp_path / "merged")]
+    assert [o.returncode for o in outs] == [0, 0, 0], [o.stderr for o in outs]
+    assert outs[0].stdout == outs[1].stdout == outs[2].stdout
+    assert "merged into its base" in outs[1].stderr
 
 
 def test_lora_config_errors_name_the_key(tmp_path):
