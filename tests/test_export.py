@@ -212,7 +212,8 @@ def test_bad_requests_are_refused_with_what_exists_and_nothing_is_left_behind(fa
     err = capsys.readouterr().err
     assert "does not exist; give a model directory" in err and "init-model" not in err
     assert main(["generate", str(run / "tasks"), "--prompt", "1"]) == 2
-    assert "tasks has no config.json or adapter_config.json and holds no run, task or checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "tasks has no config.json or adapter_config.json and holds no run, task or checkpoint" in err
 
 
 # ---- through the CLI, on a real run --------------------------------------------------------------------------------

@@ -174,9 +174,9 @@ def test_unknown_family_and_sliding_window_are_refused_clearly(tmp_path):
 
 def test_presets_build_every_family(tmp_path):
     from rlsched.config.schema import MODEL_PRESETS
-    from workers.models.presets import PRESETS, init_model
+    from workers.models.presets import PRESETS, PUBLISHED_PRESETS, init_model
 
-    assert tuple(PRESETS) == MODEL_PRESETS  # the config's and the CLI's list is the presets'
+    assert tuple(PRESETS) + PUBLISHED_PRESETS == MODEL_PRESETS  # the config's and the CLI's list is the presets'
     for preset, kind in (("tiny-qwen2", "qwen2"), ("tiny-qwen3moe", "qwen3_moe")):
         path = init_model(tmp_path / preset, preset=preset)
         assert json.loads((path / "config.json").read_text())["model_type"] == kind
@@ -298,3 +298,16 @@ def test_a_qwen3moe_task_and_a_qwen2_task_together_each_compute_what_they_comput
                 assert a[key] == pytest.approx(value, rel=1e-6, abs=1e-6), (task, a["step"], key)
     assert all("router_aux_loss" in m for m in metrics(together, "addition"))
     assert not any("router_aux_loss" in m for m in metrics(together, "subtraction"))
+
+
+def test_published_presets_are_the_published_shapes():
+    """`init-model --preset qwen3-0.6b` is a random model of Qwen3-0.6B's published config (every shaping key, the
+    151,936-row vocabulary, tied embeddings), with the real tokenizer by default: 596M parameters, as the hub's."""
+    from workers.models.presets import PUBLISHED_PRESETS, preset_config
+    from workers.models.published import published_config
+
+    for name in PUBLISHED_PRESETS:
+        assert preset_config(name, dtype="bfloat16") == published_config(name).replace(dtype="bfloat16")
+    cfg = preset_config("qwen3-0.6b")
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size, cfg.tie_word_embeddings) == (151936, 28, 1024, True)
+    assert round(cfg.num_params / 1e6) == 596

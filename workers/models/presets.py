@@ -3,6 +3,7 @@
     tiny, small                 Qwen3 (the demo's and the benchmarks' models)
     tiny-qwen2, small-qwen2     Qwen2 / Qwen2.5 (q/k/v biases, no q/k norm)
     tiny-qwen3moe, small-qwen3moe   Qwen3-MoE (tiny: 4 experts, top 2, layer 0 dense; small: 8 experts, top 2)
+    qwen3-0.6b, qwen3-1.7b, qwen3-4b   the published Qwen3 shapes, random weights, the real tokenizer by default
 
 head_dim is 128 in the Qwen3 presets: sglang-jax's CPU path only handles that head size, and keeping it
 lets one checkpoint serve both rollout backends.
@@ -42,10 +43,19 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# Random models of published shapes (workers.models.published: layers, widths, heads, the 151,936-row vocabulary),
+# with the real Qwen3 tokenizer by default: every benchmark runs at a real size anywhere, nothing downloaded.
+PUBLISHED_PRESETS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b")
+
+
 def preset_config(preset: str, **fields) -> ModelConfig:
     """The config of `preset` (its family's class), with `fields` (vocab_size, dtype, ...) set."""
+    if preset in PUBLISHED_PRESETS:
+        from workers.models.published import published_config
+
+        return published_config(preset).replace(**fields)
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS) + list(PUBLISHED_PRESETS)}")
     spec = dict(PRESETS[preset])
     return family(spec.pop("model_type", "qwen3"))(**spec, **fields)
 
@@ -54,24 +64,30 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def init_model(out_dir: str | Path, *, preset: str = "tiny", tokenizer: str = "byte", seed: int = 0,
+def init_model(out_dir: str | Path, *, preset: str = "tiny", tokenizer: str | None = None, seed: int = 0,
                dtype: str = "float32", initializer_range: float = 0.02) -> Path:
-    """Create a random model of `preset` plus a `tokenizer` ("byte" or "qwen3") in out_dir."""
+    """Create a random model of `preset` plus a `tokenizer` ("byte" or "qwen3"; None: qwen3 for the published
+    shapes, byte for the others) in out_dir."""
     # JAX only where a model is made; transformers (~1 s of CPU) only where a tokenizer is written: an actor
     # imports this module for init_model but calls it only when its preset model is missing.
     from workers.models.checkpoint import abstract_model, save_pretrained
     from workers.models.tokenizer import write_tokenizer
 
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    published = preset in PUBLISHED_PRESETS
+    if not published and preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS) + list(PUBLISHED_PRESETS)}")
+    tokenizer = tokenizer or ("qwen3" if published else "byte")
     out_dir = Path(out_dir)
     staging = out_dir.with_name(f".{out_dir.name}.tokenizer")
     staging.mkdir(parents=True, exist_ok=True)
     tok = write_tokenizer(tokenizer, staging)
-    cfg = preset_config(
-        # Embedding rows in multiples of 128 (as Qwen3 pads 151,669 tokens to 151,936) for aligned matmuls.
-        preset, vocab_size=_round_up(len(tok), 128), dtype=dtype, initializer_range=initializer_range,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if published and len(tok) > preset_config(preset).vocab_size:
+        raise ValueError(f"the {tokenizer} tokenizer has {len(tok)} tokens, more than {preset}'s vocabulary")
+    # Embedding rows in multiples of 128 (as Qwen3 pads 151,669 tokens to 151,936) for aligned matmuls; the
+    # published shapes keep their own vocabulary.
+    vocab = {} if published else {"vocab_size": _round_up(len(tok), 128)}
+    cfg = preset_config(preset, **vocab, dtype=dtype, initializer_range=initializer_range,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     try:
         return save_pretrained(abstract_model(cfg, seed), out_dir, tokenizer=tok)
     finally:
