@@ -290,10 +290,35 @@ def test_override_of_a_new_key_is_validated_like_the_file(tmp_path):
         in msg
 
 
+def test_a_star_override_sets_every_task():
+    """`tasks.*.key=value` is the same as one override per task; a mapping set so is each task's own (a later
+    override of one task's leaves the other's alone)."""
+    demo = Path(__file__).parents[1] / "configs" / "demo_multitask.yaml"
+    cfg = load_config(demo, ["tasks.*.steps=7", "tasks.*.rollout={max_batch_size: 8}",
+                             "tasks.1.rollout.max_batch_size=4", "tasks.*.grpo.beta=0.04"])
+    each = load_config(demo, [f"tasks.{i}.{k}" for i in (0, 1) for k in ("steps=7", "rollout={max_batch_size: 8}",
+                                                                             "grpo.beta=0.04")]
+                       + ["tasks.1.rollout.max_batch_size=4"])
+    assert [t.steps for t in cfg.tasks] == [7, 7] and [t.rollout.max_batch_size for t in cfg.tasks] == [8, 4]
+    assert cfg == each
+
+
+def test_a_star_override_of_a_key_no_task_has_names_the_override_for_each_task():
+    demo = Path(__file__).parents[1] / "configs" / "demo_multitask.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(demo, ["tasks.*.stepz=10"])
+    assert str(err.value).splitlines() == [
+        f"{demo}: tasks.{i}.stepz: unknown key (got 10); did you mean 'steps'? [from override 'tasks.*.stepz=10']"
+        for i in (0, 1)]
+
+
 @pytest.mark.parametrize(("override", "expected"), [
     ("tasks.0.grpo.beta", "override 'tasks.0.grpo.beta' is malformed; expected path.to.key=value"),
     ("=3", "override '=3' is malformed"),
-    ("tasks.1.steps=3", "override 'tasks.1.steps=3': tasks is a list of 1 items; index '1' is out of range (use 0..0)"),
+    ("tasks.1.steps=3", "override 'tasks.1.steps=3': tasks is a list of 1 items; index '1' is out of range (use 0..0, "
+                        "or * for every item)"),
+    ("experiment.*=3", "override 'experiment.*=3': experiment is a mapping; '*' stands for every item of a list "
+                       "(e.g. tasks.*.steps=10); name the key instead"),
     ("tasks.first.steps=3", "override 'tasks.first.steps=3': tasks is a list of 1 items; index 'first'"),
     ("tasks.0.steps.x=3", "override 'tasks.0.steps.x=3': tasks.0.steps is 60, not a mapping or list, so it has no "
                           "key 'x'"),

@@ -567,3 +567,23 @@ def test_per_role_processes_ask_for_what_their_platform_needs(tmp_path):
     sharing = role_env(1, "GPU", shares_devices=True)
     assert sharing["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and sharing["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in role_env(1, "GPU", shares_devices=False)
+
+
+def test_a_star_override_plans_every_task_as_one_override_each_does():
+    """`--set 'tasks.*.grpo.max_new_tokens=12'` through the CLI: the plan of one override per task (each task's KV
+    cache grows), and a key no task has is refused with a line per task, exit 2."""
+    demo = "configs/demo_multitask.yaml"
+    star = cli("plan", demo, "--json", "--set", "tasks.*.grpo.max_new_tokens=12")
+    each = cli("plan", demo, "--json", "--set", "tasks.0.grpo.max_new_tokens=12", "--set",
+               "tasks.1.grpo.max_new_tokens=12")
+    plain = cli("plan", demo, "--json")
+    assert star.returncode == each.returncode == plain.returncode == 0, star.stderr + each.stderr
+    assert json.loads(star.stdout) == json.loads(each.stdout)
+    kv = [[r["bytes"].get("kv_cache") for r in json.loads(p.stdout)["roles"] if r["role"] == "engine"]
+          for p in (plain, star)]
+    assert all(k > p for p, k in zip(*kv, strict=True)), kv  # both tasks' caches hold 12 new tokens, not 4
+    bad = cli("plan", demo, "--set", "tasks.*.stepz=10")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.splitlines() == [
+        f"{'error: ' if i == 0 else ''}{demo}: tasks.{i}.stepz: unknown key (got 10); did you mean 'steps'? "
+        "[from override 'tasks.*.stepz=10']" for i in (0, 1)]

@@ -314,8 +314,9 @@ def test_lora_tasks_of_one_base_are_admitted_with_the_base_counted_once(tmp_path
 @pytest.mark.slow
 def test_locks_shows_free_and_held_locks_as_the_json_says(tmp_path, service):
     """`rlsched locks` of a live service: with no task every lock reads free (it raised TypeError on a free lock);
-    with both demo tasks frozen mid-run (their drivers SIGSTOPped, so the report holds still between the two
-    commands) each lock reads as its `--json` says: `free` or `held by TASK for N.Ns`, and its waiters."""
+    with both demo tasks (submitted with `--set 'tasks.*.steps=N'`) frozen mid-run (their drivers SIGSTOPped, so
+    the report holds still between two commands) each lock reads as its `--json` says: `free` or `held by TASK for
+    N.Ns`, and its waiters."""
     svc = service
     svc("up")
     idle = json.loads(svc("locks", "--json").stdout)
@@ -324,7 +325,8 @@ def test_locks_shows_free_and_held_locks_as_the_json_says(tmp_path, service):
     assert text == [f"{r}: free; waiting: nobody" for r in idle], text
 
     models = [f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}"]
-    svc("submit", CONFIG, *_sets(*models, f"tasks.0.steps={B_STEPS}", f"tasks.1.steps={B_STEPS}"))
+    svc("submit", CONFIG, *_sets(*models, f"tasks.*.steps={B_STEPS}"))  # `*`: every task
+    assert {t: r["steps"] for t, r in svc.tasks().items()} == {"addition": B_STEPS, "subtraction": B_STEPS}
     drivers = svc.driver("addition") + svc.driver("subtraction")
     svc.steps("demo-multitask", "addition", 1)
     for _ in range(50):  # until the frozen moment has a lock held and a lock free (a step is mostly in a phase)
