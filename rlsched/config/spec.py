@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 from workers.models import sharding
-
-if TYPE_CHECKING:
-    from rlsched.config.schema import TaskConfig, TrackingSection
 
 
 def comm_group_name(experiment: str, task: str, src: str = "actor", dst: str = "rollout") -> str:
@@ -57,10 +54,12 @@ class TaskSpec:
 
     experiment: str  # the experiment's name
     index: int  # position in the experiment's `tasks` (overrides say `tasks.<index>.`)
-    config: TaskConfig  # the task's validated config section
+    # The two sections below are rlsched.config.schema's TaskConfig and TrackingSection, named here but not imported:
+    # schema builds TaskSpecs (ExperimentConfig.task_specs), so even a type-only import back would close a circle.
+    config: Any  # the task's validated config section (TaskConfig)
     seed: int  # the task's own seed, or the experiment seed + index
     dir: Path  # absolute runs/<experiment>/tasks/<task>: metrics, checkpoints
-    tracking: TrackingSection  # where metrics go besides metrics.jsonl
+    tracking: Any  # where metrics go besides metrics.jsonl (experiment.tracking, a TrackingSection)
     placement: Literal["colocated", "disaggregated"]
     num_devices: int  # the experiment's device pool (rlsched.config.meshes.role_devices picks each role's from it)
     processes: Literal["per_role", "per_device_group"] = "per_role"  # cluster.processes once the platform is known
