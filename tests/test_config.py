@@ -55,7 +55,7 @@ def test_valid_config_fills_defaults(tmp_path):
     assert task.grpo.loss_aggregation == "token-mean" and task.grpo.epochs_per_step == 1
     # YAML 1.1 (PyYAML's default) would read `1e-6` as the string "1e-6"; we read YAML 1.2 floats.
     assert task.optim.lr == 1e-6 and task.optim.warmup_ratio == 0.1 and task.optim.grad_clip == 1.0
-    assert task.checkpoint_every == 0 and task.log_every == 1
+    assert task.checkpoint_every is None and task.log_every == 1
     assert cfg.run_dir == Path("runs/demo")
 
 
@@ -113,6 +113,15 @@ def test_tasks_saves_are_staggered_over_the_checkpoint_interval(tmp_path):
     assert list(saved.values()) == [[20, 40, 42], [15, 35, 42], [10, 30, 42], [5, 25, 42]]  # and the last
     never = load_config(write(tmp_path, ADDITION), ["tasks.0.checkpoint_every=0"]).task_specs()
     assert never[0].checkpoint_offset == 0
+    # Unset: the last step only (a run keeps its final weights); 0: never, unless export_final needs the last.
+    for sets, expected in (([], [42]), (["tasks.0.checkpoint_every=0"], []),
+                           (["tasks.0.checkpoint_every=0", "tasks.0.export_final=true"], [42])):
+        (spec,) = load_config(write(tmp_path, ADDITION), [*sets, "tasks.0.steps=42"]).task_specs()
+        driver = TaskDriver(spec, FreeLocks(spec.name), echo=lambda *_: None)
+        driver._save = (got := []).append
+        for n in range(1, 43):
+            driver.checkpoint_if_due(n)
+        assert got == expected, sets
 
 
 def test_every_setting_that_changes_results_is_a_config_key(tmp_path):

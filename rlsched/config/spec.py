@@ -67,6 +67,8 @@ class TaskSpec:
     shares_devices: bool = True  # roles of other tasks or of this one may use this task's devices (colocated, or
     # several tasks on a group; a service's tasks come and go): processes sharing a GPU must free what they offload
     checkpoint_offset: int = 0  # staggers the tasks' saves (TaskConfig.checkpoint_every)
+    announces_model: bool = True  # says "creating a random ..." when its init_preset model is not there yet; False
+    # where the run says it once for every task that shares the model (rlsched.run.experiment.announce_models)
     compile_cache: str | None = None  # absolute directory of JAX's persistent compilation cache (None: off)
     call_timeout_s: float = 3600.0  # longest wait for one call to a role in another process (cluster.call_timeout_s)
 
