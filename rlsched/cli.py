@@ -2,7 +2,7 @@
 
     rlsched demo                       the quickstart job (two tiny GRPO tasks under the scheduler)
     rlsched train CONFIG.yaml [--set a.b.c=value ...] [--resume]
-    rlsched plan CONFIG.yaml [--set ...] [--json]   each role's mesh, devices and bytes per device (no Ray, no JAX)
+    rlsched plan CONFIG.yaml [--model NAME]   each role's mesh, devices and bytes per device (no Ray, no JAX)
     rlsched check CONFIG.yaml [--devices N] [--model NAME | --model-config FILE]   everything checkable without a run
     rlsched config --reference [--out docs/config.md]   every config field: key, type, default, constraints, meaning
     rlsched timeline RUN_DIR           per-task table (phases, lock waits, switch cost, busy) + timeline.png
@@ -224,12 +224,15 @@ def _resume_command(argv: list[str]) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    import functools
     import json
 
+    from rlsched.config.check import model_shapes
     from rlsched.config.loading import load_configs
     from rlsched.config.plan import device_plan
 
-    plan = device_plan(load_configs(args.config, args.set))
+    shapes = functools.partial(model_shapes, model=args.model, model_config=args.model_config)
+    plan = device_plan(load_configs(args.config, args.set), shapes)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())
     if not plan.runnable:
         print("error: a role does not fit cluster.memory_budget_gb even alone (see the group lines)", file=sys.stderr)
@@ -242,6 +245,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     report = check(args.config, args.set, devices=args.devices, model=args.model, model_config=args.model_config)
     print(report.render())
     return 0 if report.ok else 2
+
+
+def _model_shape_options(p: argparse.ArgumentParser) -> None:
+    """`plan`'s and `check`'s --model / --model-config: the shapes of a model whose directory is not here."""
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, metavar="NAME",
+                       help="where a model directory is absent: a published model's shapes, e.g. qwen3-1.7b "
+                            "(workers/models/published.py lists them)")
+    model.add_argument("--model-config", default=None, metavar="FILE",
+                       help="where a model directory is absent: its Hugging Face config.json")
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -435,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="+", help="experiment YAML(s), as for train")
     p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    _model_shape_options(p)
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("check", help="everything that can be checked without running: schema, devices, models, "
@@ -443,12 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
     p.add_argument("--devices", type=_positive_int, default=None,
                    help="devices (per host) to check the meshes against (default: this machine's accelerators)")
-    model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", default=None, metavar="NAME",
-                       help="where a model directory is absent: a published model's shapes, e.g. qwen3-1.7b "
-                            "(workers/models/published.py lists them)")
-    model.add_argument("--model-config", default=None, metavar="FILE",
-                       help="where a model directory is absent: its Hugging Face config.json")
+    _model_shape_options(p)
     p.set_defaults(func=_cmd_check)
 
     p = sub.add_parser("config", help="the config reference: every field's key, type, default, constraints and "

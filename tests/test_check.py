@@ -172,7 +172,10 @@ def test_the_shapes_of_an_absent_model_come_from_the_flags(capsys, tmp_path, sma
     code, lines, _ = _check(capsys, *recipe, "--set", f"tasks.0.model.path={nowhere}", "--model-config", str(config))
     assert code == 0
     assert lines["model gsm8k"][1].startswith(f"Qwen2 of 7.62B params, shapes from --model-config {config}")
-    assert lines["memory"] == by_name  # the table's shapes are the config.json's: the same bytes
+    assert by_name[1].endswith("(`rlsched plan --model Qwen2.5-7B-Instruct` has each role's bytes)"), by_name
+    # the table's shapes are the config.json's: the same bytes; `plan` is sent the same flag
+    flag = by_name[1].replace("--model Qwen2.5-7B-Instruct", f"--model-config {config}")
+    assert lines["memory"] == (by_name[0], flag)
     code, lines, _ = _check(capsys, *recipe, "--set", f"tasks.0.model.path={nowhere}", "--model", "qwen9-1b")
     assert code == 2 and lines["model gsm8k"] == ("FAIL", f"no published shapes for 'qwen9-1b'; known: "
                                                           f"{', '.join(PUBLISHED)}")

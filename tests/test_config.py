@@ -55,7 +55,7 @@ def test_valid_config_fills_defaults(tmp_path):
     assert task.grpo.loss_aggregation == "token-mean" and task.grpo.epochs_per_step == 1
     # YAML 1.1 (PyYAML's default) would read `1e-6` as the string "1e-6"; we read YAML 1.2 floats.
     assert task.optim.lr == 1e-6 and task.optim.warmup_ratio == 0.1 and task.optim.grad_clip == 1.0
-    assert task.checkpoint_every == 0 and task.log_every == 1
+    assert task.checkpoint_every is None and task.log_every == 1
     assert cfg.run_dir == Path("runs/demo")
 
 
@@ -113,6 +113,15 @@ def test_tasks_saves_are_staggered_over_the_checkpoint_interval(tmp_path):
     assert list(saved.values()) == [[20, 40, 42], [15, 35, 42], [10, 30, 42], [5, 25, 42]]  # and the last
     never = load_config(write(tmp_path, ADDITION), ["tasks.0.checkpoint_every=0"]).task_specs()
     assert never[0].checkpoint_offset == 0
+    # Unset: the last step only (a run keeps its final weights); 0: never, unless export_final needs the last.
+    for sets, expected in (([], [42]), (["tasks.0.checkpoint_every=0"], []),
+                           (["tasks.0.checkpoint_every=0", "tasks.0.export_final=true"], [42])):
+        (spec,) = load_config(write(tmp_path, ADDITION), [*sets, "tasks.0.steps=42"]).task_specs()
+        driver = TaskDriver(spec, FreeLocks(spec.name), echo=lambda *_: None)
+        driver._save = (got := []).append
+        for n in range(1, 43):
+            driver.checkpoint_if_due(n)
+        assert got == expected, sets
 
 
 def test_every_setting_that_changes_results_is_a_config_key(tmp_path):
@@ -290,10 +299,35 @@ def test_override_of_a_new_key_is_validated_like_the_file(tmp_path):
         in msg
 
 
+def test_a_star_override_sets_every_task():
+    """`tasks.*.key=value` is the same as one override per task; a mapping set so is each task's own (a later
+    override of one task's leaves the other's alone)."""
+    demo = Path(__file__).parents[1] / "configs" / "demo_multitask.yaml"
+    cfg = load_config(demo, ["tasks.*.steps=7", "tasks.*.rollout={max_batch_size: 8}",
+                             "tasks.1.rollout.max_batch_size=4", "tasks.*.grpo.beta=0.04"])
+    each = load_config(demo, [f"tasks.{i}.{k}" for i in (0, 1) for k in ("steps=7", "rollout={max_batch_size: 8}",
+                                                                             "grpo.beta=0.04")]
+                       + ["tasks.1.rollout.max_batch_size=4"])
+    assert [t.steps for t in cfg.tasks] == [7, 7] and [t.rollout.max_batch_size for t in cfg.tasks] == [8, 4]
+    assert cfg == each
+
+
+def test_a_star_override_of_a_key_no_task_has_names_the_override_for_each_task():
+    demo = Path(__file__).parents[1] / "configs" / "demo_multitask.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(demo, ["tasks.*.stepz=10"])
+    assert str(err.value).splitlines() == [
+        f"{demo}: tasks.{i}.stepz: unknown key (got 10); did you mean 'steps'? [from override 'tasks.*.stepz=10']"
+        for i in (0, 1)]
+
+
 @pytest.mark.parametrize(("override", "expected"), [
     ("tasks.0.grpo.beta", "override 'tasks.0.grpo.beta' is malformed; expected path.to.key=value"),
     ("=3", "override '=3' is malformed"),
-    ("tasks.1.steps=3", "override 'tasks.1.steps=3': tasks is a list of 1 items; index '1' is out of range (use 0..0)"),
+    ("tasks.1.steps=3", "override 'tasks.1.steps=3': tasks is a list of 1 items; index '1' is out of range (use 0..0, "
+                        "or * for every item)"),
+    ("experiment.*=3", "override 'experiment.*=3': experiment is a mapping; '*' stands for every item of a list "
+                       "(e.g. tasks.*.steps=10); name the key instead"),
     ("tasks.first.steps=3", "override 'tasks.first.steps=3': tasks is a list of 1 items; index 'first'"),
     ("tasks.0.steps.x=3", "override 'tasks.0.steps.x=3': tasks.0.steps is 60, not a mapping or list, so it has no "
                           "key 'x'"),

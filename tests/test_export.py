@@ -216,6 +216,21 @@ def test_bad_requests_are_refused_with_what_exists_and_nothing_is_left_behind(fa
     assert "tasks has no config.json or adapter_config.json and holds no run, task or checkpoint" in err
 
 
+def test_a_full_export_has_the_modes_the_users_umask_gives(family_dirs, tmp_path):
+    """`rlsched export` with umask 027: 0640 files in a 0750 directory, as the adapter and merged exports
+    (test_lora_run.py); it wrote 0644 and 0755 whatever the umask, and those 0600."""
+    model_dir = family_dirs["qwen3"]
+    task_dir = _task_dir(tmp_path / "run", model_dir)
+    _save(task_dir, ActorWorker(load_pretrained(model_dir)[0], SETTINGS), 1)
+    done = subprocess.run([sys.executable, "-m", "rlsched.cli", "export", str(task_dir), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, umask=0o027,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "out", *(tmp_path / "out").iterdir()]}
+    assert "model.safetensors" in found and "tokenizer.json" in found, found
+    assert found == {name: 0o750 if name == "out" else 0o640 for name in found}
+
+
 # ---- through the CLI, on a real run --------------------------------------------------------------------------------
 
 

@@ -81,3 +81,47 @@ def test_lora_config_errors_name_the_key(tmp_path):
         checked = _cli("check", str(config), *[a for o in overrides for a in ("--set", o)], timeout=120)
         assert checked.returncode == 2 and message in checked.stdout + checked.stderr, (overrides, checked.stdout,
                                                                                        checked.stderr)
+
+
+def _modes(directory) -> set[tuple[str, int]]:
+    """(kind, permission bits) of an export directory and of everything in it."""
+    from pathlib import Path
+
+    paths = [Path(directory), *Path(directory).rglob("*")]
+    return {("dir" if p.is_dir() else "file", p.stat().st_mode & 0o777) for p in paths}
+
+
+@pytest.mark.slow
+def test_a_run_keeps_its_last_weights_says_where_and_creates_a_shared_base_once(tmp_path):
+    """demo_multitask's two tasks as LoRA tasks on one random base not yet made, under Ray: the run says once that
+    it creates the base (each driver said it), and at the start where each task's weights go; with
+    checkpoint_every unset the last step is saved (it was never saved: runs kept no weights by default), with 0
+    nothing is. Both exports of that checkpoint, the adapter and --merge, written with umask 027, are 0640 files in
+    a 0750 directory (they were 0600 files; a full export's 0644: one mode, the user's, test_export.py)."""
+    from pathlib import Path
+
+    config = Path(__file__).parent.parent / "configs" / "demo_multitask.yaml"
+    base = tmp_path / "models" / "base"
+    sets = [f"tasks.*.model={{path: {base}, init_preset: tiny}}", "tasks.*.lora={rank: 4, targets: [q, v, lm_head]}",
+            "tasks.*.steps=2", "tasks.*.grpo.prompts_per_step=4", "tasks.*.grpo.num_generations=4",
+            "tasks.*.grpo.mini_batch_size=8", "tasks.0.checkpoint_every=null", "tasks.1.checkpoint_every=0",
+            f"experiment.output_dir={tmp_path / 'runs'}"]
+    done = _cli("train", str(config), *[w for s in sets for w in ("--set", s)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert [x for x in lines if "creating a random" in x] == [
+        f"creating a random tiny Qwen3 at {base}, shared by 2 tasks (addition, subtraction)"], done.stdout
+    run = tmp_path / "runs" / "demo-multitask"
+    assert f"[addition] weights: {run}/tasks/addition/checkpoints/<step>/ (the last step); `rlsched export {run} " \
+           "--task addition OUT` writes them as a Hugging Face model" in lines, done.stdout
+    assert "[subtraction] keeps no weights (checkpoint_every 0); unset it to keep the last step's" in lines
+    assert sorted(p.name for p in (run / "tasks" / "addition" / "checkpoints").iterdir()) == ["2"]
+    assert not (run / "tasks" / "subtraction" / "checkpoints").exists() or \
+        not any((run / "tasks" / "subtraction" / "checkpoints").iterdir())
+
+    for name, flags in (("adapter", ()), ("merged", ("--merge",))):
+        exported = subprocess.run([sys.executable, "-m", "rlsched.cli", "export", str(run), "--task", "addition",
+                                   str(tmp_path / name), *flags], capture_output=True, text=True, timeout=600,
+                                  umask=0o027)
+        assert exported.returncode == 0, exported.stderr
+        assert _modes(tmp_path / name) == {("dir", 0o750), ("file", 0o640)}, (name, _modes(tmp_path / name))

@@ -567,3 +567,48 @@ def test_per_role_processes_ask_for_what_their_platform_needs(tmp_path):
     sharing = role_env(1, "GPU", shares_devices=True)
     assert sharing["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and sharing["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in role_env(1, "GPU", shares_devices=False)
+
+
+def test_a_star_override_plans_every_task_as_one_override_each_does():
+    """`--set 'tasks.*.grpo.max_new_tokens=12'` through the CLI: the plan of one override per task (each task's KV
+    cache grows), and a key no task has is refused with a line per task, exit 2."""
+    demo = "configs/demo_multitask.yaml"
+    star = cli("plan", demo, "--json", "--set", "tasks.*.grpo.max_new_tokens=12")
+    each = cli("plan", demo, "--json", "--set", "tasks.0.grpo.max_new_tokens=12", "--set",
+               "tasks.1.grpo.max_new_tokens=12")
+    plain = cli("plan", demo, "--json")
+    assert star.returncode == each.returncode == plain.returncode == 0, star.stderr + each.stderr
+    assert json.loads(star.stdout) == json.loads(each.stdout)
+    kv = [[r["bytes"].get("kv_cache") for r in json.loads(p.stdout)["roles"] if r["role"] == "engine"]
+          for p in (plain, star)]
+    assert all(k > p for p, k in zip(*kv, strict=True)), kv  # both tasks' caches hold 12 new tokens, not 4
+    bad = cli("plan", demo, "--set", "tasks.*.stepz=10")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.splitlines() == [
+        f"{'error: ' if i == 0 else ''}{demo}: tasks.{i}.stepz: unknown key (got 10); did you mean 'steps'? "
+        "[from override 'tasks.*.stepz=10']" for i in (0, 1)]
+
+
+def test_plan_of_an_absent_model_takes_published_shapes_as_check_does(tmp_path):
+    """`rlsched plan configs/gsm8k_qwen3.yaml` on a machine without the weights: `--model qwen3-1.7b` (or a directory
+    named like it) plans what Qwen3-1.7B's own config.json plans; an unnamed absent directory is refused, exit 2,
+    with the flags that fix it (it said only "has no config.json", while `check` took --model)."""
+    recipe = str(CONFIGS / "gsm8k_qwen3.yaml")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "config.json").write_text(json.dumps(QWEN3_1P7B))
+    runs = [cli("plan", recipe, "--json", "--set", f"tasks.0.model.path={tmp_path / path}", *flags)
+            for path, flags in (("real", ()), ("absent", ("--model", "qwen3-1.7b")), ("Qwen3-1.7B", ()))]
+    assert [r.returncode for r in runs] == [0, 0, 0], [r.stderr for r in runs]
+    real, *published = [json.loads(r.stdout) for r in runs]
+    for plan in published:
+        assert plan["models"]["gsm8k"].endswith("has no config.json here)"), plan["models"]
+        assert {k: v for k, v in plan.items() if k != "models"} == {k: v for k, v in real.items() if k != "models"}
+    assert real["roles"][0]["bytes"]["params"] == 1_720_574_976 * 2  # bfloat16, one device
+    text = cli("plan", recipe, "--set", f"tasks.0.model.path={tmp_path / 'absent'}", "--model", "qwen3-1.7b")
+    assert text.returncode == 0 and "Qwen3 of 1.72B params in bfloat16" in text.stdout, text.stderr
+    refused = cli("plan", recipe, "--set", f"tasks.0.model.path={tmp_path / 'absent'}")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert refused.stderr.startswith(f"error: tasks.0.model.path: {tmp_path / 'absent'} has no config.json here, so "
+                                     "its shapes are unknown: give --model NAME (one of qwen3-0.6b, ")
+    unknown = cli("plan", recipe, "--set", f"tasks.0.model.path={tmp_path / 'absent'}", "--model", "qwen9")
+    assert unknown.returncode == 2 and "no published shapes for 'qwen9'; known: qwen3-0.6b" in unknown.stderr

@@ -309,3 +309,40 @@ def test_lora_tasks_of_one_base_are_admitted_with_the_base_counted_once(tmp_path
     assert "its base is held once for its base group, already running" in logs, logs
     svc("down", timeout=300)
     svc.assert_all_gone()
+
+
+@pytest.mark.slow
+def test_locks_shows_free_and_held_locks_as_the_json_says(tmp_path, service):
+    """`rlsched locks` of a live service: with no task every lock reads free (it raised TypeError on a free lock);
+    with both demo tasks (submitted with `--set 'tasks.*.steps=N'`) frozen mid-run (their drivers SIGSTOPped, so
+    the report holds still between two commands) each lock reads as its `--json` says: `free` or `held by TASK for
+    N.Ns`, and its waiters."""
+    svc = service
+    svc("up")
+    idle = json.loads(svc("locks", "--json").stdout)
+    text = svc("locks").stdout.splitlines()
+    assert idle and all(v["holder"] is None for v in idle.values()), idle
+    assert text == [f"{r}: free; waiting: nobody" for r in idle], text
+
+    models = [f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}"]
+    svc("submit", CONFIG, *_sets(*models, f"tasks.*.steps={B_STEPS}"))  # `*`: every task
+    assert {t: r["steps"] for t, r in svc.tasks().items()} == {"addition": B_STEPS, "subtraction": B_STEPS}
+    drivers = svc.driver("addition") + svc.driver("subtraction")
+    svc.steps("demo-multitask", "addition", 1)
+    for _ in range(50):  # until the frozen moment has a lock held and a lock free (a step is mostly in a phase)
+        _signal(drivers, signal.SIGSTOP)
+        report = json.loads(svc("locks", "--json").stdout)
+        if {v["holder"] is None for v in report.values()} == {True, False}:
+            break
+        _signal(drivers, signal.SIGCONT)
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"no moment with a lock held and one free: {report}")
+    lines = svc("locks").stdout.splitlines()
+    _signal(drivers, signal.SIGCONT)
+    assert len(lines) == len(report), (lines, report)
+    for line, (resource, lock) in zip(lines, report.items(), strict=True):
+        waiting = ", ".join(rf"{w['task']} \(\d+\.\ds\)" for w in lock["waiting"]) or "nobody"
+        held = "free" if lock["holder"] is None else rf"held by {', '.join(lock['holders'])} for \d+\.\ds"
+        assert re.fullmatch(rf"{re.escape(resource)}: {held}; waiting: {waiting}", line), (line, lock)
+    svc("down", "--force", timeout=120)

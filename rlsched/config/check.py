@@ -96,7 +96,9 @@ def check(paths: Sequence[str | Path], overrides: Sequence[str] = (), *, devices
         _check_reward(report, task, i)
     resolved = {name: m.config for name, m in models.items() if m.config is not None}
     _check_meshes(report, cfg, resolved)
-    _check_memory(report, cfg, resolved)
+    flags = f" --model {model}" if model is not None else \
+        f" --model-config {model_config}" if model_config is not None else ""
+    _check_memory(report, cfg, resolved, "" if not report.absent else flags)
     _check_output(report, cfg)
     return report
 
@@ -145,7 +147,7 @@ def _check_model(report: Report, task: TaskConfig, index: int, *, model: str | N
                  model_config: str | Path | None) -> _Model:
     from rlsched.config.preflight import check_model_dir
     from workers.models.config import ModelConfigError
-    from workers.models.published import UnknownModelError, match_name, published_config
+    from workers.models.published import UnknownModelError
 
     what, path = f"model {task.name}", Path(task.model.path)
     try:
@@ -161,31 +163,52 @@ def _check_model(report: Report, task: TaskConfig, index: int, *, model: str | N
             report.add("ok", what, f"{_size(config)}, init_preset {task.model.init_preset}: `rlsched train` "
                                    f"creates it at {path}")
             return _Model(config, *_byte_tokenizer())
-        if model_config is not None:
-            file = Path(model_config)
-            try:
-                raw = json.loads(file.read_text())
-            except (OSError, ValueError) as err:
-                raise ModelConfigError(f"--model-config {file}: {type(err).__name__}: {err}") from None
-            config, source = ModelConfig.from_hf_dict(raw, source=str(file)), f"--model-config {file}"
-        elif model is not None or match_name(path) is not None:
-            name = model if model is not None else match_name(path)
-            config = published_config(name)
-            source = (f"--model {model}" if model is not None else
-                      f"the published {name}, named by the directory {path.name}; --model or --model-config "
-                      "choose others")
-        else:
-            from workers.models.published import PUBLISHED
-
-            report.add("FAIL", what, f"{path} has no config.json here, so its shapes are unknown: give --model NAME "
-                                     f"(one of {', '.join(PUBLISHED)}) or --model-config FILE (its config.json)")
-            return _Model(None)
+        config, source = given_shapes(path, model=model, model_config=model_config)
     except (ConfigError, ModelConfigError, UnknownModelError) as err:
         report.add("FAIL", what, str(err))
         return _Model(None)
     report.absent.append(str(path))
     report.add("ok", what, f"{_size(config)}, shapes from {source} ({path} has no config.json here)")
     return _Model(config, *_stand_in_tokenizer(config))
+
+
+def given_shapes(path: Path, *, model: str | None, model_config: str | Path | None) -> tuple[ModelConfig, str]:
+    """(architecture, where it came from) of a model whose directory `path` is not here: `--model-config FILE`,
+    else `--model NAME`, else the published model the directory is named like. Raises ModelConfigError or
+    UnknownModelError (ValueErrors: the CLI's exit 2) when none gives them."""
+    from workers.models.config import ModelConfigError
+    from workers.models.published import PUBLISHED, match_name, published_config
+
+    if model_config is not None:
+        file = Path(model_config)
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelConfigError(f"--model-config {file}: {type(err).__name__}: {err}") from None
+        return ModelConfig.from_hf_dict(raw, source=str(file)), f"--model-config {file}"
+    if model is not None:
+        return published_config(model), f"--model {model}"
+    name = match_name(path)
+    if name is None:
+        raise ModelConfigError(f"{path} has no config.json here, so its shapes are unknown: give --model NAME (one "
+                               f"of {', '.join(PUBLISHED)}) or --model-config FILE (its config.json)")
+    return published_config(name), (f"the published {name}, named by the directory {path.name}; --model or "
+                                    "--model-config choose others")
+
+
+def model_shapes(task: TaskConfig, index: int, *, model: str | None = None,
+                 model_config: str | Path | None = None) -> ModelConfig:
+    """A task's architecture for `rlsched plan`: its config.json or init_preset (rlsched.config.meshes), else, where
+    its directory is absent, what `given_shapes` finds (--model, --model-config, a published model's name)."""
+    from rlsched.config.meshes import read_model_config
+
+    config = read_model_config(task, index)
+    if config is not None:
+        return config
+    try:
+        return given_shapes(Path(task.model.path), model=model, model_config=model_config)[0]
+    except ValueError as err:
+        raise ConfigError(f"tasks.{index}.model.path: {err}") from None
 
 
 def _size(config: ModelConfig) -> str:
@@ -328,7 +351,8 @@ def _check_meshes(report: Report, cfg: ExperimentConfig, models: dict[str, Model
         report.add("ok", "meshes", f"every mesh splits its model; {split}")
 
 
-def _check_memory(report: Report, cfg: ExperimentConfig, models: dict[str, ModelConfig]) -> None:
+def _check_memory(report: Report, cfg: ExperimentConfig, models: dict[str, ModelConfig], flags: str) -> None:
+    """`flags`: what `rlsched plan` needs to find the same shapes (--model NAME where a model is not here)."""
     from rlsched.config.plan import device_plan
 
     if len(models) < len(cfg.tasks):
@@ -342,7 +366,7 @@ def _check_memory(report: Report, cfg: ExperimentConfig, models: dict[str, Model
     groups = [line for line in plan.render().splitlines() if line.startswith("group ")]
     budget = "no memory budget set (cluster.memory_budget_gb)" if plan.budget is None else \
         f"cluster.memory_budget_gb {cfg.cluster.memory_budget_gb:g} per device"
-    text = f"{budget}; " + "; ".join(groups) + " (`rlsched plan` has each role's bytes)"
+    text = f"{budget}; " + "; ".join(groups) + f" (`rlsched plan{flags}` has each role's bytes)"
     report.add("ok" if plan.runnable else "FAIL", "memory", text)
 
 

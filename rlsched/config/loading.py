@@ -7,7 +7,8 @@ Design decisions:
 - Every error line reads `<file>: <field.path>: <message> (got <value>)`: the path is what you would pass to
   `--set`, so the fix is one edit away.
 - Overrides (`--set tasks.0.grpo.beta=0.04`) edit the raw YAML dict before validation, so an overridden value
-  goes through exactly the same checks and messages as one from the file.
+  goes through exactly the same checks and messages as one from the file. `*` for a list index sets every item
+  (`--set tasks.*.steps=10`); a key no task has is then reported once per task, each line naming the override.
 """
 
 from __future__ import annotations
@@ -64,38 +65,55 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _apply_override(raw: dict, override: str) -> str:
-    """Set one `a.b.0.c=value` in the raw dict; returns the dotted path it set."""
+def _apply_override(raw: dict, override: str) -> list[str]:
+    """Set one `a.b.0.c=value` in the raw dict; returns the dotted path(s) it set. A `*` in place of a list index
+    sets the key in every item of that list (`tasks.*.steps=10`: every task's steps)."""
     key, sep, text = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {override!r} is malformed; expected path.to.key=value, "
-                          "e.g. tasks.0.grpo.beta=0.04")
+                          "e.g. tasks.0.grpo.beta=0.04 or tasks.*.steps=10")
     try:
         value = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as e:
         raise ConfigError(f"override {override!r}: value {text!r} is not valid YAML: {e}") from None
-    parts = key.strip().split(".")
-    node: Any = raw
-    for depth, part in enumerate(parts):
-        last, here = depth == len(parts) - 1, ".".join(parts[:depth]) or "the top level"
-        if isinstance(node, dict):
-            # A new key is allowed: validation then reports it as unknown, with a suggestion.
-            if last:
-                node[part] = value
-            elif node.get(part) is None:
-                node[part] = {}  # absent, or `section:` left empty in the YAML
-            node = node[part]
-        elif isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"override {override!r}: {here} is a list of {len(node)} items; index {part!r} "
-                                  f"is out of range (use 0..{len(node) - 1})")
-            if last:
-                node[int(part)] = value
-            node = node[int(part)]
+    return _set(raw, key.strip().split("."), 0, value, override)
+
+
+def _set(node: Any, parts: list[str], depth: int, value: Any, override: str) -> list[str]:
+    """Set parts[depth:] under `node` (reached by parts[:depth]) to `value`; the dotted paths set."""
+    part, last, here = parts[depth], depth == len(parts) - 1, ".".join(parts[:depth]) or "the top level"
+    if isinstance(node, dict):
+        if part == "*":
+            raise ConfigError(f"override {override!r}: {here} is a mapping; '*' stands for every item of a list "
+                              "(e.g. tasks.*.steps=10); name the key instead")
+        # A new key is allowed: validation then reports it as unknown, with a suggestion.
+        if last:
+            node[part] = _unshare(value)  # a mapping set under `*` is each item's own
+            return [".".join(parts)]
+        if node.get(part) is None:
+            node[part] = {}  # absent, or `section:` left empty in the YAML
+        return _set(node[part], parts, depth + 1, value, override)
+    if isinstance(node, list):
+        if part == "*":
+            if not node:
+                raise ConfigError(f"override {override!r}: {here} is an empty list; '*' has no item to set")
+            indices = range(len(node))
+        elif part.isdigit() and int(part) < len(node):
+            indices = [int(part)]
         else:
-            raise ConfigError(f"override {override!r}: {here} is {node!r}, not a mapping or list, so it has no "
-                              f"key {part!r}")
-    return key.strip()
+            raise ConfigError(f"override {override!r}: {here} is a list of {len(node)} items; index {part!r} "
+                              f"is out of range (use 0..{len(node) - 1}, or * for every item)")
+        paths = []
+        for i in indices:
+            concrete = [*parts[:depth], str(i), *parts[depth + 1:]]
+            if last:
+                node[i] = _unshare(value)
+                paths.append(".".join(concrete))
+            else:
+                paths += _set(node[i], concrete, depth + 1, value, override)
+        return paths
+    raise ConfigError(f"override {override!r}: {here} is {node!r}, not a mapping or list, so it has no "
+                      f"key {part!r}")
 
 
 def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
@@ -190,7 +208,7 @@ def validate(raw: dict, overrides: Sequence[str] = (), *, label: str = "config",
     `task_dirs[i]`: the directory of the file task i came from (a relative reward.file is relative to it; to the
     working directory when not given)."""
     raw = _unshare(raw)
-    overridden = {_apply_override(raw, o): o for o in overrides}
+    overridden = {path: o for o in overrides for path in _apply_override(raw, o)}
     _reward_files_absolute(raw, [Path(d).absolute() for d in task_dirs])
     try:
         return ExperimentConfig.model_validate(raw)

@@ -354,7 +354,9 @@ def _group(name: str, devices: list[int], roles: list[RolePlan], per_device: lis
 def _describe_model(task: TaskConfig, model: ModelConfig) -> str:
     path = Path(task.model.path)
     source = (f"{path / 'config.json'}" if (path / "config.json").is_file()
-              else f"init_preset {task.model.init_preset}, created at {path} by `rlsched train`")
+              else f"init_preset {task.model.init_preset}, created at {path} by `rlsched train`"
+              if task.model.init_preset is not None
+              else f"shapes from --model, --model-config or its name: {path} has no config.json here")
     n = model.num_params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     return (f"{model.describe()} of {size} params in {task.model.dtype}, {model.num_hidden_layers} "

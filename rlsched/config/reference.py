@@ -45,8 +45,9 @@ not this file (tests/test_config_reference.py fails while it is stale). -->
 An experiment config is one YAML file with three sections: `experiment`, `tasks` (a list, one entry per GRPO task)
 and `cluster` (shared by every task). Each key below is written as its path from the top of the file; `tasks[i]` is
 the i-th entry of `tasks`. `--set` takes the same path with the list index as a number, e.g.
-`rlsched train CONFIG.yaml --set tasks.0.grpo.beta=0.04`. Values are checked strictly (`steps: "10"` is an error,
-not a coercion), an unknown key is an error with a suggestion, and `rlsched check CONFIG.yaml` reports every problem
+`rlsched train CONFIG.yaml --set tasks.0.grpo.beta=0.04`, or `*` for every task: `--set 'tasks.*.steps=10'`.
+Values are checked strictly (`steps: "10"` is an error, not a coercion), an unknown key is an error with a
+suggestion, and `rlsched check CONFIG.yaml` reports every problem
 before anything runs. `null` in YAML is Python's None.
 """
 

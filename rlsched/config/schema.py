@@ -455,8 +455,10 @@ class TaskConfig(_Section):
     full-weight task."""
     steps: int = Field(ge=1)
     """GRPO steps to run."""
-    checkpoint_every: int = Field(0, ge=0)
-    """GRPO steps between checkpoints (and the last step); 0 = never (a stop still saves). Written in the
+    checkpoint_every: int | None = Field(None, ge=0)
+    """GRPO steps between checkpoints, the last step saved too; null (the default): the last step only, so a run
+    keeps its final weights (`rlsched export` writes them as a Hugging Face model); 0: never, the run keeps no
+    weights (a stop still saves). The run says where they go when it starts. Written in the
     background: the step waits only for the copy to host. Tasks' saves are staggered: task i of n saves at the
     steps where (step + i * checkpoint_every // n) is a multiple of checkpoint_every, so they do not all write
     at once."""
@@ -639,7 +641,7 @@ class ExperimentConfig(_Section):
                          tracking=self.experiment.tracking, placement=self.cluster.placement,
                          num_devices=self.num_devices, hosts=self.cluster.hosts,
                          shares_devices=self.cluster.placement == "colocated" or len(self.tasks) > 1,
-                         checkpoint_offset=i * t.checkpoint_every // len(self.tasks),
+                         checkpoint_offset=i * (t.checkpoint_every or 0) // len(self.tasks),
                          compile_cache=cache, call_timeout_s=self.cluster.call_timeout_s)
                 for i, t in enumerate(self.tasks)]
 

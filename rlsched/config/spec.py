@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 from workers.models import sharding
-
-if TYPE_CHECKING:
-    from rlsched.config.schema import TaskConfig, TrackingSection
 
 
 def comm_group_name(experiment: str, task: str, src: str = "actor", dst: str = "rollout") -> str:
@@ -57,10 +54,12 @@ class TaskSpec:
 
     experiment: str  # the experiment's name
     index: int  # position in the experiment's `tasks` (overrides say `tasks.<index>.`)
-    config: TaskConfig  # the task's validated config section
+    # The two sections below are rlsched.config.schema's TaskConfig and TrackingSection, named here but not imported:
+    # schema builds TaskSpecs (ExperimentConfig.task_specs), so even a type-only import back would close a circle.
+    config: Any  # the task's validated config section (TaskConfig)
     seed: int  # the task's own seed, or the experiment seed + index
     dir: Path  # absolute runs/<experiment>/tasks/<task>: metrics, checkpoints
-    tracking: TrackingSection  # where metrics go besides metrics.jsonl
+    tracking: Any  # where metrics go besides metrics.jsonl (experiment.tracking, a TrackingSection)
     placement: Literal["colocated", "disaggregated"]
     num_devices: int  # the experiment's device pool (rlsched.config.meshes.role_devices picks each role's from it)
     processes: Literal["per_role", "per_device_group"] = "per_role"  # cluster.processes once the platform is known
@@ -68,6 +67,8 @@ class TaskSpec:
     shares_devices: bool = True  # roles of other tasks or of this one may use this task's devices (colocated, or
     # several tasks on a group; a service's tasks come and go): processes sharing a GPU must free what they offload
     checkpoint_offset: int = 0  # staggers the tasks' saves (TaskConfig.checkpoint_every)
+    announces_model: bool = True  # says "creating a random ..." when its init_preset model is not there yet; False
+    # where the run says it once for every task that shares the model (rlsched.run.experiment.announce_models)
     compile_cache: str | None = None  # absolute directory of JAX's persistent compilation cache (None: off)
     call_timeout_s: float = 3600.0  # longest wait for one call to a role in another process (cluster.call_timeout_s)
 

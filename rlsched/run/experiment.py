@@ -64,11 +64,42 @@ def train(configs: str | Path | Sequence[str | Path], *, overrides: Sequence[str
             for line in plans:
                 log.note(line)
             log(f"run directory: {run_dir}")
+            for task in cfg.tasks:
+                log(weights_line(task, run_dir))
             if in_process:
                 steps = {t.name: t.steps for t in cfg.tasks}
                 return {name: {"task": name, "status": "ok", "steps": steps[name], "metrics": metrics}
                         for name, metrics in run_in_process(cfg, resume=resume, echo=log).items()}
             return run_experiment(cfg, resume=resume, address=address, echo=log, live=live)
+
+
+def weights_line(task: TaskConfig, run_dir: Path) -> str:
+    """Where the task's weights will be (said at the start: with checkpoint_every 0 the run keeps none)."""
+    every, where = task.checkpoint_every, run_dir / "tasks" / task.name
+    if every == 0 and not task.export_final:
+        return f"[{task.name}] keeps no weights (checkpoint_every 0); unset it to keep the last step's"
+    saves = "the last step" if every in (None, 0) else f"every {every} steps and the last"
+    final = (f"; as a Hugging Face model in {where / 'final'}" if task.export_final else
+             f"; `rlsched export {run_dir} --task {task.name} OUT` writes them as a Hugging Face model")
+    return f"[{task.name}] weights: {where / 'checkpoints'}/<step>/ ({saves}){final}"
+
+
+def announce_models(cfg: ExperimentConfig, echo) -> set[str]:
+    """One line per random init_preset model that several tasks share and that is not there yet (a LoRA base):
+    their drivers start at once, and each would say it creates it. Returns those tasks' names."""
+    sharing: dict[Path, list[TaskConfig]] = {}
+    for task in cfg.tasks:
+        path = Path(task.model.path).absolute()
+        if task.model.init_preset is not None and not (path / "config.json").is_file():
+            sharing.setdefault(path, []).append(task)
+    announced = set()
+    for tasks in sharing.values():
+        if len(tasks) > 1:
+            names = ", ".join(t.name for t in tasks)
+            echo(f"creating a random {tasks[0].model.init_preset} Qwen3 at {tasks[0].model.path}, shared by "
+                 f"{len(tasks)} tasks ({names})")
+            announced |= {t.name for t in tasks}
+    return announced
 
 
 def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -> dict[str, list[dict[str, Any]]]:
@@ -203,7 +234,9 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
         try:
             where = ray_cluster.role_sites(pg, cfg.cluster.placement, resource, devices,
                                                hosts=cfg.cluster.hosts)
-            specs = [dataclasses.replace(s, processes=processes) for s in cfg.task_specs()]
+            announced = announce_models(cfg, echo)
+            specs = [dataclasses.replace(s, processes=processes, announces_model=s.name not in announced)
+                     for s in cfg.task_specs()]
             scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)
             actors.append(scheduler)
             if processes == "per_device_group":  # one process per device group holds every task's roles there

@@ -56,6 +56,8 @@ from typing import Any
 
 import numpy as np
 
+from workers.models.filemodes import as_user_made
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
@@ -135,7 +137,7 @@ def find_checkpoint(path: str | Path, *, task: str | None = None, step: int | No
         if (task_dir / "checkpoints").is_dir() else []
     if not steps:
         raise ExportError(f"task {task_dir.name} has no checkpoint in {task_dir / 'checkpoints'}; set its "
-                          "checkpoint_every (the last step is always saved then) or export_final: true")
+                          "checkpoint_every (0 keeps no weights; unset, the last step is saved) or export_final: true")
     if step is None:
         step = steps[-1]
     elif step not in steps:
@@ -336,7 +338,7 @@ def export(path: str | Path, out: str | Path, *, task: str | None = None, step: 
         for name in TOKENIZER_FILES:
             if (ckpt.model_dir / name).is_file():
                 shutil.copy2(ckpt.model_dir / name, tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        as_user_made(tmp)  # mkdtemp makes it 0700; the copied tokenizer files keep the model directory's modes
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

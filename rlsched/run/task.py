@@ -91,7 +91,7 @@ class TaskDriver:
         try:
             m = self.spec.config.model
             path = check_model_path(self.spec)
-            if m.init_preset is not None and not (path / "config.json").is_file():
+            if self.spec.announces_model and m.init_preset is not None and not (path / "config.json").is_file():
                 self.echo(f"[{self.name}] creating a random {m.init_preset} Qwen3 at {path}")
             self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, sites=self.sites,
                    take_port=self.locks.take_port)
@@ -439,11 +439,11 @@ class TaskDriver:
             self.echo(progress_line(self.name, n, self.spec.config.steps, metrics))
 
     def checkpoint_if_due(self, n: int) -> None:
-        """Save step `n` when `checkpoint_every` says so (staggered by the task's offset), at the last step (with
-        `export_final`, whatever `checkpoint_every`), or when the run is stopping."""
-        every = self.spec.config.checkpoint_every
-        due = every and ((n + self.spec.checkpoint_offset) % every == 0 or n == self.spec.config.steps)
-        if due or self._stop.is_set() or (n == self.spec.config.steps and self.spec.config.export_final):
+        """Save step `n` when `checkpoint_every` says so (staggered by the task's offset), at the last step (unless
+        checkpoint_every is 0 without `export_final`), or when the run is stopping."""
+        every, last = self.spec.config.checkpoint_every, n == self.spec.config.steps
+        due = last if every is None else every and ((n + self.spec.checkpoint_offset) % every == 0 or last)
+        if due or self._stop.is_set() or (last and self.spec.config.export_final):
             self._save(n)
 
     def export_final(self) -> None:

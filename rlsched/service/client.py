@@ -189,10 +189,15 @@ def _row(t: dict[str, Any]) -> list[str]:
 
 
 def render_locks(report: dict[str, Any]) -> str:
+    """One line per lock: `free` or its holder(s) and for how long, then its waiters (rlsched.scheduling.scheduler's
+    `locks`: a free lock's holder and held_s are None)."""
     lines = []
     for resource, lock in report.items():
-        holders = ", ".join(lock.get("holders") or [lock["holder"]])  # several: a co-batched rollout
-        held = "free" if lock["holder"] is None else f"held by {holders} for {lock['held_s']:.1f}s"
+        if lock["holder"] is None:
+            held = "free"
+        else:
+            holders = ", ".join(lock.get("holders") or [lock["holder"]])  # several: a co-batched rollout
+            held = f"held by {holders}" + ("" if lock["held_s"] is None else f" for {lock['held_s']:.1f}s")
         waiting = ", ".join(f"{w['task']} ({w['waited_s']:.1f}s)" if w["waited_s"] is not None else w["task"]
                             for w in lock["waiting"]) or "nobody"
         lines.append(f"{resource}: {held}; waiting: {waiting}")

@@ -21,6 +21,7 @@ from safetensors.flax import save_file
 from workers.models import params as P
 from workers.models.config import ModelConfig, ModelConfigError
 from workers.models.decoder import CausalLM
+from workers.models.filemodes import as_user_made
 
 _INDEX = "model.safetensors.index.json"
 
@@ -103,6 +104,7 @@ def save_pretrained(model: CausalLM, path: str | Path, tokenizer=None) -> Path:
             from workers.models.tokenizer import save_tokenizer
 
             save_tokenizer(tokenizer, tmp)
+        as_user_made(tmp)  # mkdtemp's 0700 and save_file's 0600: the modes of any file the user makes
         if path.exists():
             backup = path.with_name(f".{path.name}.old")
             os.replace(path, backup)

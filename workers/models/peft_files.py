@@ -45,6 +45,7 @@ import safetensors
 from safetensors.numpy import save_file
 
 from workers.models.config import ModelConfig
+from workers.models.filemodes import as_user_made
 from workers.models.lora import HEAD, LAYER_TARGETS, MODEL_TARGETS, TARGETS, LoraSpec, adapter_shapes, merged
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -158,6 +159,7 @@ def save_adapter(out_dir: str | Path, adapter: Mapping[str, object], spec: LoraS
         stage.mkdir()
         (stage / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(spec, base_model=base_model), indent=2) + "\n")
         save_file(to_peft_tensors(adapter, spec, cfg), str(stage / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        as_user_made(stage)  # save_file writes 0600
     return out_dir
 
 
@@ -290,6 +292,7 @@ def save_merged(out_dir: str | Path, base_dir: str | Path, adapter: Mapping[str,
         for name in TOKENIZER_FILES:
             if (base_dir / name).is_file():
                 shutil.copy2(base_dir / name, stage / name)
+        as_user_made(stage)  # save_pretrained's staging directory is mkdtemp's 0700; copy2 keeps the base's modes
     return out_dir
 
 
