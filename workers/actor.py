@@ -418,6 +418,7 @@ class ActorWorker:
         self.version += 1
         out = {k: float(np.mean([float(m[k]) for m in history])) for k in history[0]}
         out |= {k: float(np.max([float(m[k]) for m in history])) for k in grpo.MAX_METRICS}
+        out = {k: v for k, v in out.items() if not (k in grpo.MEASURED_METRICS and np.isnan(v))}  # not measured
         out["skipped"] = float(sum(float(m["skipped"]) for m in history))
         out["lr"] = float(make_schedule(s)(self.state.step))  # the rate the next update will use
         out["moved"] = float(self._moved(history, first))

@@ -25,6 +25,8 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # policy_loss's metrics averaged over tokens (a micro-batch's weighted by its token count) and taken as a maximum
 TOKEN_MEAN_METRICS = ("clip_frac", "kl", "ratio_mean", "entropy", "logp_gap_mean")
 MAX_METRICS = ("logp_gap_max",)
+# policy_loss's metrics that are NaN when their input was not given (no engine logprobs): no measurement, not a value
+MEASURED_METRICS = ("entropy", "logp_gap_mean", "logp_gap_max")
 
 
 def group_advantages(rewards: jnp.ndarray, group_size: int, *, normalize_std: bool = True,
