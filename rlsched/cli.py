@@ -54,6 +54,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rlsched.run import targets
     from workers.rollout import SamplingParams
     from workers.rollout.jax_sampler import JaxSampler
+    from workers.rollout.stops import end_token_ids
 
     loaded = targets.load(args.model_dir, task=args.task, step=args.step, base=args.base, dtype=args.dtype)
     print(f"[loaded {loaded.what}]", file=sys.stderr)
@@ -61,7 +62,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     ids = _encode_prompt(tok, args.prompt, args.chat)
     engine = JaxSampler(model, max_prompt_len=max(len(ids), 16), max_new_tokens=args.max_new_tokens)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens, stop_token_ids=(tok.eos_token_id,), seed=args.seed)
+                            max_new_tokens=args.max_new_tokens, stop_token_ids=end_token_ids(loaded.model_dir, tok),
+                            seed=args.seed)
     out = engine.generate([ids], params)
     for s in out.samples:
         text = tok.decode(s.token_ids, skip_special_tokens=True)
@@ -130,7 +132,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"[loaded {loaded.what}]", file=sys.stderr)
     cfg = _eval_task(args, loaded)
     t0 = time.perf_counter()
-    metrics = score_model(loaded.model, loaded.tokenizer, cfg, task=cfg.name, seed=args.seed, step=args.step or 0)
+    metrics = score_model(loaded.model, loaded.tokenizer, cfg, task=cfg.name, model_dir=loaded.model_dir,
+                          seed=args.seed, step=args.step or 0, max_batch_size=cfg.rollout.max_batch_size)
     seconds = time.perf_counter() - t0
     e = cfg.eval
     if args.json:

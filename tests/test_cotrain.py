@@ -312,7 +312,7 @@ def test_an_actor_role_whose_advantages_fail_withdraws_from_its_train_hold():
     withdrawn = []
     role = types.SimpleNamespace(
         spec=types.SimpleNamespace(config=types.SimpleNamespace(
-            grpo=types.SimpleNamespace(num_generations=4, normalize_advantage_std=True))),
+            grpo=types.SimpleNamespace(num_generations=4, normalize_advantage_std=True, advantage_std_ddof=0))),
         timeline=Timeline("actor", task="t"),
         worker=types.SimpleNamespace(withdraw=withdrawn.append, train=None))
     batch = types.SimpleNamespace(size=6)

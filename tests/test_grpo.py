@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from workers.grpo import group_advantages, loss_denominator, policy_loss, tied_groups
+from workers.grpo import group_advantages, loss_denominator, policy_loss, tied_groups, token_entropy
 
 
 def test_group_advantages_by_hand():
@@ -93,7 +93,7 @@ def test_beta_zero_needs_no_reference_and_beta_positive_does():
         policy_loss(x, x, None, jnp.zeros(1), jnp.ones((1, 2)), epsilon=0.2, beta=0.1)
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batches_with_shared_denominator_sum_to_the_full_batch(aggregation):
     rng = np.random.default_rng(0)
     logp = jnp.asarray(rng.normal(-2, 0.3, (4, 5)), jnp.float32)
@@ -101,9 +101,9 @@ def test_micro_batches_with_shared_denominator_sum_to_the_full_batch(aggregation
     ref = jnp.asarray(rng.normal(-2, 0.3, (4, 5)), jnp.float32)
     adv = jnp.asarray(rng.normal(0, 1, 4), jnp.float32)
     mask = jnp.asarray(rng.random((4, 5)) < 0.7)
-    kw = dict(epsilon=0.2, beta=0.1, aggregation=aggregation)
+    kw = dict(epsilon=0.2, beta=0.1, aggregation=aggregation, max_tokens=7)
     full, _ = policy_loss(logp, old, ref, adv, mask, **kw)
-    denom = loss_denominator(mask, aggregation)
+    denom = loss_denominator(mask, aggregation, 7)
     parts = [policy_loss(logp[s], old[s], ref[s], adv[s], mask[s], denominator=denom, **kw)[0]
              for s in (slice(0, 2), slice(2, 4))]
     np.testing.assert_allclose(parts[0] + parts[1], full, rtol=1e-6)
@@ -140,3 +140,80 @@ def test_gradient_matches_finite_differences():
         numeric[idx] = (f64(up) - f64(down)) / (2 * h)
     np.testing.assert_allclose(grad, numeric, atol=1e-5)
     assert np.all(grad[1, 2] == 0)  # masked token gets no gradient
+
+
+def test_advantage_std_with_ddof_1_by_hand():
+    # group [1, 0, 0, 1]: mean 0.5, deviations +-0.5; sample std sqrt(4 * 0.25 / 3) = sqrt(1/3) = 0.577350
+    # -> +-0.5 / 0.577350 = +-0.866025 (the population std 0.5 gives +-1, test_group_advantages_by_hand)
+    rewards = jnp.array([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0])
+    adv = group_advantages(rewards, 4, eps=1e-12, std_ddof=1)
+    np.testing.assert_allclose(adv, [0.866025, -0.866025, -0.866025, 0.866025, 0, 0, 0, 0], rtol=1e-6)
+    assert (np.asarray(adv[4:]) == 0).all()  # a tied group stays 0 exactly
+    with pytest.raises(ValueError, match="std_ddof must be 0 .* or 1 .*, got 2"):
+        group_advantages(rewards, 4, std_ddof=2)
+
+
+def test_k3_kl_clamped_by_hand():
+    # on-policy, A = 0, beta 1: the loss is the mean KL. ref - logp = d:
+    # d = ln 20: e^d - d - 1 = 20 - 2.995732 - 1 = 16.004268, clamped at 10; d = 0: 0
+    logp = jnp.array([[0.0, -1.0]])
+    ref = jnp.array([[np.log(20.0), -1.0]])
+    kw = dict(epsilon=0.2, beta=1.0)
+    loss, m = policy_loss(logp, logp, ref, jnp.array([0.0]), jnp.ones((1, 2)), **kw)
+    np.testing.assert_allclose([loss, m["kl"]], [(20 - np.log(20.0) - 1) / 2] * 2, rtol=1e-6)  # off by default
+    loss, m = policy_loss(logp, logp, ref, jnp.array([0.0]), jnp.ones((1, 2)), kl_clamp=10.0, **kw)
+    np.testing.assert_allclose([loss, m["kl"]], [10 / 2, 10 / 2], rtol=1e-6)
+
+    # a clamped token passes no gradient (as torch.clamp): d/d logp of e^(ref - logp) - (ref - logp) - 1 is
+    # 1 - e^(ref - logp) = 1 - 20 = -19 unclamped; / 2 tokens -> -9.5
+    def grad(**extra):
+        return np.asarray(jax.grad(lambda lp: policy_loss(lp, jax.lax.stop_gradient(lp), ref, jnp.array([0.0]),
+                                                          jnp.ones((1, 2)), **kw, **extra)[0])(logp))
+
+    np.testing.assert_allclose(grad()[0, 0], -9.5, rtol=1e-5)
+    assert grad(kl_clamp=10.0)[0, 0] == 0.0
+
+
+def test_dr_grpo_constant_normaliser_by_hand():
+    # on-policy (ratio 1): pg = -A per token. sample 0 (A=2) has 2 valid tokens, sample 1 (A=-1) has 1:
+    # token sum -(2 + 2 - 1) = -3, divided by 2 sequences x max_tokens 4 = 8 -> -0.375 (token-mean: -3 / 3 = -1)
+    logp = jnp.log(jnp.array([[0.5, 0.25, 0.9], [0.1, 0.3, 0.2]]))
+    mask = jnp.array([[1, 1, 0], [1, 0, 0]])
+    kw = dict(epsilon=0.2, beta=0.0, aggregation="seq-mean-token-sum-norm")
+    loss, _ = policy_loss(logp, logp, None, jnp.array([2.0, -1.0]), mask, max_tokens=4, **kw)
+    np.testing.assert_allclose(loss, -0.375, rtol=1e-6)
+    # a constant: a completion one token longer adds its token's term and changes nothing else's weight
+    longer = mask.at[1, 1].set(1)
+    loss, _ = policy_loss(logp, logp, None, jnp.array([2.0, -1.0]), longer, max_tokens=4, **kw)
+    np.testing.assert_allclose(loss, -(2 + 2 - 1 - 1) / 8, rtol=1e-6)
+    assert float(loss_denominator(mask, "seq-mean-token-sum-norm", 4)) == 8.0
+    with pytest.raises(ValueError, match="give max_tokens .* got None"):
+        policy_loss(logp, logp, None, jnp.array([2.0, -1.0]), mask, **kw)
+
+
+def test_token_entropy_by_hand():
+    # logits [0, ln 3]: p = [1/4, 3/4]; H = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.346574 + 0.215762 = 0.562335
+    # temperature 2: z = [0, ln 3 / 2], p = [1, sqrt 3] / (1 + sqrt 3) = [0.366025, 0.633975];
+    # H = -(0.366025 ln 0.366025 + 0.633975 ln 0.633975) = 0.367875 + 0.288932 = 0.656806
+    # 8 equal logits: H = ln 8 = 2.079442
+    logits = jnp.array([[[0.0, np.log(3.0)]]])
+    np.testing.assert_allclose(token_entropy(logits, 1.0), [[0.562335]], rtol=1e-5)
+    np.testing.assert_allclose(token_entropy(logits, 2.0), [[0.656806]], rtol=1e-5)
+    np.testing.assert_allclose(token_entropy(jnp.full((3, 8), 5.0), 1.0), [np.log(8.0)] * 3, rtol=1e-6)
+
+
+def test_entropy_and_sampler_gap_metrics_by_hand():
+    # valid tokens: (0, 0), (0, 1), (1, 0). entropy [0.5, 1.0, 1.5] there -> mean 1.0 (the masked 9.0 does not count)
+    # |old - sampler|: 0.5, 0, 0.25 -> mean 0.75 / 3 = 0.25, max 0.5; the NaN sits where no token counts
+    old = jnp.array([[-1.0, -2.0, -3.0], [-0.5, -0.1, -0.2]])
+    sampler = jnp.array([[-1.5, -2.0, jnp.nan], [-0.25, jnp.nan, jnp.nan]])
+    entropy = jnp.array([[0.5, 1.0, 9.0], [1.5, 9.0, 9.0]])
+    mask = jnp.array([[1, 1, 0], [1, 0, 0]])
+    loss, m = policy_loss(old, old, None, jnp.array([1.0, -1.0]), mask, epsilon=0.2, beta=0.0, entropy=entropy,
+                          sampler_logp=sampler)
+    np.testing.assert_allclose([m["entropy"], m["logp_gap_mean"], m["logp_gap_max"]], [1.0, 0.25, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(loss, -(1 + 1 - 1) / 3, rtol=1e-6)  # metrics only: the loss is as without them
+    # an engine that gave no logprobs (NaN where tokens count), or none given: NaN, which nobody logs
+    _, m = policy_loss(old, old, None, jnp.array([1.0, -1.0]), mask, epsilon=0.2, beta=0.0,
+                       sampler_logp=jnp.full((2, 3), jnp.nan))
+    assert np.isnan(m["logp_gap_mean"]) and np.isnan(m["logp_gap_max"]) and np.isnan(m["entropy"])

@@ -30,7 +30,9 @@ from workers.data import DataError, load_jsonl
 
 REQUIRED_METRICS = ["step", "reward/mean", "reward/std", "reward/max", "loss", "kl", "clip_frac", "grad_norm", "lr",
                     "response_len/mean", "tokens/generated", "time/rollout_s", "time/reward_s", "time/train_s",
-                    "time/step_s", "mem/actor/process/rss_bytes", "mem/engine/device0/bytes_in_use"]
+                    "time/step_s", "mem/actor/process/rss_bytes", "mem/engine/device0/bytes_in_use",
+                    "train/tied_groups", "rollout/truncated", "train/entropy", "train/logp_gap_mean",
+                    "train/logp_gap_max"]
 
 
 def _quick(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
@@ -102,6 +104,9 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model
         assert m["tokens/generated"] == m["response_len/mean"] * 16
         assert math.isfinite(m["loss"]) and m["weight_version"] == m["step"]
         assert m["rollout/weight_version"] == m["step"] - 1  # sampled with the weights of the step before
+        # the jax_sampler's logprobs are the actor's to float rounding; 4 groups of 4: shares in quarters
+        assert m["train/logp_gap_max"] < 1e-4 and m["train/entropy"] > 0
+        assert m["train/tied_groups"] in (0, 0.25, 0.5, 0.75, 1) and 0 <= m["rollout/truncated"] <= 1
     assert sorted(p.name for p in (run / "tasks/addition/checkpoints").iterdir()) == ["2", "4"]
     with pytest.raises(RunDirError, match="already holds a run; pass --resume"):
         train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), in_process=True, echo=_silent)

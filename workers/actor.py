@@ -85,6 +85,11 @@ class ActorSettings:
     epochs: int
     # Models with experts: weight of the load-balancing loss (workers.models.moe); None: the checkpoint's.
     router_aux_loss_coef: float | None
+    # The field's GRPO variants (workers.grpo), off by default: defaults here, unlike above, so that adding one
+    # changes no caller. kl_clamp: clip the k3 KL to [-kl_clamp, kl_clamp]; max_new_tokens: the completion
+    # length the seq-mean-token-sum-norm aggregation divides by.
+    kl_clamp: float | None = None
+    max_new_tokens: int | None = None
 
 
 class TrainState(NamedTuple):
@@ -160,7 +165,8 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
     optional old_logp, ref_logp (A, M, T-1). `base`: a LoRA actor's frozen model (state.params its adapter).
     """
     s = settings
-    denominator = grpo.loss_denominator(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]), s.aggregation)
+    denominator = grpo.loss_denominator(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]), s.aggregation,
+                                        s.max_new_tokens)
     aux_coef = s.router_aux_loss_coef or 0.0  # resolved against the model by ActorWorker (router_aux_coef)
     micro_batches = batch["tokens"].shape[0]
 
@@ -174,7 +180,9 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
         loss, m = grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
                                    epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
-                                   aggregation=s.aggregation, denominator=denominator)
+                                   aggregation=s.aggregation, denominator=denominator, kl_clamp=s.kl_clamp,
+                                   entropy=grpo.token_entropy(logits[:, :-1], s.temperature),
+                                   sampler_logp=mb.get("sampler_logp"))
         aux = aux / micro_batches
         return loss + aux_coef * aux, {**m, "router_aux_loss": aux}  # the metric: the unweighted loss
 
@@ -186,12 +194,13 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
         tok = m["tokens"]
         sums = {"loss": sums["loss"] + m["loss"], "tokens": sums["tokens"] + tok,
                 "router_aux_loss": sums["router_aux_loss"] + m["router_aux_loss"],
-                **{k: sums[k] + m[k] * tok for k in ("clip_frac", "kl", "ratio_mean")}}
+                **{k: sums[k] + m[k] * tok for k in grpo.TOKEN_MEAN_METRICS},
+                **{k: jnp.maximum(sums[k], m[k]) for k in grpo.MAX_METRICS}}
         return (jax.tree.map(jnp.add, grads, g), sums), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    init = {k: jnp.zeros((), jnp.float32) for k in ("loss", "tokens", "clip_frac", "kl", "ratio_mean",
-                                                     "router_aux_loss")}
+    init = {k: jnp.zeros((), jnp.float32) for k in ("loss", "tokens", "router_aux_loss", *grpo.TOKEN_MEAN_METRICS,
+                                                     *grpo.MAX_METRICS)}
     (grads, sums), _ = jax.lax.scan(accumulate, (zeros, init), batch)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -202,7 +211,7 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
                            state.step + finite.astype(jnp.int32))
     tokens = jnp.maximum(sums["tokens"], 1.0)
     metrics = {"loss": sums["loss"], "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32),
-               **{k: sums[k] / tokens for k in ("clip_frac", "kl", "ratio_mean")}}
+               **{k: sums[k] / tokens for k in grpo.TOKEN_MEAN_METRICS}, **{k: sums[k] for k in grpo.MAX_METRICS}}
     if aux_coef:
         metrics["router_aux_loss"] = sums["router_aux_loss"]
     return new_state, metrics
@@ -317,7 +326,8 @@ class ActorWorker:
                 compiled += built
         acc = s.mini_batch_size // m
         mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
-                "loss_mask": ((acc, m, length - 1), np.float32), "advantages": ((acc, m), np.float32)}
+                "loss_mask": ((acc, m, length - 1), np.float32), "advantages": ((acc, m), np.float32),
+                "sampler_logp": ((acc, m, length - 1), np.float32)}
         for extra, wanted in (("old_logp", off_policy), ("ref_logp", s.beta > 0)):
             if wanted:
                 mini[extra] = ((acc, m, length - 1), np.float32)
@@ -382,8 +392,7 @@ class ActorWorker:
                 raise RuntimeError("this actor is offloaded; call onload() before train")
             if batch.size % s.mini_batch_size:
                 raise ValueError(f"{batch.size} samples do not split into mini-batches of {s.mini_batch_size}")
-            arrays = {"tokens": batch.tokens, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask,
-                      "advantages": batch.advantages}
+            arrays = batch.arrays()
             off_policy = self._off_policy(batch.size)
             with span("logprobs", samples=batch.size):
                 if off_policy:  # the policy moves between optimizer steps: freeze the rollout-time logprobs
@@ -408,6 +417,8 @@ class ActorWorker:
                 self._steps(minis, history)
         self.version += 1
         out = {k: float(np.mean([float(m[k]) for m in history])) for k in history[0]}
+        out |= {k: float(np.max([float(m[k]) for m in history])) for k in grpo.MAX_METRICS}
+        out = {k: v for k, v in out.items() if not (k in grpo.MEASURED_METRICS and np.isnan(v))}  # not measured
         out["skipped"] = float(sum(float(m["skipped"]) for m in history))
         out["lr"] = float(make_schedule(s)(self.state.step))  # the rate the next update will use
         out["moved"] = float(self._moved(history, first))

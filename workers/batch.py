@@ -20,14 +20,29 @@ class TrainBatch:
     tokens: np.ndarray  # int32 (N, T): prompt, completion, then padding
     attention_mask: np.ndarray  # bool (N, T): real tokens
     loss_mask: np.ndarray  # float32 (N, T-1): 1 where target token t+1 is a completion token
-    advantages: np.ndarray  # float32 (N,)
+    # float32 (N,), None until `with_advantages` sets them: zeros would train on nothing without a word
+    advantages: np.ndarray | None
+    # float32 (N, T-1), aligned with loss_mask: the rollout engine's log-prob of target token t+1 where it is a
+    # completion token; NaN where the engine gave none (sglang_jax) and at every other position
+    sampler_logp: np.ndarray
 
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
 
     def with_advantages(self, advantages: np.ndarray) -> TrainBatch:
-        return dataclasses.replace(self, advantages=np.asarray(advantages, np.float32))
+        advantages = np.asarray(advantages, np.float32)
+        if advantages.shape != (self.size,):
+            raise ValueError(f"advantages must be ({self.size},), one per sample, got shape {advantages.shape}")
+        return dataclasses.replace(self, advantages=advantages)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What the actor's update reads, by its batch keys; a batch without advantages is refused."""
+        if self.advantages is None:
+            raise ValueError("this TrainBatch has no advantages: compute them from the rewards "
+                             "(workers.grpo.group_advantages) and set them with batch.with_advantages(...)")
+        return {"tokens": self.tokens, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask,
+                "advantages": self.advantages, "sampler_logp": self.sampler_logp}
 
 
 def length_bucket(n: int) -> int:
@@ -39,18 +54,22 @@ def length_bucket(n: int) -> int:
 
 
 def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], advantages: np.ndarray | None = None,
-                      *, pad_id: int) -> TrainBatch:
+                      *, pad_id: int, logprobs: list[np.ndarray] | None = None) -> TrainBatch:
     """Right-pad [prompt + completion] rows to `length_bucket` of the longest. `advantages` (N,) may come
-    later (`TrainBatch.with_advantages`): the actor computes them from the rewards."""
+    later (`TrainBatch.with_advantages`): the actor computes them from the rewards. `logprobs`: the engine's
+    log-prob of each completion token (Sample.logprobs, one array per row), compared with the actor's."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     t = length_bucket(max(lengths))
     n = len(prompts)
     tokens = np.full((n, t), pad_id, np.int32)
     attn = np.zeros((n, t), bool)
     loss_mask = np.zeros((n, t - 1), np.float32)
+    sampler_logp = np.full((n, t - 1), np.nan, np.float32)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         tokens[i, : len(p)], tokens[i, len(p) : len(p) + len(c)] = p, c
         attn[i, : len(p) + len(c)] = True
         loss_mask[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0  # position k predicts token k+1
-    adv = np.zeros(n, np.float32) if advantages is None else np.asarray(advantages, np.float32)
-    return TrainBatch(tokens, attn, loss_mask, adv)
+        if logprobs is not None:
+            sampler_logp[i, len(p) - 1 : len(p) + len(c) - 1] = logprobs[i]
+    batch = TrainBatch(tokens, attn, loss_mask, None, sampler_logp)
+    return batch if advantages is None else batch.with_advantages(advantages)

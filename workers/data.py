@@ -387,10 +387,12 @@ def next_fitting_batch(loader: PromptLoader, encode: Callable[[Prompt], list[int
 
 
 def render_prompt(tokenizer, question: str, *, template: Literal["auto", "chat", "plain"] = "auto",
-                  system_prompt: str | None = None) -> list[int]:
+                  system_prompt: str | None = None,
+                  chat_template_args: Mapping[str, object] | None = None) -> list[int]:
     """Token ids of the prompt the policy sees.
 
-    "chat": the tokenizer's chat template with the generation prompt (the assistant turn is opened).
+    "chat": the tokenizer's chat template with the generation prompt (the assistant turn is opened), rendered with
+    `chat_template_args` as the template's variables (e.g. Qwen3's `enable_thinking`).
     "plain": `question` encoded as is, after `system_prompt + "\\n"` when given; the tokenizer's own
     special tokens (e.g. a BOS) are added as its `encode` does by default.
     "auto": "chat" when the tokenizer has a chat template, else "plain".
@@ -407,5 +409,6 @@ def render_prompt(tokenizer, question: str, *, template: Literal["auto", "chat",
     messages = [{"role": "user", "content": question}]
     if system_prompt is not None:
         messages.insert(0, {"role": "system", "content": system_prompt})
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **dict(chat_template_args or {}))
     return [int(i) for i in ids]

@@ -296,8 +296,8 @@ def _check_data(report: Report, cfg: ExperimentConfig, task: TaskConfig, m: _Mod
         report.add("ok", what, f"{count} load; their lengths are not counted (no tokenizer)")
         return
     try:
-        lengths = [(len(D.render_prompt(m.tokenizer, p.question, template=d.template, system_prompt=d.system_prompt)),
-                    p.uid) for p in prompts]
+        lengths = [(len(D.render_prompt(m.tokenizer, p.question, template=d.template, system_prompt=d.system_prompt,
+                                        chat_template_args=d.chat_template_args)), p.uid) for p in prompts]
     except (D.DataError, ValueError, ImportError) as err:  # a chat template without jinja2 is an ImportError
         report.add("FAIL", what, f"rendering a prompt ({d.template} template): {type(err).__name__}: {err}")
         return

@@ -179,6 +179,9 @@ class DataSection(_Section):
     """Prompt formatting: `chat` applies the tokenizer's chat template, `plain` uses the text; `auto` picks."""
     system_prompt: str | None = None
     """System message for chat templates; None = none."""
+    chat_template_args: dict[str, Any] = Field(default_factory=dict)
+    """Variables the chat template reads, passed to the tokenizer's `apply_chat_template` as they are, e.g.
+    `{enable_thinking: false}` for Qwen3 (its template then closes an empty think block); ignored by `plain`."""
     shuffle: bool = True
     """Shuffle prompts each epoch (with the task seed)."""
     max_operand: int = Field(9, ge=1)
@@ -372,10 +375,17 @@ class GRPOSection(_Section):
     """Lower clip range of the importance ratio: ratios below 1 - epsilon are clipped."""
     epsilon_high: float | None = Field(None, gt=0)
     """Upper clip range (ratios above 1 + epsilon_high are clipped); None = epsilon."""
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
-    """`token-mean`: mean over all tokens of the batch; `seq-mean-token-mean`: per sequence, then over sequences."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """`token-mean`: mean over all tokens of the batch; `seq-mean-token-mean`: per sequence, then over sequences;
+    `seq-mean-token-sum-norm`: the sum over tokens / (sequences x max_new_tokens), a constant (Dr. GRPO; TRL's
+    `dr_grpo`), so a token weighs the same in a short completion as in a long one."""
     normalize_advantage_std: bool = True
     """Divide group-centred rewards by the group's standard deviation."""
+    advantage_std_ddof: Literal[0, 1] = 0
+    """That standard deviation's degrees of freedom: 0 the population std, 1 the sample std (divides by G - 1, as
+    TRL's and verl's torch.std do)."""
+    kl_clamp: float | None = Field(None, gt=0)
+    """Clip the per-token k3 KL to [-kl_clamp, kl_clamp] (verl clamps at 10); None = no clip. Only with beta > 0."""
     mini_batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step; None = all samples of a GRPO step (one optimizer step per epoch)."""
     micro_batch_size: int | None = Field(None, ge=1)

@@ -115,18 +115,20 @@ def eval_line(task: str, step: int, metrics: dict[str, Any], seconds: float) -> 
             f"  reward {metrics['eval/reward']:.3f}  ({metrics['eval/problems']} problems x {n}, {seconds:.2f}s)")
 
 
-def score_model(model, tokenizer, cfg: TaskConfig, *, task: str, seed: int = 0, step: int = 0,
+def score_model(model, tokenizer, cfg: TaskConfig, *, task: str, model_dir, seed: int = 0, step: int = 0,
                 max_batch_size: int = 64) -> dict[str, Any]:
-    """`rlsched eval`: the held-out metrics of `model` (a CausalLM, here in this process) on task config `cfg`'s
-    evaluation, decoded by the built-in sampler as a run's engine does, scored as a run's evaluation is."""
+    """`rlsched eval`: the held-out metrics of `model` (a CausalLM, here in this process; its files in `model_dir`)
+    on task config `cfg`'s evaluation, decoded by the built-in sampler as a run's engine does (stopping at every end
+    token the model's files name), scored as a run's evaluation is."""
     from workers.reward_loader import load_reward
     from workers.rollout.jax_sampler import JaxSampler
+    from workers.rollout.stops import end_token_ids
 
     d, r = cfg.data, cfg.reward
     work = EvalWork(cfg, task=task, seed=seed, tokenizer=tokenizer,
                     reward=load_reward(name=r.name, function=r.function, file=r.file, batch=r.batch),
                     encode=partial(render_prompt, tokenizer, d),
-                    stop_token_ids=(tokenizer.eos_token_id,))
+                    stop_token_ids=end_token_ids(model_dir, tokenizer))
     engine = JaxSampler(model, max_prompt_len=max(len(ids) for ids in work.prompts.ids),
                         max_new_tokens=cfg.grpo.max_new_tokens, max_batch_size=max_batch_size)
     return work.score(engine.generate(work.prompts.ids, work.sampling_params(step)))

@@ -27,7 +27,8 @@ from workers import data as D
 from workers import rewards as R
 from workers.batch import TrainBatch, build_train_batch
 from workers.reward_loader import load_reward
-from workers.rollout.base import RolloutOutput, SamplingParams
+from workers.rollout.base import FinishReason, RolloutOutput, SamplingParams
+from workers.rollout.stops import end_token_ids
 
 
 def rollout_seed(task_seed: int, step: int) -> int:
@@ -62,7 +63,8 @@ def check_model_path(spec: TaskSpec) -> Path:
 def render_prompt(tokenizer, data, prompt: D.Prompt) -> list[int]:
     """Token ids of `prompt` as the policy sees it under the task's data section (template, system prompt): the
     one rendering of training, evaluation and `rlsched eval`."""
-    return D.render_prompt(tokenizer, prompt.question, template=data.template, system_prompt=data.system_prompt)
+    return D.render_prompt(tokenizer, prompt.question, template=data.template, system_prompt=data.system_prompt,
+                           chat_template_args=data.chat_template_args)
 
 
 class HostWork:
@@ -74,8 +76,10 @@ class HostWork:
         self.spec, self.echo = spec, echo
         c, g = spec.config, spec.config.grpo
         self.tokenizer = load_tokenizer(c.model.path)
+        # Every end token the model names (workers.rollout.stops): Qwen3's generation config lists two
+        stops = end_token_ids(c.model.path, self.tokenizer)
         self.sampling = dict(n=g.num_generations, temperature=g.temperature, top_p=g.top_p,
-                             max_new_tokens=g.max_new_tokens, stop_token_ids=(self.tokenizer.eos_token_id,))
+                             max_new_tokens=g.max_new_tokens, stop_token_ids=stops)
         # Loaded here, in the process that scores (the user's file or module too): fails at start, not at step 1.
         r = c.reward
         self.reward = load_reward(name=r.name, function=r.function, file=r.file, batch=r.batch)
@@ -118,17 +122,21 @@ class HostWork:
         return result.rewards, result.num_errors
 
     def train_batch(self, prompts: Prompts, output: RolloutOutput) -> TrainBatch:
-        """[prompt + completion] rows, padded (before the TRAIN lock is asked for); the actor adds the
-        advantages."""
+        """[prompt + completion] rows, padded (before the TRAIN lock is asked for), with the engine's logprobs (the
+        actor compares its own with them); the actor adds the advantages."""
         samples = output.samples
         return build_train_batch([prompts.ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
-                                 pad_id=self.tokenizer.pad_token_id)
+                                 pad_id=self.tokenizer.pad_token_id, logprobs=[s.logprobs for s in samples])
 
 
 def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int, train: dict[str, float],
                  version: int, times: dict[str, float]) -> dict[str, Any]:
     """The metrics.jsonl line of one step (without the memory probes)."""
     lengths = np.array([len(s.token_ids) for s in output.samples])
+    # The policy's entropy and the actor-sampler log-prob gap, when measured: an engine that gives no logprobs
+    # (sglang_jax) leaves the gap NaN, and a NaN is no measurement to log
+    policy = {f"train/{k}": train[k] for k in ("entropy", "logp_gap_mean", "logp_gap_max")
+              if k in train and np.isfinite(train[k])}
     return {
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
         "reward/max": float(rewards.max()), "reward/errors": reward_errors,
@@ -136,6 +144,10 @@ def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int,
         "ratio_mean": train["ratio_mean"], "grad_norm": train["grad_norm"],
         "lr": train["lr"], "skipped_updates": train["skipped"],
         "response_len/mean": float(lengths.mean()), "tokens/generated": int(lengths.sum()),
+        # completions cut at grpo.max_new_tokens before any end token (their reward reads an unfinished answer)
+        "rollout/truncated": float(np.mean([s.finish_reason == FinishReason.LENGTH for s in output.samples])),
+        # groups whose G rewards all tie: advantage 0, no signal (workers.grpo.tied_groups)
+        **({"train/tied_groups": train["tied_groups"]} if "tied_groups" in train else {}), **policy,
         # the weights that generated this step's samples, and those the step's update published
         "rollout/weight_version": output.weight_version, "weight_version": version, **times,
         # tasks of its base group whose rows ran in one program run with this one's (1: alone)

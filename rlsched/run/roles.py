@@ -53,7 +53,8 @@ def actor_settings(spec: TaskSpec):
         weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, epsilon=g.epsilon,
         epsilon_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation, temperature=g.temperature,
         micro_batch_size=plan.micro_batch_size, mini_batch_size=plan.mini_batch_size, epochs=plan.epochs_per_step,
-        router_aux_loss_coef=spec.config.actor.router_aux_loss_coef)
+        router_aux_loss_coef=spec.config.actor.router_aux_loss_coef, kl_clamp=g.kl_clamp,
+        max_new_tokens=g.max_new_tokens)
 
 
 def lora_spec(spec: TaskSpec):
@@ -226,14 +227,16 @@ class ActorRole(_Role):
         is the same program, and its optimizer steps run with theirs as one (workers.actor_cobatch)."""
         import jax.numpy as jnp
 
-        from workers.grpo import group_advantages
+        from workers.grpo import group_advantages, tied_groups
 
         g = self.spec.config.grpo
         with self.timeline.span("train", samples=batch.size):
             try:
                 # jnp, not numpy: the math is the jitted kind everywhere (numpy's float32 sums round differently)
                 advantages = group_advantages(jnp.asarray(rewards), g.num_generations,
-                                              normalize_std=g.normalize_advantage_std)
+                                              normalize_std=g.normalize_advantage_std,
+                                              std_ddof=g.advantage_std_ddof)
+                tied = float(tied_groups(jnp.asarray(rewards), g.num_generations))
             except BaseException:
                 if together is not None:  # the hold's other members must not wait for an update that will not come
                     self.worker.withdraw(together)  # (a failure inside train is the worker's: it withdraws itself)
@@ -241,6 +244,7 @@ class ActorRole(_Role):
             kwargs = {} if together is None else {"together": together}
             metrics = self.worker.train(batch.with_advantages(advantages), step=step, timeline=self.timeline,
                                         **kwargs)
+            metrics["tied_groups"] = tied  # groups whose rewards all tie: advantage 0, no signal
         before = self._published_checksum
         message = self._publish()
         if metrics.pop("moved") and message.checksum == before:

@@ -31,6 +31,7 @@ class Loaded:
     model: Any  # workers.models.decoder.CausalLM
     tokenizer: Any
     what: str  # "checkpoint 20 of task addition (...)", for the line that says what was loaded
+    model_dir: Path  # the directory of its config.json, generation_config.json and tokenizer (a base's, for LoRA)
     task: Any = None  # the TaskConfig of the run the weights came from (None: a bare model or adapter directory)
     task_dir: Path | None = None  # runs/<experiment>/tasks/<task> of a checkpoint
 
@@ -49,7 +50,7 @@ def load(path: str | Path, *, task: str | None = None, step: int | None = None, 
         from workers.models import load_pretrained
 
         model, tok = load_pretrained(path, dtype=dtype)
-        return Loaded(model, tok, f"the model directory {path}")
+        return Loaded(model, tok, f"the model directory {path}", path)
     if is_checkpoint_source(path):
         try:
             ckpt = find_checkpoint(path, task=task, step=step)
@@ -79,7 +80,7 @@ def _checkpoint(ckpt, dtype: str | None) -> Loaded:
         except peft_files.AdapterError as err:
             raise UsageError(f"{ckpt.describe()}: {err}") from None
         tok = load_tokenizer(ckpt.model_dir)
-    return Loaded(model, tok, f"{ckpt.describe()}; config and tokenizer from {ckpt.model_dir}",
+    return Loaded(model, tok, f"{ckpt.describe()}; config and tokenizer from {ckpt.model_dir}", ckpt.model_dir,
                   task=_task_config(task_dir), task_dir=task_dir)
 
 
@@ -102,7 +103,7 @@ def _adapter_dir(path: Path, base: str | Path | None, dtype: str | None) -> Load
         model = peft_files.merged_model(base, adapter, spec, dtype=dtype)
     except peft_files.AdapterError as err:
         raise UsageError(str(err)) from None
-    return Loaded(model, load_tokenizer(base), f"the adapter {path} merged into its base {base}")
+    return Loaded(model, load_tokenizer(base), f"the adapter {path} merged into its base {base}", base)
 
 
 def _task_config(task_dir: Path):

@@ -5,8 +5,10 @@ Contract (every implementation, tested in tests/test_rollout_contract.py):
   of prompt i is `output.samples[i * n + j]`. Each sample's `logprobs[k]` is the log-probability of
   `token_ids[k]` under the distribution it was drawn from (temperature-scaled, top-p renormalised;
   for greedy, temperature 0, the model's own log-softmax), or NaN where the backend cannot compute
-  it (sglang_jax: its `return_logprob` crashes 0.0.2's scheduler). Training never reads them: the
-  actor computes old and reference logprobs itself. A stop token that ends a sample is
+  it (sglang_jax: its `return_logprob` crashes 0.0.2's scheduler). Training's loss never reads them (the actor
+  computes old and reference logprobs itself); the step logs their gap to the actor's (`train/logp_gap_mean`,
+  `train/logp_gap_max`), which a NaN leaves unlogged. The caller chooses the stop tokens: every end token
+  the model's files name (workers.rollout.stops). A stop token that ends a sample is
   included in `token_ids` (the policy must learn to emit it) and `finish_reason` is "stop";
   otherwise the sample has exactly `max_new_tokens` tokens and `finish_reason` is "length".
 - Seeds: with `params.seed` set, the same prompts and weights give the same samples; the n samples

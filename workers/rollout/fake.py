@@ -1,6 +1,7 @@
 """`fake`: a rollout engine with no model, for testing the scheduler's logic.
 
-Lengths, tokens and latency are drawn from a seeded generator, so scheduler tests are
+Lengths, tokens, logprobs and latency are drawn from a seeded generator (the logprobs of no model: the
+actor-sampler gap a run on it logs, `train/logp_gap_*`, measures nothing), so scheduler tests are
 deterministic and fast; everything else (validation, weight versions, checksums, release/resume)
 follows the real contract, so a scheduler bug cannot hide behind a forgiving fake.
 """

@@ -29,7 +29,8 @@ from outside, against the engine's own objects (single-process mode):
   and returns raw token ids (no tokenizer in the engine: rlsched tokenizes, the engine knows ids).
 - **Logprobs**: `return_logprob=True` crashes sglang-jax 0.0.2's scheduler, so this engine does not
   compute them: every `Sample.logprobs` is NaN (float32, one per token). Training never reads them:
-  the actor computes old/reference logprobs itself (workers/actor.py).
+  the actor computes old/reference logprobs itself (workers/actor.py); a step on this engine logs no
+  actor-sampler gap (`train/logp_gap_*`), only the policy's entropy.
 
 The engine must live in a process of its own (a Ray actor): any exception in its scheduler thread
 sends SIGQUIT to its own process, which then kills its process tree, and a single-process engine
