@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI stage: a plain install. A fresh venv with `pip install -e .` alone (no extras: no torch, nothing the test
 # extra brings in besides), then what a new user runs, through the `rlsched` CLI: a chat-template run of 2 steps,
-# `rlsched generate --chat`, `rlsched export` of that run and `rlsched generate` of the export, and the GSM8K
+# `rlsched generate --chat`, `rlsched export` of that run, `rlsched generate` and `rlsched eval` of the export, and the GSM8K
 # recipe (configs/gsm8k_qwen3.yaml) on a tiny model with the real Qwen3 tokenizer files, and two LoRA tasks of
 # configs/demo_lora.yaml on one base (co-batched rollouts) with one adapter exported as PEFT files. A module the package
 # imports but does not declare fails here; so does transformers' "PyTorch was not found" notice on any command.
@@ -41,6 +41,9 @@ step train configs/demo_addition.yaml --set "experiment.output_dir=$runs" \
 step generate "$work/tiny" --chat --prompt "3+5=" --max-new-tokens 8
 step export "$runs/demo-addition" "$work/exported"
 step generate "$work/exported" --chat --prompt "3+5=" --max-new-tokens 8
+# Held-out evaluation of the run's checkpoint (its own data and reward) and of the export (told what to score).
+step eval "$runs/demo-addition" --split all
+step eval "$work/exported" --data addition --json
 
 # The GSM8K recipe as shipped (chat template, system prompt, gsm8k reward), shrunk to a tiny model and 2 steps.
 .venv/bin/rlsched init-model --preset tiny --tokenizer qwen3 "$work/qwen3-tiny"
