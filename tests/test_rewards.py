@@ -72,15 +72,20 @@ def test_gsm8k_train_set_scores_its_own_answers_as_correct():
 @pytest.mark.parametrize("completion, answer, expected", [
     ("8", "8", 1.0),  # exact match
     ("  8\n", "8", 1.0),  # surrounding whitespace is stripped
-    ("7", "8", 0.4375),  # 0.5 * (1 - 1/8)
-    ("9", "8", 0.4375),  # 0.5 * (1 - 1/8), symmetric
-    ("8 because", "8", 0.5),  # right number, extra text: 0.5 * (1 - 0/8), still below exact
-    ("12", "4", 0.0),  # 0.5 * max(0, 1 - 8/4) = 0
-    ("1", "0", 0.0),  # 0.5 * max(0, 1 - 1/max(1, 0)) = 0
-    ("0x", "0", 0.5),  # 0.5 * (1 - 0/1)
-    ("15", "18", 0.5 * (1 - 3 / 18)),  # 0.4166...
-    ("-2", "2", 0.0),  # 0.5 * max(0, 1 - 4/2) = 0
-    ("eight", "8", 0.0),  # no leading integer
+    ("7", "8", 0.0875),  # prefix 0; 0.1 * (1 - 1/8)
+    ("9", "8", 0.0875),  # prefix 0; 0.1 * (1 - 1/8), symmetric
+    ("8 because", "8", 0.5),  # right number, extra text: 0.4 * 1/1 + 0.1 * 1, still below exact
+    ("12=", "12", 0.5),  # 0.4 * 2/2 + 0.1 * 1
+    ("1", "12", 0.4 * 1 / 2 + 0.1 * (1 - 11 / 12)),  # 0.2083...: the first digit of two
+    ("10", "18", 0.4 * 1 / 2 + 0.1 * (1 - 8 / 18)),  # 0.2555...
+    ("15", "18", 0.4 * 1 / 2 + 0.1 * (1 - 3 / 18)),  # 0.2833...
+    ("21", "12", 0.1 * (1 - 9 / 12)),  # 0.025: the right digits in the wrong places earn no prefix
+    ("12", "4", 0.0),  # prefix 0; 0.1 * max(0, 1 - 8/4) = 0
+    ("1", "0", 0.0),  # prefix 0; 0.1 * max(0, 1 - 1/max(1, 0)) = 0
+    ("0x", "0", 0.5),  # 0.4 * 1/1 + 0.1 * (1 - 0/1)
+    ("-2", "2", 0.0),  # prefix 0; 0.1 * max(0, 1 - 4/2) = 0
+    ("8x8", "88", 0.4 * 1 / 2 + 0.1 * (1 - 80 / 88)),  # 0.2090...: leading integer 8
+    ("eight", "8", 0.0),  # no leading integer, no common prefix
     ("", "8", 0.0),
     ("x8", "8", 0.0),  # the number must start the completion
 ])
@@ -101,7 +106,7 @@ def test_score_returns_float32_rewards_in_order():
     result = score("addition", ["8", "7", "x"], ["8", "8", "8"], task="add")
     assert isinstance(result, ScoreResult)
     assert result.rewards.dtype == np.float32 and result.rewards.shape == (3,)
-    np.testing.assert_array_equal(result.rewards, np.array([1.0, 0.4375, 0.0], np.float32))
+    np.testing.assert_array_equal(result.rewards, np.array([1.0, 0.0875, 0.0], np.float32))
     assert (result.num_errors, result.first_error) == (0, None)
 
 

@@ -10,11 +10,16 @@ Design decisions:
   takes the last number anywhere, for models that were never taught the format. Strict is the
   default recipe: it rewards the format the answers are checked in, not a lucky trailing number.
 - Synthetic tasks (`addition`, `subtraction`) share `numeric_match`: 1.0 for an exact match, otherwise
-  a closeness term worth at most 0.5 for a wrong but parseable leading integer. A tiny model that
-  starts from random weights almost never hits the exact answer; the shaping gives GRPO a gradient
-  from step one. The term is capped below the exact reward, so stopping exactly after the answer
-  always pays more than any near miss. There is no per-digit credit: tiny models learn to emit the
-  right digits in the wrong number and collect it.
+  at most 0.5 of shaping, so stopping exactly after the answer always pays more than any near miss. A tiny
+  model that starts from random weights almost never hits the exact answer (one digit of a 384-row vocabulary),
+  so the shaping gives GRPO a gradient from step one. It is 0.4 x the share of the answer's characters the
+  completion starts with (its common prefix: "1" for "12" earns 0.2, "12=" 0.4) plus 0.1 x the closeness of
+  the leading integer. The prefix pays only the answer's own digits in their places; closeness alone (0.5 x
+  it, the first design) is maximised on average by one constant near the middle of the answers, and the demo's
+  models learned to answer "9" to every problem (0/100 exact). Credit for the right digits anywhere would pay
+  the wrong number that holds them. Any partial credit still has a best constant (here the commonest leading
+  digit, "1" for 45 of the 100 sums): a model that cannot yet tell prompts apart collapses onto it, which a KL
+  term (grpo.beta) delays; the credit only makes the constant worth less than the answer.
 - `score` runs a reward over a batch under an explicit error policy: "fail" raises `RewardError`
   naming the task, reward, sample and completion; "zero" scores the sample 0.0 and counts it, so one
   odd completion cannot kill a long multi-task run while the count still shows up in the metrics.
@@ -30,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import re
 import traceback
 from collections.abc import Callable, Sequence
@@ -131,21 +137,20 @@ def gsm8k_flexible(completion: str, answer: str) -> float:
 
 
 def numeric_match(completion: str, answer: str) -> float:
-    """1.0 when the stripped completion is exactly the answer; else closeness of its leading integer.
+    """1.0 when the stripped completion is exactly the answer; else 0.4 * prefix + 0.1 * closeness (< 0.5).
 
-    closeness = 0.5 * max(0, 1 - |pred - answer| / max(1, |answer|)), so it lies in [0, 0.5] (0.5 only
-    for the right number followed by extra text) and is 0 for a completion that does not start with
-    an integer. Relative error keeps the scale sensible across answer sizes; max(1, .) avoids /0.
+    prefix = (characters the completion shares with the answer from the start) / len(answer), in [0, 1];
+    closeness = max(0, 1 - |pred - answer| / max(1, |answer|)) of the completion's leading integer, 0 when it
+    does not start with one. Relative error keeps the scale sensible across answer sizes; max(1, .) avoids /0.
     """
     text, target = completion.strip(), answer.strip()
     true = int(target)  # first: a non-integer answer is a data bug that score() must report on every sample
     if text == target:
         return 1.0
+    prefix = len(os.path.commonprefix([text, target])) / len(target)
     m = _LEADING_INT_RE.match(text)
-    if m is None:
-        return 0.0
-    pred = int(m.group())
-    return 0.5 * max(0.0, 1.0 - abs(pred - true) / max(1, abs(true)))
+    closeness = 0.0 if m is None else max(0.0, 1.0 - abs(int(m.group()) - true) / max(1, abs(true)))
+    return 0.4 * prefix + 0.1 * closeness
 
 
 @register("addition")
