@@ -186,13 +186,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"[demo] {err}", file=sys.stderr)
         return err.exit_code
     for task, result in results.items():
-        rewards = [m["reward/mean"] for m in read_metrics(out / "demo-multitask" / "tasks" / task / "metrics.jsonl")]
+        rows = read_metrics(out / "demo-multitask" / "tasks" / task / "metrics.jsonl")
+        scored = [m for m in rows if "eval/accuracy" in m]
+        rewards = [m["reward/mean"] for m in rows if "reward/mean" in m]
         k = min(10, len(rewards))
         if result["status"] != "ok" or not k:
             print(f"[demo] {task}: {result['status']} {result.get('error', '')}")
             continue
-        print(f"[demo] {task}: mean reward over the first {k} steps {sum(rewards[:k]) / k:.3f}, "
-              f"over the last {k} {sum(rewards[-k:]) / k:.3f}; metrics in {out}/demo-multitask/tasks/{task}/")
+        where = f"metrics in {out}/demo-multitask/tasks/{task}/"
+        if len(scored) >= 2:  # the config evaluates before the first step and after the last: what was learned
+            first, last = scored[0], scored[-1]
+            print(f"[demo] {task}: exact answers on its {last['eval/problems']} problems (greedy) "
+                  f"{first['eval/accuracy']:.0%} before training, {last['eval/accuracy']:.0%} after step "
+                  f"{last['step']}; {where}")
+        else:
+            print(f"[demo] {task}: mean reward over the first {k} steps {sum(rewards[:k]) / k:.3f}, "
+                  f"over the last {k} {sum(rewards[-k:]) / k:.3f}; {where}")
     return 0 if all(r["status"] == "ok" for r in results.values()) else 1
 
 
