@@ -354,7 +354,8 @@ def test_type_checking_imports_obey_no_layer_rule_but_close_cycles(tmp_path):
             "rlsched/f.py": "def g():\n    import rlsched.e\n",
             "rlsched/scheduling/policy.py": "import typing\nif typing.TYPE_CHECKING:\n    import jax\nelse:\n"
                                             "    import ray\n",
-            "rlsched/observe/timeline.py": "import typing\nif typing.TYPE_CHECKING:\n    from rlsched.run import task\n",
+            "rlsched/observe/timeline.py": "import typing\nif typing.TYPE_CHECKING:\n"
+                                           "    from rlsched.run import task\n",
             "rlsched/run/task.py": "",
         },
     )
