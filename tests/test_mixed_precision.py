@@ -198,3 +198,38 @@ def test_train_step_without_a_dtype_is_the_float32_step(models):
     step = jax.make_jaxpr(lambda s, b: train_step(s, b, graphdef=actor.graphdef, tx=actor.tx,
                                                   settings=actor.settings))(actor.state, mini)
     assert str(step) == str(jax.make_jaxpr(actor.step_function())(actor.state, mini))
+
+
+def test_a_step_whose_master_moves_under_a_bfloat16_unit_is_no_error(tmp_path, tiny_model_dir):
+    """ActorRole.train refuses an update that left the served weights as they were when they had to move
+    (tests/test_train.py). A bfloat16 task whose weights are all |w| >= 0.05 (half a bfloat16 unit there is
+    2^-5 x 2^-8 = 1.2e-4) at lr 1e-7 (Adam's first step moves each weight with a gradient by exactly lr, over half
+    a float32 unit below |w| = 1, 6e-8) serves the same weights after its step while its float32 master moved:
+    right, and the task goes on."""
+    from flax import nnx
+
+    from rlsched.config.loading import load_config
+    from rlsched.rundir.files import prepare_run_dir
+    from rlsched.scheduling.policy import Role
+    from tests.test_train import DEMO_CONFIG, _driver, _quick
+    from workers.models import save_pretrained
+
+    model, tokenizer = load_pretrained(tiny_model_dir)
+    away = lambda w: jnp.where(w < 0, -1.0, 1.0) * jnp.maximum(jnp.abs(w), 0.05)  # noqa: E731 - no weight near 0
+    nnx.update(model, jax.tree.map(away, nnx.state(model, nnx.Param)))
+    model_dir = save_pretrained(model, tmp_path / "model", tokenizer)
+    cfg = load_config(DEMO_CONFIG, _quick(tmp_path, model_dir, "tasks.0.optim.warmup_ratio=0",
+                                          "tasks.0.optim.lr=1e-7", "tasks.0.model.dtype=bfloat16"))
+    prepare_run_dir(cfg, resume=False, overwrite=False)
+    driver = _driver(cfg)
+    driver.start()
+    actor = driver.roles[Role.ACTOR]
+    before = _host(P.to_flat(actor.worker.state.params))
+    rng = np.random.default_rng(0)
+    batch = build_train_batch([rng.integers(1, 200, 6) for _ in range(16)],
+                              [rng.integers(1, 200, 4) for _ in range(16)], pad_id=0)
+    published = actor._published_checksum
+    result = actor.train(batch, np.tile([0.0, 1.0, 0.0, 1.0], 4).astype(np.float32), step=1)
+    assert result.message.checksum == published and result.value["grad_norm"] > 0
+    assert _moved(before, _host(P.to_flat(actor.worker.state.params))) > 0.9
+    driver.close()
