@@ -4,7 +4,9 @@ The layers exist so each side can run where it must: the control plane (rlsched.
 accelerator (no jax, no ray, no workers), so it stays a pure, fast, testable decision function; the data
 plane (workers/) never reaches up into the scheduler, so workers can be built and run without it; model
 and GRPO code is Ray-free; and nothing imports the CLI, which is an entry point, not a library. Import
-cycles are reported with the file:line of every edge that forms them.
+cycles are reported with the file:line of every edge that forms them, wherever an import sits: at module level,
+inside a function, or under `if TYPE_CHECKING:` (two modules that need each other's names are one concept split
+in two, whether the names are needed to run or to type-check).
 
 rlsched/ is folders on floors (`FOLDERS`, lowest first): a module imports from its own folder and the floors
 below it, never above, so each folder can be read knowing only what is under it. Each folder's __init__
@@ -27,6 +29,7 @@ class Import:
     target: str  # dotted module name imported (may be third-party)
     file: str  # path relative to the root, posix
     line: int
+    typing_only: bool = False  # under `if TYPE_CHECKING:`: never runs, so no layer rule applies; a cycle still counts
 
 
 def _module_name(rel: Path) -> str:
@@ -41,16 +44,19 @@ def _is_type_checking(node: ast.AST) -> bool:
     )
 
 
-def _import_nodes(node: ast.AST):
-    """Every Import/ImportFrom anywhere in the tree, except under the body of `if TYPE_CHECKING:`."""
+def _import_nodes(node: ast.AST, typing_only: bool = False):
+    """(node, typing_only) of every Import/ImportFrom anywhere in the tree; typing_only under the body of
+    `if TYPE_CHECKING:`."""
     if _is_type_checking(node):
+        for child in node.body:
+            yield from _import_nodes(child, True)
         children = node.orelse
     else:
         if isinstance(node, ast.Import | ast.ImportFrom):
-            yield node
+            yield node, typing_only
         children = ast.iter_child_nodes(node)
     for child in children:
-        yield from _import_nodes(child)
+        yield from _import_nodes(child, typing_only)
 
 
 def scan(root: Path, packages) -> list[Import]:
@@ -59,7 +65,7 @@ def scan(root: Path, packages) -> list[Import]:
     for module, path in files.items():
         rel = path.relative_to(root).as_posix()
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        for node in _import_nodes(ast.parse(path.read_text(), filename=rel)):
+        for node, typing_only in _import_nodes(ast.parse(path.read_text(), filename=rel)):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -69,7 +75,7 @@ def scan(root: Path, packages) -> list[Import]:
                     base = ".".join(anchor + ([base] if base else []))
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names]
             for target in targets:
-                found[Import(module, target, rel, node.lineno)] = None
+                found[Import(module, target, rel, node.lineno, typing_only)] = None
     return list(found)
 
 
@@ -107,7 +113,8 @@ def _example_cycle(start: str, graph: dict[str, set[str]], members: set[str]) ->
     return [start]
 
 
-def find_cycles(imports: list[Import]) -> list[str]:
+def find_cycles(imports: list[Import], known: frozenset[frozenset[str]] = frozenset()) -> list[str]:
+    """A report per set of modules that import one another (a strongly connected component), except the `known`."""
     modules = {i.importer for i in imports}
     edges = [i for i in imports if i.target in modules and i.target != i.importer]
     graph: dict[str, set[str]] = {m: set() for m in modules}
@@ -117,12 +124,13 @@ def find_cycles(imports: list[Import]) -> list[str]:
     # Strongly connected components of the modules that lie on a cycle (the graph is tiny: closure is fine).
     sccs = {frozenset(n for n in reach[m] if m in reach[n]) for m in graph if m in reach[m]}
     reports = []
-    for members in sorted(sccs, key=sorted):
+    for members in sorted(sccs - known, key=sorted):
         comp = sorted(members)
         lines = [f"import cycle among {len(comp)} modules: {' -> '.join(_example_cycle(comp[0], graph, members))}"]
         for e in sorted(edges, key=lambda e: (e.file, e.line, e.target)):
             if e.importer in members and e.target in members:
-                lines.append(f"  {e.file}:{e.line}: {e.importer} imports {e.target}")
+                lines.append(f"  {e.file}:{e.line}: {e.importer} imports {e.target}"
+                             + (" (under TYPE_CHECKING)" if e.typing_only else ""))
         reports.append("\n".join(lines))
     return reports
 
@@ -143,6 +151,7 @@ def rule_violations(imports: list[Import]) -> list[str]:
     return [
         f"{i.file}:{i.line}: {i.importer} imports {i.target}: {text}"
         for i in sorted(imports, key=lambda i: (i.file, i.line, i.target))
+        if not i.typing_only
         for importers, forbidden, text in RULES
         if _under(i.importer, *importers) and _under(i.target, *forbidden) and not _under(i.importer, *forbidden)
     ]
@@ -164,7 +173,7 @@ def folder_violations(imports: list[Import]) -> list[str]:
     order = " < ".join(FOLDERS)
     found = []
     for i in sorted(imports, key=lambda i: (i.file, i.line, i.target)):
-        if not _under(i.importer, "rlsched") or i.importer in TOP:
+        if i.typing_only or not _under(i.importer, "rlsched") or i.importer in TOP:
             continue
         src = _folder(i.importer)
         if src is None:
@@ -179,8 +188,12 @@ def folder_violations(imports: list[Import]) -> list[str]:
     return found
 
 
+# Circles known and being removed elsewhere: each entry names where it is fixed, and goes when that lands.
+KNOWN_CYCLES: frozenset = frozenset()  # circles left on purpose: none
+
+
 def test_no_import_cycles():
-    cycles = find_cycles(scan(ROOT, PACKAGES))
+    cycles = find_cycles(scan(ROOT, PACKAGES), known=KNOWN_CYCLES)
     assert cycles == [], "\n" + "\n".join(cycles)
 
 
@@ -331,18 +344,25 @@ def test_clean_tree_has_no_findings(tmp_path):
     assert imports and find_cycles(imports) == [] and rule_violations(imports) == [] == folder_violations(imports)
 
 
-def test_type_checking_imports_are_ignored(tmp_path):
+def test_type_checking_imports_obey_no_layer_rule_but_close_cycles(tmp_path):
     imports = _tree(
         tmp_path,
         {
             "rlsched/e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlsched import f\n",
-            "rlsched/f.py": "import rlsched.e\n",
+            "rlsched/f.py": "def g():\n    import rlsched.e\n",
             "rlsched/scheduling/policy.py": "import typing\nif typing.TYPE_CHECKING:\n    import jax\nelse:\n"
                                             "    import ray\n",
+            "rlsched/observe/timeline.py": "import typing\nif typing.TYPE_CHECKING:\n"
+                                           "    from rlsched.run import task\n",
+            "rlsched/run/task.py": "",
         },
     )
-    assert find_cycles(imports) == []
+    (report,) = find_cycles(imports)  # the shape of workers.actor <-> actor_cobatch before it was removed
+    assert "rlsched/e.py:3: rlsched.e imports rlsched.f (under TYPE_CHECKING)" in report
+    assert "rlsched/f.py:2: rlsched.f imports rlsched.e" in report
+    assert find_cycles(imports, known=frozenset({frozenset({"rlsched.e", "rlsched.f"})})) == []
     assert [v.split(": ")[0] for v in rule_violations(imports)] == ["rlsched/scheduling/policy.py:5"]  # else runs
+    assert [v.split(": ")[0] for v in folder_violations(imports) if "timeline" in v] == []  # a type, up a floor
 
 
 def test_an_import_up_a_floor_is_reported_with_file_and_line(tmp_path):

@@ -164,13 +164,23 @@ def test_a_large_model_is_written_in_shards_with_an_index(family_dirs, tmp_path)
 
 
 def test_a_bfloat16_actor_exports_bfloat16_tensors_bit_for_bit(family_dirs, tmp_path):
+    """A bfloat16 task's checkpoint holds its float32 master weights (workers.actor); the export writes them as the
+    engine was served them: rounded to bfloat16 (after an update, so the master is not bfloat16's already)."""
     model_dir = family_dirs["qwen2_untied"]
     actor = ActorWorker(load_pretrained(model_dir, dtype="bfloat16")[0], SETTINGS)
-    _save(_task_dir(tmp_path / "run", model_dir), actor, 1)
+    _, _, mini = _batch()
+    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)
+    task_dir = _task_dir(tmp_path / "run", model_dir)
+    hparams = json.loads((task_dir / "hparams.json").read_text())
+    (task_dir / "hparams.json").write_text(json.dumps({**hparams, "model": {**hparams["model"], "dtype": "bfloat16"}}))
+    _save(task_dir, actor, 1)
     export(tmp_path / "run", tmp_path / "out")
     assert json.loads((tmp_path / "out/config.json").read_text())["dtype"] == "bfloat16"
     written = read_safetensors(tmp_path / "out")
-    for name, value in P.to_hf({k: np.asarray(v) for k, v in P.to_flat(actor.state.params).items()}).items():
+    served = actor.export_weights().flat
+    master = {k: np.asarray(v) for k, v in P.to_flat(actor.state.params).items()}
+    assert any(not np.array_equal(master[k], np.asarray(served[k]).astype(np.float32)) for k in master)
+    for name, value in P.to_hf({k: np.asarray(v) for k, v in served.items()}).items():
         assert written[name].dtype == value.dtype == np.dtype("bfloat16"), name
         np.testing.assert_array_equal(np.asarray(written[name]).view(np.uint16), value.view(np.uint16), err_msg=name)
     hf = _hf(tmp_path / "out", dtype="auto")  # the dtype config.json says

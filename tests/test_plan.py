@@ -3,6 +3,7 @@ through the real CLI (one stderr line, exit 2, before any process starts)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -213,6 +214,29 @@ def test_a_reference_model_doubles_the_params_it_keeps(tmp_path):
     assert b["reference"] == b["params"] == 58_176 * 4
 
 
+def test_a_bfloat16_actor_plans_its_float32_master_and_holds_what_it_plans(tmp_path, tiny_model_dir):
+    """A bfloat16 model trains float32 master weights (workers.actor). The tiny preset has 197,440 parameters: on
+    one device the actor holds the master (4 bytes each) and the bfloat16 params it serves (2), float32 gradients
+    (4) and two float32 moments (8) + 8 bytes of step counts; the reference (beta > 0) is bfloat16 (2). A float32
+    model's params are its master: 4 bytes each everywhere."""
+    from tests.test_mixed_precision import SETTINGS
+    from workers.actor import ActorWorker
+    from workers.models import load_pretrained
+
+    one = ["tasks.0.actor.mesh={fsdp: 1, tp: 1}", "tasks.0.grpo.beta=0.04"]
+    cfg = _demo_mesh(tmp_path, [*one, "tasks.0.model.dtype=bfloat16"])
+    model = read_model_config(cfg.tasks[0], 0)
+    b, n = actor_bytes(cfg.tasks[0], model), 197_440
+    assert (b["params"], b["grads"], b["optimizer"], b["reference"]) == (6 * n, 4 * n, 8 * n + 8, 2 * n)
+    f32 = actor_bytes(_demo_mesh(tmp_path, one).tasks[0], model)
+    assert (f32["params"], f32["grads"], f32["optimizer"], f32["reference"]) == (4 * n, 4 * n, 8 * n + 8, 4 * n)
+    # What a live actor of the tiny model holds, once it has published (the served copy is made then)
+    actor = ActorWorker(load_pretrained(tiny_model_dir, dtype="bfloat16", with_tokenizer=False)[0],
+                        dataclasses.replace(SETTINGS, beta=0.04))
+    actor.export_weights()
+    assert actor.memory_bytes() == {"params": b["params"], "opt": b["optimizer"], "ref": b["reference"]}
+
+
 def test_optimizer_bytes_are_what_optax_allocates(tmp_path):
     """The plan's AdamW arithmetic against the real optimizer's state (shapes only: nothing is allocated)."""
     import jax
@@ -250,16 +274,18 @@ def test_qwen3_1p7b_recipe_plan_by_hand(tmp_path, capsys):
     assert (engine["role"], engine["mesh"], engine["devices"]) == (
         "engine", {"dp": 1, "fsdp": 1, "ep": 1, "tp": 2}, [0, 1])
     activations = (8 // 4) * (256 + 1024) * (28 * 16 * 2048 + 2 * 151_936 // 2) * 4  # 2 rows x 1,280 tokens
+    # bfloat16: the actor trains float32 master weights (2 x the bfloat16 bytes) and serves the bfloat16 params;
+    # its gradients and both moments are float32; the reference (beta 0.08) is bfloat16
     assert actor["bytes"] == {
-        "params": actor_params, "grads": actor_params, "optimizer": 2 * actor_params + 8,
-        "reference": actor_params,  # beta 0.08
+        "params": 3 * actor_params, "grads": 2 * actor_params, "optimizer": 4 * actor_params + 8,
+        "reference": actor_params,
         "activations": activations,
-        "total": 5 * actor_params + 8 + activations}
+        "total": 10 * actor_params + 8 + activations}
     kv = 64 * (256 + 1024) * 28 * 2 * (8 // 2) * 128 * 2  # 64 rows x 1,280 slots x 28 layers x (k, v) x 4 heads
     assert engine["bytes"] == {"params": engine_params, "kv_cache": kv, "total": engine_params + kv}
     assert kv == 4_697_620_480
-    device0 = 5 * actor_params + 8 + activations + engine_params + kv
-    assert plan["per_device"] == [device0] * 2 + [5 * actor_params + 8 + activations] * 6
+    device0 = 10 * actor_params + 8 + activations + engine_params + kv
+    assert plan["per_device"] == [device0] * 2 + [10 * actor_params + 8 + activations] * 6
     assert plan["memory_budget_bytes"] == 64 * 2**30 and plan["groups"][0]["fits"] == "yes" and plan["runnable"]
 
 
@@ -297,13 +323,13 @@ def test_qwen2p5_7b_recipe_plan_by_hand(tmp_path):
     kv = 128 * 1280 * 28 * 2 * 1 * 128 * 2  # 128 rows x 1,280 slots x 28 layers x (k, v) x 1 head x 128 x bf16
     actor, engine = plan.roles
     assert (actor.devices, engine.devices) == (list(range(8)), [0, 1, 2, 3])
-    assert actor.bytes == {"params": actor_params, "grads": actor_params, "optimizer": 2 * actor_params + 8,
-                           "reference": actor_params, "activations": activations}
+    assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
+                           "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    assert (actor.total, engine.total) == (20_870_005_768, 6_156_924_928)  # 19.4 GiB, 5.7 GiB
+    assert (actor.total, engine.total) == (30_391_797_768, 6_156_924_928)  # 28.3 GiB, 5.7 GiB
     assert plan.per_device == [actor.total + engine.total] * 4 + [actor.total] * 4
     (group,) = plan.groups
-    assert group.fits == "yes" and group.resident == 27_026_930_696 < 64 * 2**30  # 25.2 GiB
+    assert group.fits == "yes" and group.resident == 36_548_722_696 < 64 * 2**30  # 34.0 GiB
 
 
 def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
@@ -315,31 +341,32 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
     262,144, experts 3 x 128 x 2,048 x 768 = 603,979,776 -> 623,120,640; 48 layers + the final norm (2,048):
     30,532,122,624. Whole on every device (no fsdp): norms and routers, 48 x 266,496 + 2,048 = 12,793,856.
     Experts, 48 x 603,979,776 = 28,991,029,248, split over ep x tp = 8 on both meshes; the rest
-    (1,528,299,520: attention, embed, lm_head) over tp."""
+    (1,528,299,520: attention, embed, lm_head) over tp, except k and v (2 x 2,048 x 512 x 48 = 100,663,296): their
+    4 KV heads do not split over tp 8 on the actor's mesh, whole on every device there."""
     plan = device_plan(_recipe(tmp_path, "gsm8k_qwen3_30b_a3b.yaml", QWEN3_30B_A3B))
-    total, whole, experts = 30_532_122_624, 12_793_856, 28_991_029_248
+    total, whole, experts, kv_proj = 30_532_122_624, 12_793_856, 28_991_029_248, 100_663_296
     rest = total - whole - experts
     assert plan.models["gsm8k"].startswith("Qwen3-MoE (128 experts, top 8) of 30.53B params in bfloat16, 48 layers")
-    actor_params = (experts // 8 + rest // 4 + whole) * 2  # ep 2 x tp 4
+    actor_params = (experts // 8 + (rest - kv_proj) // 8 + kv_proj + whole) * 2  # tp 8
     engine_params = (experts // 8 + rest // 2 + whole) * 2  # ep 4 x tp 2
-    assert actor_params == 8_037_494_784 and engine_params == 8_801_644_544
-    # micro-batch 2 / ep 2 = 1 row x 1,280 tokens x (48 MoE layers x (10 x 2,048 + 12 x 128 experts x 768 / tp 4)
-    # + 2 x 151,936 / 4) x 4 bytes: the experts' intermediates are 94% of it.
-    activations = 1 * 1280 * (48 * (20_480 + 294_912) + 75_968) * 4
+    assert actor_params == 7_831_580_672 and engine_params == 8_801_644_544
+    # micro-batch 1 = 1 row x 1,280 tokens x (48 MoE layers x (10 x 2,048 + 12 x 128 experts x 768 / tp 8)
+    # + 2 x 151,936 / 8) x 4 bytes: the experts' intermediates are 87% of it.
+    activations = 1 * 1280 * (48 * (20_480 + 147_456) + 37_984) * 4
     kv = 32 * 1280 * 48 * 2 * 2 * 128 * 2  # 128 rows / ep 4 x 1,280 slots x 48 layers x (k, v) x 4 / tp 2 heads
     actor, engine = plan.roles
-    assert (actor.mesh, engine.mesh) == ({"dp": 1, "fsdp": 1, "ep": 2, "tp": 4}, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 2})
-    assert actor.bytes == {"params": actor_params, "grads": actor_params, "optimizer": 2 * actor_params + 8,
-                           "reference": actor_params, "activations": activations}
+    assert (actor.mesh, engine.mesh) == ({"dp": 1, "fsdp": 1, "ep": 1, "tp": 8}, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 2})
+    assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
+                           "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    assert (actor.total, engine.total) == (118_087_168_008, 10_814_910_464)  # 110.0 GiB, 10.1 GiB
+    assert (actor.total, engine.total) == (119_782_236_168, 10_814_910_464)  # 111.6 GiB, 10.1 GiB
     (group,) = plan.groups
-    assert (group.resident, group.largest_role, group.fits) == (128_902_078_472, actor.total, "with offload")
+    assert (group.resident, group.largest_role, group.fits) == (130_597_146_632, actor.total, "with offload")
     assert actor.total <= 112 * 2**30 < group.resident and plan.runnable
 
     # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal).
-    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 317.1), ("{fsdp: 2, ep: 2, tp: 2}", 4, 177.8),
-                             ("{ep: 2, tp: 4}", 2, 110.0), ("{tp: 8}", 1, 75.1)):
+    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 358.0), ("{fsdp: 2, ep: 2, tp: 2}", 4, 215.1),
+                             ("{ep: 2, tp: 4}", 2, 147.4), ("{tp: 8}", 1, 111.6)):
         cfg = load_config(CONFIGS / "gsm8k_qwen3_30b_a3b.yaml", [
             f"tasks.0.model.path={tmp_path}", f"tasks.0.actor.mesh={mesh}", f"tasks.0.grpo.micro_batch_size={micro}",
             "cluster.memory_budget_gb=64"])
@@ -362,10 +389,10 @@ def test_moe_activations_count_experts_only_in_moe_layers():
 def test_budget_verdicts(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_1P7B))
     recipe = [str(CONFIGS / "gsm8k_qwen3_1p7b_mesh.yaml"), "--set", f"tasks.0.model.path={tmp_path}"]
-    # 16 GiB: the actor (12.2 GiB) and the engine (6.0 GiB) do not fit at once, each alone does.
+    # 16 GiB: the actor (14.2 GiB) and the engine (6.0 GiB) do not fit at once, each alone does.
     assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=16"]) == 0
     out = capsys.readouterr().out
-    assert "group shared (devices 0-7): 18.2 GiB on device 0 with every role resident; largest role 12.2 GiB; " \
+    assert "group shared (devices 0-7): 20.2 GiB on device 0 with every role resident; largest role 14.2 GiB; " \
            "fits one role at a time (idle roles offload)" in out
     assert "gsm8k  actor   fsdp 4 x tp 2  0-7" in out and "gsm8k  engine  tp 2           0-1" in out
     assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=8"]) == 1
@@ -494,10 +521,10 @@ def test_the_moe_recipe_plans_through_the_cli(tmp_path):
     assert lines[1] == (f"task gsm8k: Qwen3-MoE (128 experts, top 8) of 30.53B params in bfloat16, 48 layers, 4 KV "
                         f"heads ({tmp_path / 'config.json'})")
     assert [" ".join(line.split()) for line in lines[4:6]] == [  # columns padded to their widths
-        "gsm8k actor ep 2 x tp 4 0-7 7.5 GiB 7.5 GiB 15.0 GiB 7.5 GiB - 72.5 GiB 110.0 GiB",
+        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 38.6 GiB 111.6 GiB",
         "gsm8k engine ep 4 x tp 2 0-7 8.2 GiB - - - 1.9 GiB - 10.1 GiB"]
-    assert lines[6] == ("group shared (devices 0-7): 120.0 GiB on device 0 with every role resident; largest role "
-                        "110.0 GiB; fits one role at a time (idle roles offload)")
+    assert lines[6] == ("group shared (devices 0-7): 121.6 GiB on device 0 with every role resident; largest role "
+                        "111.6 GiB; fits one role at a time (idle roles offload)")
 
 
 def test_the_memory_line_puts_each_measured_kind_beside_the_plans():

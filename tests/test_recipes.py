@@ -4,7 +4,7 @@ demo_sglang in the sglang stage, demo_lora in test_lora_shared), and the real-ha
 from a fresh clone, as shipped but on a tiny random model of the recipe's family (Qwen3, Qwen2, Qwen3-MoE) with the
 real Qwen3 tokenizer and small batches: the shipped GSM8K, its chat template and system prompt, the gsm8k reward, a
 reference model (beta 0.08), bfloat16 parameters at the recipe's learning rate, and the recipe's meshes on 8 CPU
-devices (fsdp 4 x tp 2 actors, tp 2 and tp 4 engines; the MoE recipe's ep 2 x tp 4 actor and ep 4 x tp 2 engine).
+devices (fsdp 4 x tp 2 actors, tp 2 and tp 4 engines; the MoE recipe's tp 8 actor and ep 4 x tp 2 engine).
 The real models' plans are in test_plan."""
 
 from __future__ import annotations
@@ -44,7 +44,12 @@ def test_a_gsm8k_recipe_runs_two_steps(tmp_path, tiny_real_tokenizer, recipe, pr
     assert len(history) == 2
     for m in history:  # GSM8K prompts went through the chat template and came back scored
         assert m["tokens/generated"] > 0 and 0.0 <= m["reward/mean"] <= 1.0, m
-    assert history[0]["kl"] == 0.0 and history[1]["kl"] >= 0  # beta 0.08: a reference model is held
+    # beta 0.08: a reference model is held, the policy itself at step 1. Its logprobs come from another program than
+    # the train step's: equal bit for bit on every layout but the MoE recipe's tp 8 actor (4 KV heads, replicated
+    # k/v), whose two programs round a bfloat16 forward apart by 7.5e-9 of KL (measured before and after float32
+    # master weights alike; ep 2 x tp 4 gave 0). Step 2's policy has moved: 3e-7.
+    assert history[0]["kl"] == 0.0 or (recipe == "gsm8k_qwen3_30b_a3b.yaml" and history[0]["kl"] < 1e-8)
+    assert history[1]["kl"] >= 0
     (run,) = tmp_path.iterdir()
     assert (run / "tasks" / "gsm8k" / "checkpoints" / "2").is_dir()
 

@@ -277,9 +277,9 @@ def test_weights_altered_in_transit_are_refused(tmp_path, tiny_model_dir):
 
 def test_an_update_that_leaves_the_weights_unchanged_is_an_error(tmp_path, tiny_model_dir):
     """An update that reaches no weight (here an optimizer whose updates are all zero, as a wrong freeze mask
-    or a rate below bfloat16's resolution would give) must not be published as new weights: v2 would hash
-    like v1 and hide a broken run. The task fails instead. A step whose groups all scored alike has no
-    gradient: unchanged weights are right then, and pass."""
+    would give) must not be published as new weights: v2 would hash like v1 and hide a broken run. The task fails
+    instead. A step whose groups all scored alike has no gradient: unchanged weights are right then, and pass. (A
+    bfloat16 model's float32 master may rightly serve unchanged weights for a step: tests/test_mixed_precision.py.)"""
     import optax
 
     cfg = load_config(DEMO_CONFIG, _quick(tmp_path, tiny_model_dir, "tasks.0.optim.warmup_ratio=0"))

@@ -35,6 +35,14 @@ Design decisions:
   (a batched program rounds row reductions differently; AdamW magnifies that in the params: actor_cobatch's
   docstring has the measurements), and bit for bit the same whoever its partners are. A full-weight actor, or a
   LoRA actor with a base of its own, trains alone whatever the hold.
+- Mixed precision as the field trains (verl's FSDP, MaxText, levanter): a model stored in bfloat16 trains float32
+  master weights. The TrainState's params, both Adam moments and the gradient accumulated over micro-batches are
+  float32; the forward and the backward run in the model's dtype (`compute_params` casts the master inside the loss,
+  so the gradient flows back to it in float32); what the engine serves (`export_weights`, `params_flat`) is the
+  master rounded to the model's dtype on the devices. In bfloat16 alone an update under half a unit in the last
+  place is lost (at |w| = 0.02 that is 6e-5, above the field's learning rates) and Adam's second moment at b2 0.999
+  never decays (0.1 % a step is under half an ulp). A float32 model is unchanged: its params are its master, no
+  copy is made. A LoRA actor's adapter is float32 already (its master); its base stays frozen in the model's dtype.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from workers import grpo
+from workers import actor_cobatch, grpo
 from workers.batch import TrainBatch
 from workers.compiling import compile_once, shapes_key, shared
 from workers.models import lora as L
@@ -93,7 +101,8 @@ class ActorSettings:
 
 
 class TrainState(NamedTuple):
-    params: Any  # nnx.State of the policy; a LoRA actor's: its adapter, {<module>.lora_a / .lora_b: array}
+    params: Any  # nnx.State of the policy, float32 (the master); a LoRA actor's: its adapter (float32),
+    # {<module>.lora_a / .lora_b: array}
     opt_state: Any  # optax state
     step: jax.Array  # optimizer steps taken (int32 scalar)
 
@@ -118,12 +127,34 @@ def make_optimizer(s: ActorSettings) -> optax.GradientTransformation:
                        optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay))
 
 
-def policy_logits(graphdef, params, base, lora, tokens, attention_mask, *, router_loss: bool = False, row=0):
+MASTER_DTYPE = jnp.float32  # what the optimizer updates, whatever the model's dtype
+
+
+def _floating(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def master_params(params):
+    """The float32 master copy of a model's params; the params themselves where they are float32 already."""
+    return jax.tree.map(lambda x: x.astype(MASTER_DTYPE) if _floating(x) and x.dtype != MASTER_DTYPE else x, params)
+
+
+def compute_params(params, dtype):
+    """`params` in the model's dtype `dtype` (what the forward computes in and the engine serves), rounded to
+    nearest even; the params themselves where they are in it already (a float32 model: nothing is done)."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if _floating(x) and x.dtype != dtype else x, params)
+
+
+def policy_logits(graphdef, params, base, lora, tokens, attention_mask, *, router_loss: bool = False, row=0,
+                  dtype=None):
     """The policy's float32 logits (B, T, V) for tokens, attention_mask (B, T); with `router_loss`, also the MoE
-    load-balancing loss. `base` None: `params` is the whole model's state. Else `base` is the frozen model's state
-    and `params` one LoRA adapter (flat) of LoraSpec `lora`, applied to every row; `row` -1 turns it off (the
-    base: a LoRA actor's reference)."""
+    load-balancing loss. `base` None: `params` is the whole model's state, cast to `dtype` (the model's, when
+    `params` is a float32 master) before the forward. Else `base` is the frozen model's state and `params` one LoRA
+    adapter (flat) of LoraSpec `lora`, applied to every row; `row` -1 turns it off (the base: a LoRA actor's
+    reference)."""
     if base is None:
+        params = params if dtype is None else compute_params(params, dtype)
         model, adapters = nnx.merge(graphdef, params), None
     else:
         model = nnx.merge(graphdef, base)
@@ -134,12 +165,12 @@ def policy_logits(graphdef, params, base, lora, tokens, attention_mask, *, route
 
 
 def token_logprobs(graphdef, params, tokens, attention_mask, base=None, row=0, *, temperature,
-                   lora=None) -> jax.Array:
+                   lora=None, dtype=None) -> jax.Array:
     """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32 (`policy_logits`' model). A LoRA
     actor passes `row` as a traced int32 (0: its policy, -1: its reference, the base): both are one executable,
     so a fresh adapter's logprobs equal its reference's bit for bit (XLA fuses a program without the adapter
     otherwise, about 1e-6 away)."""
-    logits = policy_logits(graphdef, params, base, lora, tokens, attention_mask, row=row)
+    logits = policy_logits(graphdef, params, base, lora, tokens, attention_mask, row=row, dtype=dtype)
     return _logprobs_of(logits, tokens, temperature)
 
 
@@ -158,11 +189,13 @@ def router_aux_coef(settings: ActorSettings, config) -> float:
 
 
 def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, settings: ActorSettings,
-               lora: L.LoraSpec | None = None):
+               lora: L.LoraSpec | None = None, dtype=None):
     """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics).
 
     batch keys: tokens, attention_mask (A, M, T); loss_mask (A, M, T-1); advantages (A, M);
     optional old_logp, ref_logp (A, M, T-1). `base`: a LoRA actor's frozen model (state.params its adapter).
+    `dtype`: the model's, which the forward and backward compute in (state.params are the float32 master); the
+    gradients, their sum over micro-batches and the optimizer's moments are the master's dtype.
     """
     s = settings
     denominator = grpo.loss_denominator(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]), s.aggregation,
@@ -171,7 +204,7 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
     micro_batches = batch["tokens"].shape[0]
 
     def micro_loss(params, mb):
-        forward = partial(policy_logits, graphdef, params, base, lora, mb["tokens"], mb["attention_mask"])
+        forward = partial(policy_logits, graphdef, params, base, lora, mb["tokens"], mb["attention_mask"], dtype=dtype)
         if aux_coef:  # the router's load-balancing loss, averaged over the mini-batch's micro-batches
             logits, aux = forward(router_loss=True)
         else:
@@ -198,7 +231,7 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
                 **{k: jnp.maximum(sums[k], m[k]) for k in grpo.MAX_METRICS}}
         return (jax.tree.map(jnp.add, grads, g), sums), None
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    zeros = jax.tree.map(jnp.zeros_like, state.params)  # the master's dtype: float32 sums of the micro-batches
     init = {k: jnp.zeros((), jnp.float32) for k in ("loss", "tokens", "router_aux_loss", *grpo.TOKEN_MEAN_METRICS,
                                                      *grpo.MAX_METRICS)}
     (grads, sums), _ = jax.lax.scan(accumulate, (zeros, init), batch)
@@ -257,23 +290,31 @@ class ActorWorker:
         self.lora = lora
         # A LoRA actor's frozen base (None for a full-weight actor): an argument of every program, never donated
         self.base, self.base_shardings = (params, param_sh) if lora is not None else (None, None)
+        # The dtype the forward computes in and the engine is served, where it is not the master's: a full-weight
+        # bfloat16 model (None: the params are what is served, a float32 model or a LoRA adapter)
+        self.dtype = None
         if lora is not None:  # what it trains is the adapter, laid out like the projections it adapts
             adapter = LB.init_adapter(self.config, lora, jax.random.key(seed))
             param_sh = S.adapter_shardings(P.to_flat(param_sh), adapter)
             params = jax.device_put(adapter, param_sh)
+        elif any(_floating(x) and x.dtype != MASTER_DTYPE for x in jax.tree.leaves(params)):
+            self.dtype = jnp.dtype(self.config.dtype)
+            served, params = params, jax.jit(master_params, in_shardings=(param_sh,), out_shardings=param_sh)(params)
         repl = S.replicated(self.mesh)
         opt_sh = optax.tree_map_params(self.tx, lambda _, sh: sh, jax.eval_shape(self.tx.init, params), param_sh,
                                        transform_non_params=lambda _: repl)
         self.shardings = TrainState(param_sh, opt_sh, repl)
         opt_state = jax.jit(self.tx.init, in_shardings=(param_sh,), out_shardings=opt_sh)(params)
         self.state = TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), repl))
-        # A separate copy: the policy's buffers are donated to train_step and change every update. A LoRA actor's
-        # reference is its base, adapter off (the `logprobs` program with row -1).
-        self.ref_params = self.base if lora is not None else \
-            jax.tree.map(jnp.copy, params) if settings.beta > 0 else None
+        # A separate copy: the policy's buffers are donated to train_step and change every update (a master's are
+        # another array: the model's own params are the reference, in its dtype). A LoRA actor's reference is its
+        # base, adapter off (the `logprobs` program with row -1).
+        self.ref_params = self.base if lora is not None else None if settings.beta <= 0 else \
+            served if self.dtype is not None else jax.tree.map(jnp.copy, params)
+        self._served: tuple | None = None  # (the state, its params in self.dtype): what export_weights last cast
         self.version = 0
         self.seed = seed
-        self._host = None  # (state, ref_params) while offloaded
+        self._host = None  # (state, ref_params, served or None) while offloaded
         self._programs: dict = {}
         self._prepared: dict = {}  # (kind, batch keys, shapes) -> executable compiled ahead (`prepare`)
         abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
@@ -281,6 +322,10 @@ class ActorWorker:
         self._abstract = abstract(self.state, self.shardings)
         self._abstract_base = () if lora is None else (abstract(self.base, self.base_shardings),
                                                        jax.ShapeDtypeStruct((), jnp.int32, sharding=repl))
+        # The reference's params, where they are not the policy's shapes and dtypes (a master's reference is in the
+        # model's dtype): a logprobs program of its own, `reference_logprobs`
+        self._abstract_ref = abstract(self.ref_params, param_sh) if self.dtype is not None and settings.beta > 0 \
+            else None
         # What this worker's programs depend on besides the batch: actors of tasks with the same model, settings
         # and layout (a sweep over seeds or data) share their executables within a process (compiling.shared).
         self._signature = ("actor", self.graphdef, settings, lora, self.mesh, jax.tree.structure(self._abstract),
@@ -289,7 +334,8 @@ class ActorWorker:
     def step_function(self):
         """`train_step` with this actor's static parts bound: (state, batch[, base]) -> (state, metrics), not yet
         jitted (workers.actor_cobatch vmaps it over a hold's members)."""
-        return partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings, lora=self.lora)
+        return partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings, lora=self.lora,
+                       dtype=self.dtype)
 
     def _program(self, kind: str, keys: tuple[str, ...] = ()):
         """The jitted train step (per set of batch keys) or logprobs program, with explicit shardings."""
@@ -303,9 +349,13 @@ class ActorWorker:
             fn = jax.jit(self.step_function(),
                          in_shardings=(self.shardings, batch_sh, *base_sh[:1]), out_shardings=(self.shardings, repl),
                          donate_argnums=0)
-        else:  # (params, tokens, mask[, base, row]) -> logprobs (B, T-1), rows over dp x fsdp x ep
+        elif kind == "served":  # the master's params -> the model's dtype, laid out alike
+            fn = jax.jit(partial(compute_params, dtype=self.dtype), in_shardings=(param_sh,), out_shardings=param_sh)
+        else:  # (params, tokens, mask[, base, row]) -> logprobs (B, T-1), rows over dp x fsdp x ep; `logprobs` and
+            # `reference_logprobs` (a master's reference, in the model's dtype) are one function
             rows = S.batch_sharding(self.mesh, 2)
-            fn = jax.jit(partial(token_logprobs, self.graphdef, temperature=self.settings.temperature, lora=self.lora),
+            fn = jax.jit(partial(token_logprobs, self.graphdef, temperature=self.settings.temperature, lora=self.lora,
+                                 dtype=self.dtype),
                          in_shardings=(param_sh, rows, rows, *base_sh), out_shardings=rows)
         self._programs[kind, keys] = fn
         return fn
@@ -316,13 +366,15 @@ class ActorWorker:
         s, compiled = self.settings, 0
         m, off_policy = s.micro_batch_size, self._off_policy(size)
         shapes = {"tokens": ((m, length), np.int32), "attention_mask": ((m, length), np.bool_)}
-        if off_policy or s.beta > 0:
-            key = ("logprobs", (), shapes_key(shapes))
-            if key not in self._prepared:
+        wanted = {"logprobs": off_policy or (s.beta > 0 and self._abstract_ref is None),
+                  "reference_logprobs": s.beta > 0 and self._abstract_ref is not None}
+        for kind, params in (("logprobs", self._abstract.params), ("reference_logprobs", self._abstract_ref)):
+            key = (kind, (), shapes_key(shapes))
+            if wanted[kind] and key not in self._prepared:
                 rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
-                args = (self._abstract.params, *rows, *self._abstract_base)
+                args = (params, *rows, *self._abstract_base)
                 self._prepared[key], built = shared(
-                    (self._signature, key), lambda: compile_once(self._program("logprobs").lower(*args)))
+                    (self._signature, key), lambda kind=kind, args=args: compile_once(self._program(kind).lower(*args)))
                 compiled += built
         acc = s.mini_batch_size // m
         mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
@@ -366,11 +418,12 @@ class ActorWorker:
         # A LoRA actor's policy is its base with its adapter; its reference is the base alone (its adapter's row off)
         base = () if self.lora is None else (self.base, np.int32(-1 if reference else 0))
         params = self.state.params if self.lora is not None else params
+        kind = "reference_logprobs" if reference and self._abstract_ref is not None else "logprobs"
         m, out = self.settings.micro_batch_size, []
         for i in range(0, batch.size, m):
             rows = {"tokens": batch.tokens[i : i + m], "attention_mask": batch.attention_mask[i : i + m]}
             on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, 2)) for k, v in rows.items()}
-            out.append(self._run("logprobs", (), rows, params, on_mesh["tokens"], on_mesh["attention_mask"], *base))
+            out.append(self._run(kind, (), rows, params, on_mesh["tokens"], on_mesh["attention_mask"], *base))
         return np.concatenate([host_value(x) for x in out])
 
     # ---- update ---------------------------------------------------------------------------------
@@ -407,8 +460,6 @@ class ActorWorker:
             raise
         with span("update", samples=batch.size) as update:
             if joint:
-                from workers import actor_cobatch
-
                 history, cobatched = actor_cobatch.join(self, together, minis)
                 if cobatched > 1:
                     update["cobatched"] = cobatched
@@ -434,17 +485,18 @@ class ActorWorker:
         """This task will not train in the hold `together` (it failed before its update): the hold's other members
         stop waiting for it."""
         if self.cobatches(together):
-            from workers import actor_cobatch
-
             actor_cobatch.withdraw(self, together)
 
     def _moved(self, history: list[dict], first: int) -> bool:
-        """Whether the params should differ after these updates: one was applied (not skipped) at a non-zero
-        rate (warmup's first step runs at lr 0) with a gradient, or a weight decay large enough to show in the
-        params' dtype, to apply (a batch whose groups all scored alike has no gradient). The caller checks
-        that they do (rlsched.run.roles.ActorRole)."""
+        """Whether the weights it serves should differ after these updates: one was applied (not skipped) at a
+        non-zero rate (warmup's first step runs at lr 0) with a gradient, or a weight decay large enough to show in
+        the params' dtype, to apply (a batch whose groups all scored alike has no gradient). The caller checks
+        that they do (rlsched.run.roles.ActorRole). Never for a float32 master serving bfloat16: the master moves,
+        and what it serves may rightly stay put until the master's steps add up to half a bfloat16 unit."""
         import jax
 
+        if self.dtype is not None:
+            return False
         schedule, step = make_schedule(self.settings), first
         # Decay alone scales each parameter by (1 - lr * wd): it moves them only if that change is more than
         # half a unit in the last place (bfloat16 at lr 3e-6, wd 0.1: 3e-7 against 3.9e-3, nothing moves).
@@ -481,20 +533,38 @@ class ActorWorker:
     # ---- weights --------------------------------------------------------------------------------
 
     def export_weights(self) -> WeightSnapshot:
-        """The policy's params (never the optimizer state) as they lie on the mesh, with their version and
-        logical checksum, hashed on the devices: nothing is copied here. Whoever moves them copies one leaf
-        at a time (rlsched.cluster.comm)."""
-        flat = self._flat(self.state.params)
+        """The policy's params as the engine is served them (never the optimizer state) as they lie on the mesh,
+        with their version and logical checksum, hashed on the devices. Nothing is copied, except a float32
+        master's cast to the model's dtype, made on the devices once per state (`served`). Whoever moves them
+        copies one leaf at a time (rlsched.cluster.comm)."""
+        flat = self._flat(self.served())
         return WeightSnapshot(flat, self.version, P.checksum(flat))
+
+    def served(self):
+        """The policy's params in the model's dtype, on the mesh: the state's own for a float32 model or a LoRA
+        adapter, else the master's cast, kept until the state changes (one copy, `memory_bytes` counts it)."""
+        if self.dtype is None:
+            return self.state.params
+        if self._served is None or self._served[0] is not self.state:
+            self._served = (self.state, self._program("served")(self.state.params))
+        return self._served[1]
 
     def _flat(self, params) -> dict[str, Any]:
         """Params by flat name: a model's nnx state flattened, or a LoRA adapter (flat already)."""
         return dict(params) if self.lora is not None else P.to_flat(params)
 
     def params_flat(self) -> dict[str, Any]:
-        """The policy's params by flat name wherever they lie: on the mesh, or in host memory while offloaded
-        (the host copies `offload` made; valid until `onload` brings them back and frees them)."""
-        return self._flat(self._host.tree[0].params if self._host is not None else self.state.params)
+        """The params the engine is served (`served`), by flat name, wherever they lie: on the mesh, or in host
+        memory while offloaded (the host copies `offload` made; valid until `onload` brings them back and frees
+        them)."""
+        if self._host is None:
+            return self._flat(self.served())
+        state, _, served = self._host.tree
+        if self.dtype is None:
+            return self._flat(state.params)
+        if served is None:  # offloaded before its cast was made: round the host master, to nearest even as XLA does
+            served = jax.tree.map(lambda x: np.asarray(x).astype(self.dtype) if _floating(x) else x, state.params)
+        return self._flat(served)
 
     # ---- memory ---------------------------------------------------------------------------------
 
@@ -504,19 +574,25 @@ class ActorWorker:
         return self._lease is not None
 
     def offload(self) -> None:
-        """Offload: params, optimizer state and reference params to host memory (pinned host where
-        the backend has it), freed on the device. A shared base stays where it is: only the adapter's state moves."""
+        """Offload: params (a float32 master and its cast the engine is served, if it was made), optimizer state and
+        reference params to host memory (pinned host where the backend has it), freed on the device. A shared
+        base stays where it is: only the adapter's state moves."""
+        served = self._served[1] if self._served is not None and self._served[0] is self.state else None
+        if self._host is None and self._served is not None and served is None:  # an earlier state's: freed too, as a
+            for x in jax.tree.leaves(self._served[1]):  # donated state's params are
+                x.delete()
         if self._host is None and self.shares_base:
-            self._host = offload((self.state, None))
+            self._host = offload((self.state, None, None))
             self.state = None
         elif self._host is None:  # a LoRA actor's own base goes too (its reference is the base: one copy moves)
-            self._host = offload((self.state, self.base if self.lora is not None else self.ref_params))
-            self.state = self.ref_params = self.base = None
+            self._host = offload((self.state, self.base if self.lora is not None else self.ref_params, served))
+            self.state = self.ref_params = self.base = self._served = None
 
     def onload(self) -> None:
         """Onload what offload saved."""
         if self._host is not None:
-            self.state, frozen = onload(self._host)
+            self.state, frozen, served = onload(self._host)
+            self._served = None if served is None else (self.state, served)
             self._host = None
             if self.shares_base:
                 pass  # the base never left
@@ -536,7 +612,9 @@ class ActorWorker:
             return {"params": size(self.state.params), "opt": size(self.state.opt_state), "ref": 0}
         if self.lora is not None:  # the base (its reference too) and the adapter are the params it holds
             return {"params": size(self.base) + size(self.state.params), "opt": size(self.state.opt_state), "ref": 0}
-        return {"params": size(self.state.params), "opt": size(self.state.opt_state), "ref": size(self.ref_params)}
+        served = self._served[1] if self.dtype is not None and self._served is not None else None  # what it serves
+        return {"params": size(self.state.params) + size(served), "opt": size(self.state.opt_state),
+                "ref": size(self.ref_params)}
 
     def shared_bytes(self) -> int:
         """Per device, the shared base this actor reads (0 without one): resident for its base group's life, held
@@ -554,7 +632,7 @@ class ActorWorker:
         """The policy as one model (a LoRA actor's: its base with the adapter merged in; an adapted head of a base
         that ties its embeddings gives an untied model, as workers.models.lora.merged does)."""
         if self.lora is None:
-            return nnx.merge(self.graphdef, self.state.params)
+            return nnx.merge(self.graphdef, self.served())
         merged = L.merged(P.to_flat(self.base), jax.device_get(self.state.params), self.lora)
         if self.config.tie_word_embeddings and "lm_head.kernel" in merged:  # one more matrix than the base's graph
             untied = self.config.replace(tie_word_embeddings=False)

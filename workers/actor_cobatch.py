@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +54,28 @@ from workers.models import sharding as S
 from workers.multihost import global_array, host_value
 from workers.rollout.cobatch import Gatherings
 
-if TYPE_CHECKING:
-    from workers.actor import ActorWorker
+
+class Member(Protocol):
+    """What this module reads and sets of a member: a workers.actor.ActorWorker, named here by what it must have
+    rather than imported (workers.actor imports this module; the other way round would be a circle)."""
+
+    state: Any  # its TrainState, replaced by the one the joint run gives back
+    mesh: Any
+    shardings: Any  # its TrainState's
+    lora: Any
+    base_shardings: Any
+    _lease: Any  # its shared base's lease: `key` names the base group
+    _signature: tuple  # what its programs depend on besides the batch (workers.compiling.shared's key)
+    _prepared: dict  # its executables, which hold the joint programs too
+    _abstract: Any  # its TrainState's shapes, dtypes and shardings
+    _abstract_base: tuple  # its programs' frozen base argument (shapes)
+
+    def step_function(self) -> Callable: ...
+
+    def _steps(self, minis: list[dict[str, np.ndarray]], history: list) -> None: ...
+
+    def _base_args(self) -> tuple: ...
+
 
 _LOCK = threading.Lock()
 _GATHERINGS: dict[tuple, Gatherings] = kept({})  # by shared base (workers.shared_base key): one per base group
@@ -62,11 +83,11 @@ _GATHERINGS: dict[tuple, Gatherings] = kept({})  # by shared base (workers.share
 
 @dataclasses.dataclass(eq=False)
 class TrainRequest:
-    actor: ActorWorker
+    actor: Member
     minis: list[dict[str, np.ndarray]]  # host mini-batches (A, M, ...), in the order its alone update runs them
 
 
-def gatherings(actor: ActorWorker) -> Gatherings:
+def gatherings(actor: Member) -> Gatherings:
     """The process's gatherings of `actor`'s base group (made now if it has none)."""
     key = actor._lease.key  # noqa: SLF001 - the base group's identity
     with _LOCK:
@@ -82,13 +103,13 @@ def open_holds() -> list[int]:
     return [hold for g in every for hold in g.open_holds()]
 
 
-def join(actor: ActorWorker, together, minis: list[dict[str, np.ndarray]]) -> tuple[list[dict], int]:
+def join(actor: Member, together, minis: list[dict[str, np.ndarray]]) -> tuple[list[dict], int]:
     """Run `minis` (one optimizer step each) on `actor` with the hold's other members; (its metrics per step, how
     many members' updates ran in that one program). The actor's state is the new one when it returns."""
     return gatherings(actor).join(together.hold, together.tasks, TrainRequest(actor, minis))
 
 
-def withdraw(actor: ActorWorker, together) -> None:
+def withdraw(actor: Member, together) -> None:
     """`actor`'s task will not train in the hold `together`: the others stop waiting for it."""
     gatherings(actor).withdraw(together.hold, together.tasks)
 
@@ -152,7 +173,7 @@ def _stacked(sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
 
 
-def _programs(actor: ActorWorker, padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> tuple[Any, ...]:
+def _programs(actor: Member, padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> tuple[Any, ...]:
     """(stack, step, unstack) for `padded` members of `actor`'s signature and these mini-batch shapes: compiled on
     first use, then shared by every actor of the signature in this process that holds them."""
     held = actor._prepared.get(("cotrain", padded, keys, shapes_key(shapes)))  # noqa: SLF001

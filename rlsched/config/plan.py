@@ -5,10 +5,12 @@
     json.dumps(plan.as_dict())                # the same numbers, in bytes
 
 Per role and device, by kind (bytes on one device of the role's mesh, laid out by workers.models.sharding):
-    params       every parameter's shard, in the task's model.dtype
-    grads        actor: as params (gradients have their parameter's shape, dtype and layout)
-    optimizer    actor: AdamW's two moments (as params) + two int32 step counts (Adam's and the schedule's)
-    reference    actor, when grpo.beta > 0: the frozen reference copy of the params
+    params       every parameter's shard, in the task's model.dtype; an actor of a bfloat16 model also holds its
+                 float32 master copy (workers.actor: float32 master weights, bfloat16 for the forward and the engine)
+    grads        actor: as the master (gradients have their parameter's shape and layout, in float32)
+    optimizer    actor: AdamW's two moments (float32, as the master) + two int32 step counts (Adam's and the
+                 schedule's)
+    reference    actor, when grpo.beta > 0: the frozen reference copy of the params, in the model's dtype
     (a LoRA task, tasks[i].lora: params are the base's plus its adapter's; grads and optimizer are the adapter's
     (float32, counted whole on every device: at most a few MiB); no reference, the base is it)
     kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp x ep) x (max_prompt_len +
@@ -57,6 +59,7 @@ from workers.models.config import ModelConfig
 
 KINDS = ("params", "grads", "optimizer", "reference", "kv_cache", "activations")
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
+MASTER_DTYPE = "float32"  # an actor's trained weights, moments and gradients, whatever the model's dtype
 ADAM_COUNTS = 2 * 4  # int32 step counts of optax's scale_by_adam and of the learning-rate schedule, replicated
 ACTIVATION_VALUES_PER_HIDDEN = 10  # per token and layer, x hidden: see the module docstring
 ACTIVATION_VALUES_PER_MLP = 2  # per token and dense-MLP layer, x intermediate_size
@@ -74,11 +77,14 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     """Per device of the actor's mesh, by kind (see the module docstring)."""
     mesh, item = task.actor.mesh.as_dict(), ITEMSIZE[task.model.dtype]
     params = param_bytes(model.param_shapes(), mesh, kv_heads=model.num_key_value_heads, itemsize=item)
-    if task.lora is not None:  # the base is frozen: only the adapter has gradients and moments
+    if task.lora is not None:  # the base is frozen: only the adapter (float32) has gradients and moments
         adapter = lora_bytes(task, model)
         out = {"params": params + adapter, "grads": adapter, "optimizer": 2 * adapter + ADAM_COUNTS}
-    else:
-        out = {"params": params, "grads": params, "optimizer": 2 * params + ADAM_COUNTS}
+    else:  # float32 master weights; a bfloat16 model's params are also held as the engine is served them
+        master = param_bytes(model.param_shapes(), mesh, kv_heads=model.num_key_value_heads,
+                             itemsize=ITEMSIZE[MASTER_DTYPE])
+        out = {"params": master + (params if item != ITEMSIZE[MASTER_DTYPE] else 0), "grads": master,
+               "optimizer": 2 * master + ADAM_COUNTS}
     if task.grpo.beta > 0 and task.lora is None:
         out["reference"] = params
     rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)

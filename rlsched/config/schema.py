@@ -162,7 +162,9 @@ class ModelSection(_Section):
     init_seed: int = 0
     """Seed of that random initialisation."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype on device."""
+    """The model's dtype: what the forward and backward compute in, what the engine serves and what an export writes.
+    A bfloat16 task trains float32 master weights (its optimizer moments and summed gradients float32 too) and
+    checkpoints them (docs/models.md, "Precision")."""
 
 
 class DataSection(_Section):

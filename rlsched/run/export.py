@@ -2,7 +2,7 @@
 `rlsched generate` on a run or a checkpoint.
 
     rlsched export runs/<experiment> [--task T] [--step N] OUT
-        OUT/config.json, generation_config.json        the task's model's, with the exported dtype
+        OUT/config.json, generation_config.json        the task's model's, with its dtype (tasks[i].model.dtype)
         OUT/model.safetensors                           (or model-0000k-of-0000n.safetensors + an index, when large)
         OUT/tokenizer.json, tokenizer_config.json, ...  copied from the task's model directory
 
@@ -20,6 +20,8 @@ Design decisions (and why):
   leaf read once: `state.bin` is memory-mapped (a leaf is a view of the file; only a transposed copy of one
   tensor is ever in memory), an orbax checkpoint is restored one leaf per call. A model over `max_shard_bytes`
   is written as several files with `model.safetensors.index.json`, as Hugging Face shards.
+- **The model's dtype.** A bfloat16 task's checkpoint holds float32 master weights (workers.actor); the export
+  rounds them to bfloat16 (to nearest even, as the actor rounds what it serves the engine): what the run served.
 - **Sharded actors export identically.** A checkpoint is the *logical* arrays, whatever the mesh: an actor in
   one process (fsdp / tp / ep over its devices) copies each leaf to host whole before the write
   (`jax.device_get`), so `state.bin` is the same bytes as an unsharded actor's. An actor across hosts (no
@@ -297,7 +299,21 @@ def _checked(ckpt: Checkpoint):
     if len(dtypes) != 1 or dtypes[0] not in _SAFETENSORS_DTYPES:
         raise ExportError(f"{ckpt.describe()}: parameters of dtype(s) {dtypes}; an export writes one of "
                           f"{sorted(_SAFETENSORS_DTYPES)}")
-    return cfg.replace(dtype=dtypes[0]), leaves
+    dtype = _model_dtype(ckpt) or dtypes[0]
+    if dtype != dtypes[0]:  # a bfloat16 task's float32 master (workers.actor): rounded as the engine was served it
+        target = _np_dtype(dtype)
+        leaves = [_Leaf(leaf.name, target, leaf.shape, lambda leaf=leaf: leaf.read().astype(target)) for leaf in leaves]
+    return cfg.replace(dtype=dtype), leaves
+
+
+def _model_dtype(ckpt: Checkpoint) -> str | None:
+    """The task's model.dtype (its hparams.json), which an export writes: a bfloat16 task's checkpoint holds
+    float32 master weights. None where hparams.json does not say (the leaves' dtype is written then)."""
+    try:
+        dtype = json.loads((ckpt.path.parent.parent / "hparams.json").read_text())["model"]["dtype"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return dtype if dtype in _SAFETENSORS_DTYPES else None
 
 
 # ---- writing ---------------------------------------------------------------------------------------------------

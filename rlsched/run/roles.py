@@ -247,10 +247,12 @@ class ActorRole(_Role):
             metrics["tied_groups"] = tied  # groups whose rewards all tie: advantage 0, no signal
         before = self._published_checksum
         message = self._publish()
+        # `moved`: the served weights must differ (workers.actor.ActorWorker._moved). A bfloat16 model trains a
+        # float32 master, whose steps may rightly leave every bfloat16 weight as it was: it never says so then.
         if metrics.pop("moved") and message.checksum == before:
             raise TaskError(f"task {self.spec.name}: step {step}'s update left every parameter as it was "
                             f"(v{message.version} hashes like v{message.version - 1}); the update did not reach the "
-                            "weights (bfloat16 parameters with a learning rate too small to move them?)")
+                            "weights (an optimizer or freeze mask whose updates are all zero?)")
         return PhaseResult(metrics, self.timeline.drain(), self.memory_probe(), message=message)
 
     def prepare(self, size: int, length: int) -> tuple[int, list[dict]]:
