@@ -80,7 +80,8 @@ def test_the_state_is_float32_and_the_forward_and_what_is_served_bfloat16(models
     mini["ref_logp"] = np.zeros_like(mini["loss_mask"])
     jaxpr = jax.make_jaxpr(actor.step_function())(actor.state, mini)
     (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
-    carry = scan.outvars[: scan.params["num_carry"]]
+    carry = scan.outvars  # the body returns no per-micro-batch outputs: every output is the carry (JAX 0.11's scan
+    # params have no "num_carry", measured on the GPU machine)
     floats = {v.aval.dtype for v in carry if jnp.issubdtype(v.aval.dtype, jnp.floating)}
     assert floats == {np.dtype(np.float32)}
     # ... while the forward computes in bfloat16: the jaxpr's matmuls take bfloat16 operands

@@ -630,7 +630,7 @@ def test_plan_of_an_absent_model_takes_published_shapes_as_check_does(tmp_path):
     for plan in published:
         assert plan["models"]["gsm8k"].endswith("has no config.json here)"), plan["models"]
         assert {k: v for k, v in plan.items() if k != "models"} == {k: v for k, v in real.items() if k != "models"}
-    assert real["roles"][0]["bytes"]["params"] == 1_720_574_976 * 2  # bfloat16, one device
+    assert real["roles"][0]["bytes"]["params"] == 1_720_574_976 * 6  # float32 master + the bfloat16 it serves
     text = cli("plan", recipe, "--set", f"tasks.0.model.path={tmp_path / 'absent'}", "--model", "qwen3-1.7b")
     assert text.returncode == 0 and "Qwen3 of 1.72B params in bfloat16" in text.stdout, text.stderr
     refused = cli("plan", recipe, "--set", f"tasks.0.model.path={tmp_path / 'absent'}")
