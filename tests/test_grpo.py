@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from workers.grpo import group_advantages, loss_denominator, policy_loss, tied_groups, token_entropy
+from workers.grpo import group_advantages, loss_denominator, policy_loss, tied_groups
+from workers.token_logprobs import target_logprobs
 
 
 def test_group_advantages_by_hand():
@@ -196,10 +197,14 @@ def test_token_entropy_by_hand():
     # temperature 2: z = [0, ln 3 / 2], p = [1, sqrt 3] / (1 + sqrt 3) = [0.366025, 0.633975];
     # H = -(0.366025 ln 0.366025 + 0.633975 ln 0.633975) = 0.367875 + 0.288932 = 0.656806
     # 8 equal logits: H = ln 8 = 2.079442
+    def token_entropy(logits, temperature):  # the head is the identity: the "hidden states" are the logits
+        return target_logprobs(lambda h: h, logits, jnp.zeros(logits.shape[:-1], jnp.int32),
+                               temperature=temperature)[1]
+
     logits = jnp.array([[[0.0, np.log(3.0)]]])
     np.testing.assert_allclose(token_entropy(logits, 1.0), [[0.562335]], rtol=1e-5)
     np.testing.assert_allclose(token_entropy(logits, 2.0), [[0.656806]], rtol=1e-5)
-    np.testing.assert_allclose(token_entropy(jnp.full((3, 8), 5.0), 1.0), [np.log(8.0)] * 3, rtol=1e-6)
+    np.testing.assert_allclose(token_entropy(jnp.full((1, 3, 8), 5.0), 1.0), [[np.log(8.0)] * 3], rtol=1e-6)
 
 
 def test_entropy_and_sampler_gap_metrics_by_hand():

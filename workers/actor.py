@@ -68,6 +68,7 @@ from workers.models import sharding as S
 from workers.models.decoder import CausalLM
 from workers.multihost import global_array, host_value
 from workers.offload import offload, onload, per_device_bytes
+from workers.token_logprobs import target_logprobs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -164,19 +165,32 @@ def policy_logits(graphdef, params, base, lora, tokens, attention_mask, *, route
     return model(tokens, attention_mask=attention_mask, adapters=adapters)
 
 
+def policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, *, temperature, router_loss: bool = False,
+                    row=0, dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`policy_logits`' model's log p(tokens[:, 1:]) (B, T-1), its entropy there (B, T-1, no gradient) and the MoE
+    load-balancing loss (0 without `router_loss`), all float32: the output head runs on chunks of positions
+    (workers.token_logprobs), so no [B, T, V] float32 logits are ever alive, in the forward or the backward."""
+    if base is None:
+        params = params if dtype is None else compute_params(params, dtype)
+        model, adapters = nnx.merge(graphdef, params), None
+    else:
+        model = nnx.merge(graphdef, base)
+        adapters = LB.stack([params], [lora], jnp.full(tokens.shape[0], row, jnp.int32))
+    hidden, aux = model.hidden_states(tokens, attention_mask=attention_mask, adapters=adapters,
+                                      router_loss=router_loss)
+    logp, entropy = target_logprobs(lambda h: model.logits(h, adapters), hidden[:, :-1], tokens[:, 1:],
+                                    temperature=temperature)
+    return logp, entropy, aux
+
+
 def token_logprobs(graphdef, params, tokens, attention_mask, base=None, row=0, *, temperature,
                    lora=None, dtype=None) -> jax.Array:
-    """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32 (`policy_logits`' model). A LoRA
+    """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32 (`policy_logprobs`). A LoRA
     actor passes `row` as a traced int32 (0: its policy, -1: its reference, the base): both are one executable,
     so a fresh adapter's logprobs equal its reference's bit for bit (XLA fuses a program without the adapter
     otherwise, about 1e-6 away)."""
-    logits = policy_logits(graphdef, params, base, lora, tokens, attention_mask, row=row, dtype=dtype)
-    return _logprobs_of(logits, tokens, temperature)
-
-
-def _logprobs_of(logits, tokens, temperature) -> jax.Array:
-    logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)  # (B, T-1, V)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, temperature=temperature, row=row,
+                           dtype=dtype)[0]
 
 
 def router_aux_coef(settings: ActorSettings, config) -> float:
@@ -204,18 +218,14 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
     micro_batches = batch["tokens"].shape[0]
 
     def micro_loss(params, mb):
-        forward = partial(policy_logits, graphdef, params, base, lora, mb["tokens"], mb["attention_mask"], dtype=dtype)
-        if aux_coef:  # the router's load-balancing loss, averaged over the mini-batch's micro-batches
-            logits, aux = forward(router_loss=True)
-        else:
-            logits, aux = forward(), jnp.zeros((), jnp.float32)
-        logp = _logprobs_of(logits, mb["tokens"], s.temperature)
+        # with aux_coef, the router's load-balancing loss too, averaged over the mini-batch's micro-batches
+        logp, entropy, aux = policy_logprobs(graphdef, params, base, lora, mb["tokens"], mb["attention_mask"],
+                                             temperature=s.temperature, router_loss=bool(aux_coef), dtype=dtype)
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
         loss, m = grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
                                    epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
                                    aggregation=s.aggregation, denominator=denominator, kl_clamp=s.kl_clamp,
-                                   entropy=grpo.token_entropy(logits[:, :-1], s.temperature),
-                                   sampler_logp=mb.get("sampler_logp"))
+                                   entropy=entropy, sampler_logp=mb.get("sampler_logp"))
         aux = aux / micro_batches
         return loss + aux_coef * aux, {**m, "router_aux_loss": aux}  # the metric: the unweighted loss
 

@@ -18,7 +18,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -94,7 +93,7 @@ def policy_loss(logp: jnp.ndarray, old_logp: jnp.ndarray, ref_logp: jnp.ndarray 
                 "seq-mean-token-sum-norm": sum over valid tokens / (sequences x max_tokens) (Dr. GRPO).
     denominator: override the count divided by (see module docstring); default: this batch's.
     Metrics only (no gradient flows through them): `entropy` (N, L), the policy's entropy at each position
-    (`token_entropy`), averaged over valid tokens; `sampler_logp` (N, L), the rollout engine's log-probs of the
+    (workers.token_logprobs), averaged over valid tokens; `sampler_logp` (N, L), the rollout engine's log-probs of the
     same tokens: `logp_gap_mean`/`logp_gap_max` are the mean and max of |old_logp - sampler_logp| over valid
     tokens (the actor's rollout-time policy against the sampler's; NaN where the engine gave none). Either
     missing: its metrics are NaN.
@@ -146,13 +145,3 @@ def policy_loss(logp: jnp.ndarray, old_logp: jnp.ndarray, ref_logp: jnp.ndarray 
     }
     return loss, metrics
 
-
-def token_entropy(logits: jnp.ndarray, temperature: float) -> jnp.ndarray:
-    """logits (..., V) -> the entropy (...) of softmax(logits / temperature), in nats.
-
-    H = logsumexp(z) - sum(softmax(z) * z): two reductions over the logits that XLA fuses with the scaling,
-    so no (..., V) array of probabilities or log-probabilities is kept beside the logits. No gradient.
-    """
-    z = jax.lax.stop_gradient(logits).astype(jnp.float32) / temperature
-    lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
-    return lse[..., 0] - (jnp.exp(z - lse) * z).sum(axis=-1)

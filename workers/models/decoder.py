@@ -231,6 +231,17 @@ class CausalLM(nnx.Module):
         k = getattr(self.config, "num_experts_per_tok", 1)
         return self.logits(hidden, adapters), load_balancing_loss(collected, k, mask)
 
+    def hidden_states(self, input_ids, *, attention_mask=None, adapters: AdapterBatch | None = None,
+                      router_loss: bool = False) -> tuple[jax.Array, jax.Array]:
+        """The final hidden states (B, T, H) of a padded batch (before the output head: `logits` of a slice of them
+        gives what `model(...)` would there), and the MoE load-balancing loss with `router_loss` (else 0)."""
+        positions, mask = self._defaults(input_ids, None, attention_mask)
+        collected: list | None = [] if router_loss else None
+        hidden, _ = self.forward(input_ids, positions, mask, None, 0, router_logits=collected, adapters=adapters)
+        if not router_loss:
+            return hidden, jnp.zeros((), jnp.float32)
+        return hidden, load_balancing_loss(collected, getattr(self.config, "num_experts_per_tok", 1), mask)
+
     @staticmethod
     def _defaults(input_ids, positions, attention_mask):
         b, t = input_ids.shape
