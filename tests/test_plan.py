@@ -188,9 +188,9 @@ def test_tiny_plan_by_hand(tmp_path):
     assert actor_bytes(task, model) == {
         "params": params, "grads": params,
         "optimizer": 2 * params + 8,  # two moments + Adam's and the schedule's int32 counts
-        # micro-batch 64 / (dp 1 x fsdp 2) = 32 rows x (16 + 4) tokens x (2 layers x (10 x 64 + 2 x 192 = 16 x 64)
-        # + 2 x 384 / tp 2)
-        "activations": 32 * 20 * (2 * 16 * 64 + 2 * 192) * 4,
+        # micro-batch 64 / (dp 1 x fsdp 2) = 32 rows x [(16 + 4) tokens x 2 layers x (10 x 64 + 2 x 192 = 16 x 64)
+        # + 19 log-prob positions (one chunk: fewer than 128) x 2 x 384 / tp 2]
+        "activations": 32 * (20 * 2 * 16 * 64 + 19 * 2 * 192) * 4,
     }
     # engine tp 2: embed 192 x 64 = 12,288; per layer q 64 x 128, k, v 64 x 128 (replicated), o 128 x 64 ->
     # 4 x 8,192; gate/up 64 x 96, down 96 x 64 -> 3 x 6,144; norms 384: 12,288 + 64 + 2 x 51,584 = 115,520.
@@ -273,7 +273,8 @@ def test_qwen3_1p7b_recipe_plan_by_hand(tmp_path, capsys):
         "actor", {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}, list(range(8)))
     assert (engine["role"], engine["mesh"], engine["devices"]) == (
         "engine", {"dp": 1, "fsdp": 1, "ep": 1, "tp": 2}, [0, 1])
-    activations = (8 // 4) * (256 + 1024) * (28 * 16 * 2048 + 2 * 151_936 // 2) * 4  # 2 rows x 1,280 tokens
+    # 2 rows x [1,280 tokens x 28 layers x 16 x 2,048 + one chunk of 128 positions x 2 x 151,936 / tp 2]
+    activations = (8 // 4) * ((256 + 1024) * 28 * 16 * 2048 + 128 * 2 * 151_936 // 2) * 4
     # bfloat16: the actor trains float32 master weights (2 x the bfloat16 bytes) and serves the bfloat16 params;
     # its gradients and both moments are float32; the reference (beta 0.08) is bfloat16
     assert actor["bytes"] == {
@@ -318,18 +319,19 @@ def test_qwen2p5_7b_recipe_plan_by_hand(tmp_path):
     actor_params = ((total - replicated - biases) // 8 + biases // 2 + replicated) * 2  # fsdp 4 x tp 2
     engine_params = ((total - replicated) // 4 + replicated) * 2  # tp 4: 4 KV heads, one per device
     assert actor_params == 1_904_358_400 and engine_params == 3_808_114_688
-    # micro-batch 4 / fsdp 4 = 1 row x 1,280 tokens x (28 x (10 x 3,584 + 2 x 18,944) + 2 x 152,064 / 2) x 4 B
-    activations = 1 * 1280 * (28 * 73_728 + 152_064) * 4
+    # micro-batch 4 / fsdp 4 = 1 row x [1,280 tokens x 28 x (10 x 3,584 + 2 x 18,944) + 128 positions (a chunk)
+    # x 2 x 152,064 / 2] x 4 B
+    activations = 1 * (1280 * 28 * 73_728 + 128 * 152_064) * 4
     kv = 128 * 1280 * 28 * 2 * 1 * 128 * 2  # 128 rows x 1,280 slots x 28 layers x (k, v) x 1 head x 128 x bf16
     actor, engine = plan.roles
     assert (actor.devices, engine.devices) == (list(range(8)), [0, 1, 2, 3])
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    assert (actor.total, engine.total) == (30_391_797_768, 6_156_924_928)  # 28.3 GiB, 5.7 GiB
+    assert (actor.total, engine.total) == (29_691_086_856, 6_156_924_928)  # 27.7 GiB, 5.7 GiB
     assert plan.per_device == [actor.total + engine.total] * 4 + [actor.total] * 4
     (group,) = plan.groups
-    assert group.fits == "yes" and group.resident == 36_548_722_696 < 64 * 2**30  # 34.0 GiB
+    assert group.fits == "yes" and group.resident == 35_848_011_784 < 64 * 2**30  # 33.4 GiB
 
 
 def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
@@ -350,23 +352,23 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
     actor_params = (experts // 8 + (rest - kv_proj) // 8 + kv_proj + whole) * 2  # tp 8
     engine_params = (experts // 8 + rest // 2 + whole) * 2  # ep 4 x tp 2
     assert actor_params == 7_831_580_672 and engine_params == 8_801_644_544
-    # micro-batch 1 = 1 row x 1,280 tokens x (48 MoE layers x (10 x 2,048 + 12 x 128 experts x 768 / tp 8)
-    # + 2 x 151,936 / 8) x 4 bytes: the experts' intermediates are 87% of it.
-    activations = 1 * 1280 * (48 * (20_480 + 147_456) + 37_984) * 4
+    # micro-batch 1 = 1 row x [1,280 tokens x 48 MoE layers x (10 x 2,048 + 12 x 128 experts x 768 / tp 8)
+    # + 128 positions (a chunk) x 2 x 151,936 / 8] x 4 bytes: the experts' intermediates are 88% of it.
+    activations = 1 * (1280 * 48 * (20_480 + 147_456) + 128 * 37_984) * 4
     kv = 32 * 1280 * 48 * 2 * 2 * 128 * 2  # 128 rows / ep 4 x 1,280 slots x 48 layers x (k, v) x 4 / tp 2 heads
     actor, engine = plan.roles
     assert (actor.mesh, engine.mesh) == ({"dp": 1, "fsdp": 1, "ep": 1, "tp": 8}, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 2})
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    assert (actor.total, engine.total) == (119_782_236_168, 10_814_910_464)  # 111.6 GiB, 10.1 GiB
+    assert (actor.total, engine.total) == (119_607_205_896, 10_814_910_464)  # 111.4 GiB, 10.1 GiB
     (group,) = plan.groups
-    assert (group.resident, group.largest_role, group.fits) == (130_597_146_632, actor.total, "with offload")
+    assert (group.resident, group.largest_role, group.fits) == (130_422_116_360, actor.total, "with offload")
     assert actor.total <= 112 * 2**30 < group.resident and plan.runnable
 
     # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal).
-    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 358.0), ("{fsdp: 2, ep: 2, tp: 2}", 4, 215.1),
-                             ("{ep: 2, tp: 4}", 2, 147.4), ("{tp: 8}", 1, 111.6)):
+    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 356.7), ("{fsdp: 2, ep: 2, tp: 2}", 4, 214.5),
+                             ("{ep: 2, tp: 4}", 2, 147.1), ("{tp: 8}", 1, 111.4)):
         cfg = load_config(CONFIGS / "gsm8k_qwen3_30b_a3b.yaml", [
             f"tasks.0.model.path={tmp_path}", f"tasks.0.actor.mesh={mesh}", f"tasks.0.grpo.micro_batch_size={micro}",
             "cluster.memory_budget_gb=64"])
@@ -377,22 +379,23 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
 def test_moe_activations_count_experts_only_in_moe_layers():
     """tiny-qwen3moe: hidden 64, dense MLP 192 in layer 0, 4 experts of width 48 in layer 1, vocab 384. On
     ep 2 x tp 2, per token: layer 0 10 x 64 + 2 x 192 = 1,024; layer 1 10 x 64 + 12 x 4 x 48 / tp 2 = 1,792
-    (ep splits the experts but gathers its rows: each device's rows meet every expert); logits 2 x 384 / 2."""
+    (ep splits the experts but gathers its rows: each device's rows meet every expert). The output head's chunk is
+    counted apart (actor_bytes), not per token."""
     from workers.models.presets import preset_config
 
     model = preset_config("tiny-qwen3moe", vocab_size=384)
     assert [model.moe_layer(i) for i in range(2)] == [False, True]
-    assert activation_values(model, {"dp": 1, "fsdp": 1, "ep": 2, "tp": 2}) == 1_024 + 1_792 + 384
-    assert activation_values(model, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 1}) == 1_024 + (640 + 2_304) + 768
+    assert activation_values(model, {"dp": 1, "fsdp": 1, "ep": 2, "tp": 2}) == 1_024 + 1_792
+    assert activation_values(model, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 1}) == 1_024 + (640 + 2_304)
 
 
 def test_budget_verdicts(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_1P7B))
     recipe = [str(CONFIGS / "gsm8k_qwen3_1p7b_mesh.yaml"), "--set", f"tasks.0.model.path={tmp_path}"]
-    # 16 GiB: the actor (14.2 GiB) and the engine (6.0 GiB) do not fit at once, each alone does.
+    # 16 GiB: the actor (12.9 GiB) and the engine (6.0 GiB) do not fit at once, each alone does.
     assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=16"]) == 0
     out = capsys.readouterr().out
-    assert "group shared (devices 0-7): 20.2 GiB on device 0 with every role resident; largest role 14.2 GiB; " \
+    assert "group shared (devices 0-7): 18.9 GiB on device 0 with every role resident; largest role 12.9 GiB; " \
            "fits one role at a time (idle roles offload)" in out
     assert "gsm8k  actor   fsdp 4 x tp 2  0-7" in out and "gsm8k  engine  tp 2           0-1" in out
     assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=8"]) == 1
@@ -521,10 +524,10 @@ def test_the_moe_recipe_plans_through_the_cli(tmp_path):
     assert lines[1] == (f"task gsm8k: Qwen3-MoE (128 experts, top 8) of 30.53B params in bfloat16, 48 layers, 4 KV "
                         f"heads ({tmp_path / 'config.json'})")
     assert [" ".join(line.split()) for line in lines[4:6]] == [  # columns padded to their widths
-        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 38.6 GiB 111.6 GiB",
+        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 38.5 GiB 111.4 GiB",
         "gsm8k engine ep 4 x tp 2 0-7 8.2 GiB - - - 1.9 GiB - 10.1 GiB"]
-    assert lines[6] == ("group shared (devices 0-7): 121.6 GiB on device 0 with every role resident; largest role "
-                        "111.6 GiB; fits one role at a time (idle roles offload)")
+    assert lines[6] == ("group shared (devices 0-7): 121.5 GiB on device 0 with every role resident; largest role "
+                        "111.4 GiB; fits one role at a time (idle roles offload)")
 
 
 def test_the_memory_line_puts_each_measured_kind_beside_the_plans():

@@ -15,12 +15,14 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     (float32, counted whole on every device: at most a few MiB); no reference, the base is it)
     kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp x ep) x (max_prompt_len +
                  max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule
-    activations  actor, an ESTIMATE: rows per device (micro-batch / (dp x fsdp x ep)) x (max_prompt_len +
-                 max_new_tokens) tokens x (per-layer values, summed over the layers, + 2 x vocab / tp) x 4 bytes
+    activations  actor, an ESTIMATE: rows per device (micro-batch / (dp x fsdp x ep)) x [(max_prompt_len +
+                 max_new_tokens) tokens x per-layer values, summed over the layers, + the positions of one chunk of
+                 the output head (workers.token_logprobs, at most 128) x 2 x vocab / tp] x 4 bytes
 The activation estimate counts what a layer's backward keeps per token: 10 x hidden (the inputs of the norms,
 q/k/v/o and the residual stream; not divided by tp) plus, for a dense MLP, 2 x its intermediate width (gate and
-up outputs), and float32 logits and their log-softmax over the vocab shard (a LoRA adapter on the head adds
-its own float32 term over the vocab shard). A mixture-of-experts layer
+up outputs), and one chunk of positions' float32 logits and their gradient over the vocab shard (the head runs
+chunk by chunk, rematerialised: never the whole [rows, positions, vocab]; a LoRA adapter on the head adds its own
+float32 term over the vocab shard). A mixture-of-experts layer
 (workers.models.moe) runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I)
 intermediates: the ep group's rows (gathered over ep) x E / ep experts x I / tp, which per device is the
 device's own rows x E x I / tp; MOE_VALUES_PER_EXPERT of them per token. That count is XLA's, not the block's
@@ -59,6 +61,7 @@ from workers.models.config import ModelConfig
 
 KINDS = ("params", "grads", "optimizer", "reference", "kv_cache", "activations")
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
+LOGPROB_CHUNK = 128  # positions per chunk of the output head: workers.token_logprobs.DEFAULT_CHUNK (no JAX here)
 MASTER_DTYPE = "float32"  # an actor's trained weights, moments and gradients, whatever the model's dtype
 ADAM_COUNTS = 2 * 4  # int32 step counts of optax's scale_by_adam and of the learning-rate schedule, replicated
 ACTIVATION_VALUES_PER_HIDDEN = 10  # per token and layer, x hidden: see the module docstring
@@ -88,10 +91,14 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     if task.grpo.beta > 0 and task.lora is None:
         out["reference"] = params
     rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
-    tokens = rows * (task.grpo.max_prompt_len + task.grpo.max_new_tokens)
-    out["activations"] = tokens * activation_values(model, mesh) * 4
-    if task.lora is not None and "lm_head" in task.lora.targets:  # the head adapter's float32 logits term too
-        out["activations"] += tokens * -(-model.vocab_size // mesh["tp"]) * 4
+    positions = task.grpo.max_prompt_len + task.grpo.max_new_tokens
+    # the output head runs on chunks of positions (workers.token_logprobs): one chunk's float32 logits and their
+    # gradient are alive at a time, over the vocab shard (a LoRA adapter on the head adds its float32 delta)
+    head = 2 * -(-model.vocab_size // mesh["tp"])
+    if task.lora is not None and "lm_head" in task.lora.targets:
+        head += -(-model.vocab_size // mesh["tp"])
+    out["activations"] = (rows * positions * activation_values(model, mesh)
+                          + rows * min(LOGPROB_CHUNK, positions - 1) * head) * 4
     return out
 
 
@@ -112,7 +119,7 @@ def activation_values(model: ModelConfig, mesh: dict[str, int]) -> int:
         else:
             mlp = ACTIVATION_VALUES_PER_MLP * model.intermediate_size
         per_layer.append(ACTIVATION_VALUES_PER_HIDDEN * model.hidden_size + mlp)
-    return sum(per_layer) + 2 * -(-model.vocab_size // tp)
+    return sum(per_layer)
 
 
 def engine_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
