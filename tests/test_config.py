@@ -288,9 +288,9 @@ def test_override_into_a_list_element(tmp_path):
 
 def test_override_of_one_task_leaves_tasks_sharing_its_yaml_anchor_alone():
     cfg = load_config(Path(__file__).parents[1] / "configs" / "demo_multitask.yaml",  # grpo: *grpo in task 1
-                      ["tasks.1.grpo.beta=0.1", "tasks.0.rollout.max_batch_size=8"])
-    assert [t.grpo.beta for t in cfg.tasks] == [0.0, 0.1]
-    assert [t.rollout.max_batch_size for t in cfg.tasks] == [8, 256]
+                      ["tasks.1.grpo.beta=0.3", "tasks.0.rollout.max_batch_size=8"])
+    assert [t.grpo.beta for t in cfg.tasks] == [0.1, 0.3]
+    assert [t.rollout.max_batch_size for t in cfg.tasks] == [8, 512]
 
 
 def test_override_of_a_new_key_is_validated_like_the_file(tmp_path):

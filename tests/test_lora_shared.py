@@ -190,7 +190,7 @@ def _lora_run(out, model_dir, tasks: str):
         sets += [f"tasks.{i}.{s}" for s in (f"model.path={model_dir}", "model.init_preset=null", "lora.rank=8",
                                             "lora.targets=[q,v,down]", "steps=3", "checkpoint_every=0",
                                             "grpo.prompts_per_step=4", "grpo.num_generations=4",
-                                            "grpo.mini_batch_size=8", "rollout.max_batch_size=16")]
+                                            "grpo.mini_batch_size=8", "rollout.max_batch_size=16", "eval=null")]
     done = _cli("train", str(config), "--tasks", tasks, *[a for s in sets for a in ("--set", s)])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout, next(out.glob("demo-*"))

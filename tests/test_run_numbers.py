@@ -30,7 +30,8 @@ def run(tmp_path_factory, tiny_model_dir):
     for i in (0, 1):
         sets += [f"tasks.{i}.model.path={tiny_model_dir}", f"tasks.{i}.model.init_preset=null",
                  f"tasks.{i}.steps={STEPS}", f"tasks.{i}.checkpoint_every=0", f"tasks.{i}.grpo.prompts_per_step=4",
-                 f"tasks.{i}.grpo.num_generations=4", f"tasks.{i}.grpo.mini_batch_size=8"]
+                 f"tasks.{i}.grpo.num_generations=4", f"tasks.{i}.grpo.mini_batch_size=8",
+                 f"tasks.{i}.eval=null"]  # the demo's evaluation is no part of the numbers counted here
     sets += ["tasks.1.data.kind=jsonl", f"tasks.1.data.path={data}"]
     proc = subprocess.run([sys.executable, "-m", "rlsched.cli", "train", str(ROOT / "configs" / "demo_multitask.yaml"),
                            *[w for s in sets for w in ("--set", s)]], cwd=work, capture_output=True, text=True,

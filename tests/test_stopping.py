@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     f"steps={STEPS}", "checkpoint_every=0", "grpo.prompts_per_step=4", "grpo.num_generations=4",
-    "grpo.mini_batch_size=8", "rollout.max_batch_size=16")]
+    "grpo.mini_batch_size=8", "rollout.max_batch_size=16", "eval=null")]
 
 
 def _args(out: Path, models: Path, *extra: str) -> list[str]:

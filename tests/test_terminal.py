@@ -53,7 +53,7 @@ def test_a_run_at_a_terminal_shows_live_rows_and_nothing_but_the_tasks_lines(tmp
     sets = [f"experiment.output_dir={tmp_path}"]
     for i, name in enumerate(TASKS):
         sets += [f"tasks.{i}.{k}" for k in ("steps=2", "grpo.prompts_per_step=4", "grpo.num_generations=4",
-                                            "grpo.mini_batch_size=8", "rollout.max_batch_size=16")]
+                                            "grpo.mini_batch_size=8", "rollout.max_batch_size=16", "eval=null")]
         sets += [f"tasks.{i}.model.path={tmp_path / 'models' / name}"]
     args = [sys.executable, "-m", "rlsched.cli", "train", "configs/demo_multitask.yaml"]
     for s in sets:

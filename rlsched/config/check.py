@@ -162,7 +162,7 @@ def _check_model(report: Report, task: TaskConfig, index: int, *, model: str | N
             config = read_model_config(task, index)
             report.add("ok", what, f"{_size(config)}, init_preset {task.model.init_preset}: `rlsched train` "
                                    f"creates it at {path}")
-            return _Model(config, *_byte_tokenizer())
+            return _Model(config, *_preset_tokenizer(task.model.init_preset))
         config, source = given_shapes(path, model=model, model_config=model_config)
     except (ConfigError, ModelConfigError, UnknownModelError) as err:
         report.add("FAIL", what, str(err))
@@ -217,9 +217,12 @@ def _size(config: ModelConfig) -> str:
                                                                              f"{n / 1e6:.2f}M params"
 
 
-def _byte_tokenizer() -> tuple[Any, str]:
-    from workers.models.tokenizer import build_byte_tokenizer
+def _preset_tokenizer(preset: str) -> tuple[Any, str]:
+    from workers.models.presets import preset_tokenizer
+    from workers.models.tokenizer import build_byte_tokenizer, build_digits_tokenizer
 
+    if preset_tokenizer(preset) == "digits":
+        return build_digits_tokenizer(), "the digits tokenizer init_preset writes"
     return build_byte_tokenizer(), "the byte tokenizer init_preset writes"
 
 

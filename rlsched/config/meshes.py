@@ -77,17 +77,18 @@ def task_devices(cfg: ExperimentConfig) -> dict[str, dict[str, list[int]]]:
 
 def read_model_config(task: TaskConfig, index: int, *, required: bool = False) -> ModelConfig | None:
     """The task's model architecture: its config.json, else its `init_preset` (what `rlsched train` will
-    create there, with the byte tokenizer), else None, or a ConfigError when `required`."""
+    create there, with the preset's tokenizer), else None, or a ConfigError when `required`."""
     path = Path(task.model.path)
     if (path / "config.json").is_file():
         return ModelConfig.from_dir(path)
     if task.model.init_preset is not None:
         # These import the tokenizer libraries (a second): only when a preset is asked for.
-        from workers.models.presets import preset_config
-        from workers.models.tokenizer import BYTE_VOCAB_SIZE
+        from workers.models.presets import PUBLISHED_PRESETS, preset_config, preset_vocab_size
 
-        vocab = -(-BYTE_VOCAB_SIZE // 128) * 128  # rounded up as `init_model` does (259 tokens -> 384 rows)
-        return preset_config(task.model.init_preset, vocab_size=vocab)
+        # As `init_model` makes it: byte's 259 tokens -> 384 rows, digits' 16 -> 16, a published shape's own.
+        preset = task.model.init_preset
+        return preset_config(preset, **({} if preset in PUBLISHED_PRESETS else
+                                        {"vocab_size": preset_vocab_size(preset)}))
     if required:
         raise ConfigError(f"tasks.{index}.model.path: {path} has no config.json and tasks.{index}.model.init_preset "
                           "is not set; the model's shapes come from its config.json (weights are not read)")

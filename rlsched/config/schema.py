@@ -36,8 +36,8 @@ from workers.rollout import OWN_PROCESS_ENGINES
 
 # `rlsched init-model` presets (workers.models.presets.PRESETS, which a test holds equal): named here so the
 # CLI and the config check them without importing the model code.
-MODEL_PRESETS = ("tiny", "small", "tiny-qwen2", "small-qwen2", "tiny-qwen3moe", "small-qwen3moe", "qwen3-0.6b",
-                 "qwen3-1.7b", "qwen3-4b")
+MODEL_PRESETS = ("tiny", "small", "tiny-digits", "small-digits", "tiny-qwen2", "small-qwen2", "tiny-qwen3moe",
+                 "small-qwen3moe", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b")
 
 
 class ConfigError(ValueError):

