@@ -74,7 +74,8 @@ def actors(lease, k: int, args) -> list:
     settings = ActorSettings(lr=1e-3, total_steps=1000, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0,
                              grad_clip=1.0, b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0,
                              aggregation="token-mean", temperature=1.0, micro_batch_size=args.rows,
-                             mini_batch_size=args.rows, epochs=1, router_aux_loss_coef=None)
+                             mini_batch_size=args.rows, epochs=1, router_aux_loss_coef=None,
+                             kl_clamp=None, max_new_tokens=None)
     spec = LoraSpec(args.rank, 2.0 * args.rank, tuple(LAYER_TARGETS))
     path, dtype = lease.key[0], lease.key[1]
     return [ActorWorker(None, settings, lora=spec, base=shared_base.acquire(path, dtype=dtype, mesh=lease.mesh), seed=i,

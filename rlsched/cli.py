@@ -171,9 +171,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from rlsched.run.experiment import train
 
     out = Path(args.out)
-    names = [t.name for t in load_config(DEMO_MULTITASK).tasks]
+    tasks = load_config(DEMO_MULTITASK).tasks
+    # named after the preset: a model an older demo made of another preset is never picked up and trained as is
     overrides = [f"experiment.output_dir={out}",
-                 *(f"tasks.{i}.model.path={out / 'models' / ('tiny-' + n)}" for i, n in enumerate(names)), *args.set]
+                 *(f"tasks.{i}.model.path={out / 'models' / f'{t.model.init_preset}-{t.name}'}"
+                   for i, t in enumerate(tasks)), *args.set]
     from rlsched.run.stopping import Interrupted, Stopped
 
     try:

@@ -41,15 +41,31 @@ def test_init_model_with_the_real_qwen3_tokenizer(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_demo_runs(ray_session, tmp_path, capsys):
-    """The quickstart job on Ray, shortened to 3 steps per task (test_train.py checks that a task learns)."""
-    # eval=null: the run's steps alone (the demo's evaluation adds a row before and after)
-    assert main(["demo", "--out", str(tmp_path), "--set", "tasks.*.steps=3", "--set", "tasks.*.eval=null"]) == 0
-    out = capsys.readouterr().out
-    for task in ("addition", "subtraction"):
-        assert f"[demo] {task}: mean reward over the first 3 steps" in out
-        assert len((tmp_path / "demo-multitask" / "tasks" / task / "metrics.jsonl").read_text().splitlines()) == 3
-        assert (tmp_path / "models" / f"tiny-{task}" / "config.json").is_file()
+def test_the_demo_learns_what_it_says(tmp_path):
+    """`rlsched demo` as the quickstart runs it, in a process of its own: it prints each task's exact answers before
+    and after training, and each exported model answers at least 60 % of its operation's problems exactly (greedy,
+    `rlsched eval` on the export: every one of the 100 sums, every one of the 55 differences), from 0 %."""
+    import re
+    import subprocess
+    import sys
+
+    def cli(*args):
+        done = subprocess.run([sys.executable, "-m", "rlsched.cli", *args], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=1200)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    out = cli("demo", "--out", str(tmp_path / "runs"))
+    for task, problems in (("addition", 100), ("subtraction", 55)):
+        line = re.search(rf"\[demo\] {task}: exact answers on its {problems} problems \(greedy\) (\d+)% before "
+                         rf"training, (\d+)% after step 200", out)
+        assert line, out[-3000:]
+        assert (tmp_path / "runs" / "models" / f"tiny-digits-{task}" / "config.json").is_file()
+        cli("export", str(tmp_path / "runs" / "demo-multitask"), str(tmp_path / task), "--task", task)
+        scored = json.loads(cli("eval", str(tmp_path / task), "--data", task, "--split", "all",
+                                "--max-new-tokens", "2", "--json").splitlines()[-1])
+        assert scored["problems"] == problems and scored["accuracy"] >= 0.6, scored
+        assert abs(scored["accuracy"] * 100 - int(line[2])) <= 0.5  # the run's own last evaluation, as printed
 
 
 def test_errors_keep_their_nature(tmp_path, capsys, monkeypatch):

@@ -136,7 +136,8 @@ def test_actors_of_like_tasks_in_one_process_share_their_programs(tiny_model_dir
     settings = ActorSettings(lr=7e-4, total_steps=3, warmup_steps=0, min_lr_ratio=0.5, weight_decay=0.03,
                              grad_clip=1.0, b1=0.9, b2=0.99, epsilon=0.2, epsilon_high=None, beta=0.0,
                              aggregation="token-mean", temperature=1.0, micro_batch_size=4, mini_batch_size=8,
-                             epochs=1, router_aux_loss_coef=None)  # values no other test uses: nothing shared yet
+                             epochs=1, router_aux_loss_coef=None,
+                             kl_clamp=None, max_new_tokens=None)  # values no other test uses: nothing shared yet
     rng = np.random.default_rng(3)
     batch = build_train_batch([rng.integers(1, 200, 5).astype(np.int32) for _ in range(8)],
                               [rng.integers(1, 200, int(rng.integers(1, 6))).astype(np.int32) for _ in range(8)],

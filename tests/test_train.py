@@ -191,7 +191,7 @@ def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model, tmp_pat
     settings = ActorSettings(lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
                              b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
                              temperature=1.0, micro_batch_size=4, mini_batch_size=4, epochs=1,
-                             router_aux_loss_coef=None)
+                             router_aux_loss_coef=None, kl_clamp=None, max_new_tokens=None)
     actor = ActorWorker(model, settings)
     before = jax.tree.map(np.asarray, actor.state.params)
     prompts = [np.array([49, 43, 50, 61], np.int32)] * 4

@@ -94,11 +94,10 @@ class ActorSettings:
     epochs: int
     # Models with experts: weight of the load-balancing loss (workers.models.moe); None: the checkpoint's.
     router_aux_loss_coef: float | None
-    # The field's GRPO variants (workers.grpo), off by default: defaults here, unlike above, so that adding one
-    # changes no caller. kl_clamp: clip the k3 KL to [-kl_clamp, kl_clamp]; max_new_tokens: the completion
-    # length the seq-mean-token-sum-norm aggregation divides by.
-    kl_clamp: float | None = None
-    max_new_tokens: int | None = None
+    # The field's GRPO variants (workers.grpo): kl_clamp clips the k3 KL to [-kl_clamp, kl_clamp] (None: not);
+    # max_new_tokens is the completion length the seq-mean-token-sum-norm aggregation divides by.
+    kl_clamp: float | None
+    max_new_tokens: int | None
 
 
 class TrainState(NamedTuple):
