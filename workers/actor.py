@@ -146,35 +146,24 @@ def compute_params(params, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if _floating(x) and x.dtype != dtype else x, params)
 
 
-def policy_logits(graphdef, params, base, lora, tokens, attention_mask, *, router_loss: bool = False, row=0,
-                  dtype=None):
-    """The policy's float32 logits (B, T, V) for tokens, attention_mask (B, T); with `router_loss`, also the MoE
-    load-balancing loss. `base` None: `params` is the whole model's state, cast to `dtype` (the model's, when
-    `params` is a float32 master) before the forward. Else `base` is the frozen model's state and `params` one LoRA
-    adapter (flat) of LoraSpec `lora`, applied to every row; `row` -1 turns it off (the base: a LoRA actor's
-    reference)."""
+def policy_model(graphdef, params, base, lora, rows: int, *, row=0, dtype=None):
+    """(the policy's model, its adapter batch or None) for a batch of `rows`. `base` None: `params` is the whole
+    model's state, cast to `dtype` (the model's, when `params` is a float32 master) before the forward. Else `base`
+    is the frozen model's state and `params` one LoRA adapter (flat) of LoraSpec `lora`, applied to every row; `row`
+    -1 turns it off (the base: a LoRA actor's reference)."""
     if base is None:
         params = params if dtype is None else compute_params(params, dtype)
-        model, adapters = nnx.merge(graphdef, params), None
-    else:
-        model = nnx.merge(graphdef, base)
-        adapters = LB.stack([params], [lora], jnp.full(tokens.shape[0], row, jnp.int32))
-    if router_loss:
-        return model.with_router_loss(tokens, attention_mask=attention_mask, adapters=adapters)
-    return model(tokens, attention_mask=attention_mask, adapters=adapters)
+        return nnx.merge(graphdef, params), None
+    return nnx.merge(graphdef, base), LB.stack([params], [lora], jnp.full(rows, row, jnp.int32))
 
 
 def policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, *, temperature, router_loss: bool = False,
                     row=0, dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`policy_logits`' model's log p(tokens[:, 1:]) (B, T-1), its entropy there (B, T-1, no gradient) and the MoE
-    load-balancing loss (0 without `router_loss`), all float32: the output head runs on chunks of positions
-    (workers.token_logprobs), so no [B, T, V] float32 logits are ever alive, in the forward or the backward."""
-    if base is None:
-        params = params if dtype is None else compute_params(params, dtype)
-        model, adapters = nnx.merge(graphdef, params), None
-    else:
-        model = nnx.merge(graphdef, base)
-        adapters = LB.stack([params], [lora], jnp.full(tokens.shape[0], row, jnp.int32))
+    """`policy_model`'s log p(tokens[:, 1:]) (B, T-1), its entropy there (B, T-1, no gradient) and the MoE
+    load-balancing loss (0 without `router_loss`), all float32, for tokens, attention_mask (B, T): the output head
+    runs on chunks of positions (workers.token_logprobs), so no [B, T, V] float32 logits are ever alive, in the
+    forward or the backward."""
+    model, adapters = policy_model(graphdef, params, base, lora, tokens.shape[0], row=row, dtype=dtype)
     hidden, aux = model.hidden_states(tokens, attention_mask=attention_mask, adapters=adapters,
                                       router_loss=router_loss)
     logp, entropy = target_logprobs(lambda h: model.logits(h, adapters), hidden[:, :-1], tokens[:, 1:],
