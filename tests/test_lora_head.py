@@ -231,9 +231,10 @@ def test_peft_loads_the_head_adapter_and_the_merged_export_loads_in_transformers
 @pytest.mark.slow
 def test_an_adapter_with_the_head_learns_addition_on_the_random_tiny_base(tmp_path):
     """Issue 33: the demo's addition task with a rank-8 adapter (every projection and the head, lr 3e-3) learns as
-    the full-weight demo does on the random tiny base. Measured over 60 steps, task seeds 0-3: the first 5 steps'
-    mean reward 0.007-0.010, the last 10 steps' 0.286-0.326 (full weights, seed 0: 0.284); the same adapter without
-    the head stays at 0.012."""
+    the full-weight demo does on the random tiny base. Measured over 60 steps with the arithmetic reward of issue 39
+    (exact 1.0, partial credit 0.4 x prefix + 0.1 x closeness; tied groups without signal): task seeds 0-3, the first
+    5 steps' mean reward 0.002-0.004, the last 10 steps' 0.139-0.191 (full weights, seed 0: 0.174); the same adapter
+    without the head stays at 0.005. (With the old reward, 0.5 x closeness, these were 0.286-0.326 and 0.012.)"""
     config = Path(__file__).parent.parent / "configs" / "demo_addition.yaml"
     overrides = [f"experiment.output_dir={tmp_path}", f"tasks.0.model.path={tmp_path / 'model'}", "tasks.0.steps=60",
                  "tasks.0.checkpoint_every=60", "tasks.0.optim.lr=3e-3",
@@ -245,4 +246,4 @@ def test_an_adapter_with_the_head_learns_addition_on_the_random_tiny_base(tmp_pa
     rewards = [json.loads(line)["reward/mean"] for line in lines]
     assert len(rewards) == 60
     first, last = np.mean(rewards[:5]), np.mean(rewards[-10:])
-    assert first <= 0.05 and last >= 0.25, f"first 5 steps {first:.3f}, last 10 {last:.3f}"
+    assert first <= 0.05 and last >= 0.10, f"first 5 steps {first:.3f}, last 10 {last:.3f}"
