@@ -241,7 +241,10 @@ def test_the_router_loss_is_trained_with_only_when_weighted(tiny_moe_dir):
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3moe"])
 def test_a_tiny_model_of_each_family_learns_addition(preset, tmp_path):
     """The demo's recipe (configs/demo_addition.yaml) on a random model of the family, as the Qwen3 demo
-    learns (tests/test_train.py): measured 0.03 -> 0.29 (Qwen2) and 0.02 -> 0.24 (Qwen3-MoE) over 40 steps."""
+    learns (tests/test_train.py): mean reward of the first 10 steps -> the last 10 over 40 steps, measured with issue
+    39's arithmetic reward (partial credit 0.4 x prefix + 0.1 x closeness, tied groups without signal): 0.011 -> 0.154
+    (Qwen2), 0.008 -> 0.150 (Qwen3-MoE), 0.008 -> 0.148 (Qwen3). (The old reward, 0.5 x closeness: 0.03 -> 0.29 and
+    0.02 -> 0.24.)"""
     from rlsched.cli import DEMO_CONFIG
     from rlsched.run.experiment import train
 
@@ -251,7 +254,7 @@ def test_a_tiny_model_of_each_family_learns_addition(preset, tmp_path):
                     echo=lambda *_: None)["addition"]["metrics"]
     rewards = [m["reward/mean"] for m in history]
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
-    assert last > first + 0.15, f"no clear learning: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    assert last > first + 0.10, f"no clear learning: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == preset.split("-")[1].replace(
         "qwen3moe", "qwen3_moe")
 

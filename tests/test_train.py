@@ -82,13 +82,15 @@ def test_in_process_a_mesh_across_hosts_is_refused_before_any_port_is_asked():
 
 @pytest.mark.slow
 def test_demo_learns_addition(tmp_path):
-    """A random tiny Qwen3 (HF init, std 0.02) learns: the field saw ~0 -> ~0.4 in ~30 steps of 16 x 16."""
+    """A random tiny Qwen3 (HF init, std 0.02) learns: the field saw ~0 -> ~0.4 in ~30 steps of 16 x 16. Here, with
+    issue 39's arithmetic reward (partial credit 0.4 x prefix + 0.1 x closeness, tied groups without signal), the
+    first 10 steps' mean reward 0.008 -> the last 10's 0.148 over 40 steps (the old 0.5 x closeness rose ~0.3)."""
     history = train(DEMO_CONFIG, overrides=[f"experiment.output_dir={tmp_path}",
                                             f"tasks.0.model.path={tmp_path / 'model'}", "tasks.0.steps=40"],
                     in_process=True, echo=_silent)["addition"]["metrics"]
     rewards = [m["reward/mean"] for m in history]
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
-    assert last > first + 0.15, f"no clear learning: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    assert last > first + 0.10, f"no clear learning: first 10 steps {first:.3f}, last 10 {last:.3f}"
 
 
 def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model_dir):
