@@ -208,11 +208,11 @@ def test_a_step_whose_master_moves_under_a_bfloat16_unit_is_no_error(tmp_path, t
     a float32 unit below |w| = 1, 6e-8) serves the same weights after its step while its float32 master moved:
     right, and the task goes on."""
     from flax import nnx
+    from test_train import DEMO_CONFIG, _driver, _quick  # the module pytest imported: its rewards registered once
 
     from rlsched.config.loading import load_config
     from rlsched.rundir.files import prepare_run_dir
     from rlsched.scheduling.policy import Role
-    from tests.test_train import DEMO_CONFIG, _driver, _quick
     from workers.models import save_pretrained
 
     model, tokenizer = load_pretrained(tiny_model_dir)
