@@ -23,7 +23,7 @@ import numpy as np
 from rlsched.base.errors import TaskError
 from rlsched.config.schema import TaskConfig
 from rlsched.config.spec import TaskSpec
-from rlsched.run.phases import render_prompt
+from rlsched.run.phases import render_prompt, rollout_seed
 from workers import data as D
 from workers import evaluation as E
 from workers import rewards as R
@@ -92,7 +92,7 @@ class EvalWork:
         e, g = self.cfg.eval, self.cfg.grpo
         return SamplingParams(n=e.samples, temperature=e.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens,
                               stop_token_ids=self.stop_token_ids,
-                              seed=(self.seed * 1_000_003 + step + _SEED_SALT) % (2**31))
+                              seed=rollout_seed(self.seed, step + _SEED_SALT))
 
     def score(self, output: RolloutOutput) -> dict[str, Any]:
         """The evaluation's metrics (workers.evaluation.scores) from the engine's samples, in prompt order."""
