@@ -71,10 +71,13 @@ def test_two_sglang_tasks_train_concurrently_and_learn_like_the_builtin_engine(r
     for task in both:
         got, ref = _rewards(cfg, task), _rewards(reference, task)
         first, last = got[:5].mean(), got[-5:].mean()
-        # It learns: the last five steps' mean reward well above the first five's ...
-        assert last > first + 0.1, (task, got.round(3).tolist())
-        # ... and like the built-in engine (different random streams, so close, not equal).
-        assert abs(last - ref[-5:].mean()) < 0.15, (task, got.round(3).tolist(), ref.round(3).tolist())
+        # It learns: the last five steps' mean reward well above the first five's. Measured with the arithmetic
+        # reward (exact 1.0, partial credit 0.4 x prefix + 0.1 x closeness, tied groups without signal), first
+        # five -> last five: the built-in engine 0.004 -> 0.138 (addition), 0.003 -> 0.095 (subtraction);
+        # sglang-jax 0.002 -> 0.152 and 0.006 -> 0.081 (also in CI).
+        assert last > first + 0.05, (task, got.round(3).tolist())
+        # ... and like the built-in engine (different random streams, so close, not equal: about half the rise).
+        assert abs(last - ref[-5:].mean()) < 0.07, (task, got.round(3).tolist(), ref.round(3).tolist())
 
 
 def test_a_crash_inside_sglang_jax_fails_only_its_task(ray_session, tmp_path, demo_model):
