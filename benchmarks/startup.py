@@ -9,8 +9,9 @@ Ray scheduler as `rlsched train` runs them. Ray is started once, before the cloc
   first step (its metrics line's `time/end_unix`): role processes start, JAX starts, models load, programs
   compile (outside the locks: each task compiles before it asks for a lock), the first step runs. Cold: an
   empty `cluster.compile_cache_dir`; warm: the same directory again, as a rerun finds it. The ratio of N
-  tasks to 1 is the figure to watch (goal: <= 1.5 x on this 2-core machine, where 2 N role processes start
-  JAX at once; <= 1.2 x where each role has a core).
+  tasks to 1 is the figure to watch: the goal is <= 1.2 x, graded for the cold and the warm cache each (the
+  README's row grades the same; on a 2-core machine 2 N role processes start JAX at once, and the warm ratio
+  has missed it there).
 - **Repeats**: each figure is the median of `--repeats` runs (a cold one with an empty cache each time); on 2
   shared cores one run of 10 s varies by +-2 s, enough to move a ratio by 0.3.
 - **Restart cost** (`max_restarts`, one task): seconds from a SIGKILL of its engine (then of its actor) to
@@ -34,7 +35,7 @@ from pathlib import Path
 from benchmarks.common import environment, save_results  # first: sets JAX to CPU, hubs offline
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo_4tasks.yaml"
-GOAL_RATIO_SHARED_CORES = 1.5
+GOAL_RATIO = 1.2  # N tasks' time to first step over one task's, cold and warm each
 OWN_CACHE = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JAX_COMPILATION_CACHE_MAX_SIZE")
 
@@ -163,8 +164,8 @@ def main(argv=None) -> dict:
         r["vs_first"] = r["first_step_s"] / base[key.split("-")[0]]
     largest = max(args.tasks)
     results = dict(args={k: str(v) for k, v in vars(args).items()}, env=environment(), runs=runs,
-                   restart_s=restarts, goal_ratio=GOAL_RATIO_SHARED_CORES,
-                   met=runs[f"warm-{largest}"]["vs_first"] <= GOAL_RATIO_SHARED_CORES,
+                   restart_s=restarts, goal_ratio=GOAL_RATIO,
+                   met={label: runs[f"{label}-{largest}"]["vs_first"] <= GOAL_RATIO for label in ("cold", "warm")},
                    cache_from_environment=overridden, timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
     spread = lambda r: f"{r['first_step_s']:.1f} ({min(r['all_s']):.1f}-{max(r['all_s']):.1f})"  # noqa: E731
     rows = [f"| {n} | {spread(runs[f'cold-{n}'])} | {runs[f'cold-{n}']['vs_first']:.2f} | "
@@ -178,8 +179,8 @@ def main(argv=None) -> dict:
         "|---:|---:|---:|---:|---:|", *rows, "",
         *([f"(every run used the environment's JAX_COMPILATION_CACHE_DIR={overridden}: cold is not cold)", ""]
           if overridden else []),
-        f"{largest} tasks, warm: {runs[f'warm-{largest}']['vs_first']:.2f} x one task (goal <= "
-        f"{GOAL_RATIO_SHARED_CORES} on shared cores: {'met' if results['met'] else 'NOT met'})",
+        *[f"{largest} tasks, {label} cache: {runs[f'{label}-{largest}']['vs_first']:.2f} x one task (goal <= "
+          f"{GOAL_RATIO}: {'met' if results['met'][label] else 'NOT met'})" for label in ("cold", "warm")],
         *([f"restart cost (seconds from SIGKILL to the next completed step): engine {restarts['engine']:.1f}, "
            f"actor {restarts['actor']:.1f}"] if restarts else [])])
     save_results(args.out, "Time to first step and restart cost", results, report)
