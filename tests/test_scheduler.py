@@ -11,6 +11,7 @@ import pytest
 from rlsched.scheduling.fencing import Target, Unconfirmed
 from rlsched.scheduling.policy import GroupSpec, Policy, PolicyError
 from rlsched.scheduling.scheduler import LeaseLost, Scheduler
+from rlsched.service.client import render_status
 
 
 def _scheduler(tasks=("a", "b", "c"), **kw) -> Scheduler:
@@ -160,6 +161,10 @@ def test_a_fence_that_cannot_confirm_the_stop_takes_the_group_out_of_service_unt
         assert shown["left"] == ["a's engine: its process was not seen gone 30 s after ray.kill"]
         with pytest.raises(PolicyError, match="device group 'g0' is out of service"):
             await s.admit("c", "g0", 100, 300)
+        shown = render_status({"tasks": [], "fenced_groups": s.fenced_groups()})  # `rlsched status`'s lines
+        assert re.search(r"device group g0 FENCED since \d\d:\d\d:\d\d: out of service until a's engine: its "
+                         r"process was not seen gone 30 s after ray.kill \(lease expired .*\); asked \d time\(s\) so "
+                         r"far", shown), shown
         while s.fenced_groups():
             await asyncio.sleep(0.02)
         assert [left for left, _ in asked] == [[fence.problems[0]]] * 3  # asked again until it was seen gone
