@@ -539,3 +539,29 @@ def test_a_fence_whose_stop_raises_takes_the_group_out_of_service_and_says_why()
         assert asked == [["a's engine: the stop raised RuntimeError: the GCS is unreachable"]]
 
     asyncio.run(scenario())
+
+
+def test_a_busy_role_across_hosts_is_stopped_by_ending_the_whole_group_job(ray_session):
+    """fencing.stop on a role whose mesh spans two hosts (one target per host, no pid: one JAX job), a call of it still
+    running on the second: every host's process is ended, for good, and the stop is confirmed (nothing left)."""
+    import ray
+
+    from rlsched.scheduling import fencing
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class Host:
+        def __init__(self, busy):
+            self.busy = busy
+
+        def drop_if_idle(self, key):
+            return not self.busy
+
+    hosts = [Host.remote(False), Host.remote(True)]
+    ray.get([h.__ray_ready__.remote() for h in hosts])
+    told = []
+    left = asyncio.run(fencing.stop([Target(f"actor[{i}]", h, "a/actor") for i, h in enumerate(hosts)],
+                                    timeout_s=10, on_end=lambda t: told.append(t.role)))
+    assert left == [] and told == ["actor[0]", "actor[1]"]
+    for h in hosts:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(h.__ray_ready__.remote(), timeout=10)
