@@ -38,3 +38,47 @@ def test_roles_started_from_many_threads_while_where_walks_the_book(ray_session)
         ray.get(process.drop.remote(f"t{i}/actor"))
     assert ray.get(process.held.remote())["roles"] == []
     ray.kill(process)
+
+
+class GatedRole:
+    """A role whose build holds 4 MiB of device arrays and ends only once the test lets it (`gate` appears); it says
+    it is being built by writing `building`."""
+
+    def __init__(self, spec, channel=None):
+        import jax.numpy as jnp
+
+        self.params = jnp.ones((1024, 1024), jnp.float32)  # 4 MiB
+        spec.building.write_text("building")
+        while not spec.gate.exists():
+            time.sleep(0.01)
+
+    def device_ids(self) -> list[int]:
+        return [0]
+
+
+def test_a_role_dropped_while_it_is_being_built_is_dropped_when_its_start_returns(ray_session, tmp_path):
+    """A fence (`drop_if_idle`) or the driver's end (`drop`) reaches the process while the task's role is still being
+    built: the start returns, and the role is not left behind holding its bytes for ever (an orphan)."""
+    import pytest
+
+    from rlsched.base.errors import TaskError
+
+    ray = ray_session
+    process = ray.remote(num_cpus=0, max_concurrency=8)(GroupProcess).remote()
+    for task, dropping in (("a", "drop_if_idle"), ("b", "drop")):  # fenced, ended
+        spec = types.SimpleNamespace(hosts=1, building=tmp_path / f"{task}.building", gate=tmp_path / f"{task}.gate")
+        started = process.start.remote(f"{task}/actor", GatedRole, spec, None)
+        t0 = time.monotonic()
+        while not spec.building.exists():
+            assert time.monotonic() - t0 < 60
+            time.sleep(0.01)
+        held = ray.get(process.held.remote())
+        assert held["roles"] == [] and held["device_bytes"] == 1024 * 1024 * 4  # the build's arrays, not yet a role
+        answer = ray.get(getattr(process, dropping).remote(f"{task}/actor"))
+        assert answer is (False if dropping == "drop_if_idle" else None)  # a fence is told a call (the build) runs
+        spec.gate.write_text("go")
+        with pytest.raises(TaskError, match=f"{task}/actor was dropped while it was being built"):
+            ray.get(started, timeout=60)
+        held = ray.get(process.held.remote())
+        assert held["roles"] == [] and held["device_bytes"] == 0, held
+    ray.kill(process)

@@ -8,8 +8,10 @@ import time
 
 import pytest
 
+from rlsched.scheduling.fencing import Target, Unconfirmed
 from rlsched.scheduling.policy import GroupSpec, Policy, PolicyError
 from rlsched.scheduling.scheduler import LeaseLost, Scheduler
+from rlsched.service.client import render_status
 
 
 def _scheduler(tasks=("a", "b", "c"), **kw) -> Scheduler:
@@ -51,8 +53,14 @@ def test_acquire_is_awaited_fifo_and_phases_overlap():
     asyncio.run(scenario())
 
 
+def _role(name: str) -> Target:
+    """A role to stop, as the fakes below see it (no process behind it)."""
+    return Target(name, None)
+
+
 class _Fence:
-    """The scheduler's `stop` (rlsched.scheduling.fencing.stop) as a recording fake: stopping takes `seconds`."""
+    """The scheduler's `stop` (rlsched.scheduling.fencing.stop) as a recording fake: stopping takes `seconds`, and the
+    targets of `problems` (fencing.Unconfirmed) are not confirmed."""
 
     def __init__(self, seconds=0.05, problems=()):
         self.seconds, self.problems, self.calls = seconds, list(problems), []
@@ -61,14 +69,14 @@ class _Fence:
         start = time.monotonic()
         await asyncio.sleep(self.seconds)
         self.calls.append((list(targets), start, time.monotonic()))
-        return self.problems
+        return [p for p in self.problems if p.target in targets]  # what it could not confirm of these
 
 
 def test_an_expired_lease_fences_its_holder_before_the_next_waiter_gets_the_lock():
     async def scenario():
         fence = _Fence(seconds=0.3)
         s = _scheduler(lease_timeout_s=0.2, stop=fence, let_go_s=5)
-        s.register_roles("a", ["a's engine", "a's actor"])
+        s.register_roles("a", [_role("a's engine"), _role("a's actor")])
         await s.acquire("a", "train")
         await asyncio.sleep(0.1)  # within its lease
         await s.release("a", "train")
@@ -88,7 +96,7 @@ def test_an_expired_lease_fences_its_holder_before_the_next_waiter_gets_the_lock
         await a
         assert lease_b.task == "b"
         [(targets, _, fenced_at)] = fence.calls  # ... and a's roles were stopped first
-        assert targets == ["a's engine", "a's actor"]
+        assert targets == [_role("a's engine"), _role("a's actor")]
         assert s.grant_log[-1][1] == "b" and s.grant_log[-1][0] >= fenced_at  # granted after the fence ended
         assert s.grant_log[-1][0] >= let_go[0]  # and after a's driver let go (its phase ended first)
         assert re.fullmatch(r"lease expired after 0 s in phase rollout \(cluster\.lease_timeout_s=0\.2\)",
@@ -106,7 +114,7 @@ def test_a_fenced_holder_whose_driver_retires_during_the_stop_still_passes_the_l
     async def scenario():
         fence = _Fence(seconds=0.3)
         s = _scheduler(lease_timeout_s=0.1, stop=fence, let_go_s=30)
-        s.register_roles("a", ["a's engine"])
+        s.register_roles("a", [_role("a's engine")])
         await s.acquire("a", "rollout")
 
         async def driver_of_a():  # its call fails while the roles are still being stopped
@@ -125,17 +133,113 @@ def test_a_fenced_holder_whose_driver_retires_during_the_stop_still_passes_the_l
     asyncio.run(scenario())
 
 
-def test_a_fence_that_cannot_confirm_the_stop_says_so_in_the_cause():
+def test_a_fence_that_cannot_confirm_the_stop_takes_the_group_out_of_service_until_it_can():
+    """a's lease expires and its stop cannot be confirmed (its process was not seen gone): its lock never passes on
+    while that process may still run. b, waiting for it, fails with the cause; the group is shown fenced and admits
+    no task; the scheduler asks again every recover_s, and once the process is seen gone the group is back in service
+    and a new task takes the lock, after that moment, never before."""
     async def scenario():
-        s = _scheduler(lease_timeout_s=0.1, stop=_Fence(problems=["engine: its process still answered 30 s after"]),
-                       let_go_s=0.1)  # its driver never lets go: the lock passes after let_go_s
+        engine = _role("a's engine")
+        fence = _Fence(problems=[Unconfirmed(engine, "its process was not seen gone 30 s after ray.kill")])
+        asked = []
+
+        async def confirm(left):  # the process is seen gone at the third time of asking
+            asked.append((list(left), time.monotonic()))
+            return left if len(asked) < 3 else []
+
+        s = _scheduler(tasks=("a", "b"), lease_timeout_s=0.1, stop=fence, confirm=confirm, recover_s=0.1,
+                       let_go_s=0.1)
+        s.register_roles("a", [engine])
         await s.acquire("a", "train")
-        await s.release("a", "train")
-        await s.acquire("a", "train")
-        await asyncio.wait_for(s.acquire("b", "train"), 3)
-        assert s.failed()["a"].endswith("; fencing: engine: its process still answered 30 s after")
+        with pytest.raises(LeaseLost, match=r"task b failed: device group g0 was taken out of service: task a's fence "
+                                            r"could not be confirmed \(lease expired after 0 s in phase train"):
+            await asyncio.wait_for(s.acquire("b", "train"), 3)
+        assert s.failed()["a"].endswith("; fencing: a's engine: its process was not seen gone 30 s after ray.kill; "
+                                        "device group g0 is out of service until they are gone"), s.failed()
+        [(group, shown)] = s.fenced_groups().items()
+        assert group == "g0" and shown["task"] == "a" and shown["cause"] == s.failed()["a"]
+        assert shown["left"] == ["a's engine: its process was not seen gone 30 s after ray.kill"]
+        with pytest.raises(PolicyError, match="device group 'g0' is out of service"):
+            await s.admit("c", "g0", 100, 300)
+        shown = render_status({"tasks": [], "fenced_groups": s.fenced_groups()})  # `rlsched status`'s lines
+        assert re.search(r"device group g0 FENCED since \d\d:\d\d:\d\d: out of service until a's engine: its "
+                         r"process was not seen gone 30 s after ray.kill \(lease expired .*\); asked \d time\(s\) so "
+                         r"far", shown), shown
+        while s.fenced_groups():
+            await asyncio.sleep(0.02)
+        assert [left for left, _ in asked] == [[fence.problems[0]]] * 3  # asked again until it was seen gone
+        assert await s.admit("c", "g0", 100, 300) == []
+        lease = await asyncio.wait_for(s.acquire("c", "train"), 1)
+        assert lease.task == "c" and s.grant_log[-1][0] >= asked[-1][1]  # granted only once the stop was confirmed
+        assert [task for _, task, *_ in s.grant_log] == ["a", "c"]  # b never held it
+        [span] = [e for e in s.events() if e["name"] == "out_of_service"]
+        assert span["task"] == "a" and span["args"]["group"] == "g0" and span["args"]["tries"] == 3
 
     asyncio.run(scenario())
+
+
+def test_a_fence_that_cannot_confirm_a_device_group_process_stopped_holds_the_lock_until_it_is_gone(ray_session):
+    """Real Ray actors: a's call in a device group's process outlives its lease; the fence ends that process (Ray
+    restarts it), but the new one takes 2 s to answer, longer than the stop waits (0.5 s). The trace: b, waiting for
+    the lock, fails; the group is fenced until the new process answers from another pid; c then gets the lock, after
+    a's call ended (its process died): never two holders of one phase."""
+    import functools
+    import os
+
+    import ray
+
+    from rlsched.scheduling import fencing
+
+    @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=4)
+    class SlowToComeBack:  # a device group's process as fencing sees it
+        def __init__(self, back_s):
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                time.sleep(back_s)  # a restarted process takes a while before it answers
+            self.busy = False
+
+        def hang(self):  # a's phase: a call that does not end by itself
+            self.busy = True
+            time.sleep(3600)
+
+        def drop_if_idle(self, key):
+            return not self.busy
+
+        def where(self):
+            return {"pid": os.getpid()}
+
+    host = SlowToComeBack.remote(2.0)
+    pid = ray.get(host.where.remote())["pid"]
+
+    async def scenario():
+        s = _scheduler(tasks=("a", "b"), lease_timeout_s=0.3, stop=functools.partial(fencing.stop, timeout_s=0.5),
+                       confirm=functools.partial(fencing.confirm, timeout_s=0.5), recover_s=0.2, let_go_s=0.1)
+        for task in ("a", "b"):
+            s.register_roles(task, [Target("actor", host, f"{task}/actor", pid=pid)])
+        await s.acquire("a", "train")
+        call_ended = []
+        call = asyncio.wrap_future(host.hang.remote().future())
+        call.add_done_callback(lambda _: call_ended.append(time.monotonic()))
+        with pytest.raises(LeaseLost, match="task b failed: device group g0 was taken out of service"):
+            await asyncio.wait_for(s.acquire("b", "train"), 10)
+        shown = s.fenced_groups()["g0"]
+        assert shown["left"] == [f"actor: its device group's process (pid {pid}) was not seen gone 0.5 s after "
+                                 "ray.kill"], shown
+        t0 = time.monotonic()
+        while s.fenced_groups():
+            assert time.monotonic() - t0 < 15, s.fenced_groups()
+            await asyncio.sleep(0.05)
+        await s.admit("c", "g0", 100, 300)
+        lease = await asyncio.wait_for(s.acquire("c", "train"), 1)
+        with pytest.raises(ray.exceptions.RayActorError):
+            await call  # a's call ended with its process ...
+        assert lease.task == "c" and s.grant_log[-1][0] >= call_ended[0]  # ... before c's grant
+        assert [task for _, task, *_ in s.grant_log] == ["a", "c"]
+        assert s.failed()["b"].startswith("device group g0 was taken out of service: task a's fence could not be "
+                                          "confirmed (lease expired after 0 s in phase train")
+
+    asyncio.run(scenario())
+    assert ray.get(host.where.remote())["pid"] != pid  # the new process serves the group
+    ray.kill(host)
 
 
 def test_a_watchdog_pass_that_raises_is_kept_and_leases_still_expire(capsys):
@@ -166,7 +270,7 @@ def test_a_dead_holder_releases_and_its_waiters_are_told():
     async def scenario():
         fence = _Fence()
         s = _scheduler(stop=fence)
-        s.register_roles("a", ["a's engine"])
+        s.register_roles("a", [_role("a's engine")])
         await s.acquire("a", "rollout")
         b = asyncio.create_task(s.acquire("b", "rollout"))
         await asyncio.sleep(0.01)
@@ -178,7 +282,7 @@ def test_a_dead_holder_releases_and_its_waiters_are_told():
         assert (await asyncio.wait_for(b, 1)).task == "b"
         assert s.failed() == {"a": "its process died (RuntimeError)"}
         # Its roles (Ray ends them with their owner, in its own time) were stopped before b's grant
-        assert [targets for targets, *_ in fence.calls] == [["a's engine"]]
+        assert [targets for targets, *_ in fence.calls] == [[_role("a's engine")]]
         assert s.grant_log[-1][0] >= fence.calls[0][2]
 
         c = asyncio.create_task(s.acquire("c", "rollout"))
@@ -278,10 +382,10 @@ def test_an_eviction_that_fails_fails_the_evicted_task_never_the_waiter():
         s = Scheduler(policy, stop=fence)
         for name, driver in drivers.items():
             s.register_driver(name, driver)
-        s.register_roles("a", ["a's engine", "a's actor"])
+        s.register_roles("a", [_role("a's engine"), _role("a's actor")])
         lease = await asyncio.wait_for(s.acquire("b", "rollout"), 2)
         assert lease.task == "b"
-        assert list(s.failed()) == ["a"] and [t for t, *_ in fence.calls] == [["a's engine", "a's actor"]]
+        assert list(s.failed()) == ["a"] and [t for t, *_ in fence.calls] == [[_role("a's engine"), _role("a's actor")]]
         assert "b" not in s.failed()
         return s.failed()["a"]
 
@@ -411,16 +515,53 @@ def test_a_base_groups_waiting_rollouts_get_one_shared_hold_and_the_lock_frees_w
     asyncio.run(scenario())
 
 
-def test_a_fence_whose_stop_raises_still_passes_the_lock_and_says_why():
+def test_a_fence_whose_stop_raises_takes_the_group_out_of_service_and_says_why():
     async def scenario():
         async def broken_stop(targets, on_end=None):
             raise RuntimeError("the GCS is unreachable")
 
-        s = _scheduler(lease_timeout_s=0.2, stop=broken_stop, let_go_s=0.1)
-        s.register_roles("a", ["a's engine"])
+        asked = []
+
+        async def confirm(left):  # the GCS answers again: the role's process is seen gone
+            asked.append([str(u) for u in left])
+            return []
+
+        s = _scheduler(lease_timeout_s=0.2, stop=broken_stop, confirm=confirm, recover_s=0.3, let_go_s=0.1)
+        s.register_roles("a", [_role("a's engine")])
         await s.acquire("a", "rollout")
-        lease_b = await asyncio.wait_for(s.acquire("b", "rollout"), 5)  # a's lease expires; its fence raises
-        assert lease_b.task == "b" and s.watchdog_errors == 0
-        assert "fencing: the stop raised RuntimeError: the GCS is unreachable" in s.failed()["a"]
+        with pytest.raises(LeaseLost, match="device group g0 was taken out of service"):  # never a's lock
+            await asyncio.wait_for(s.acquire("b", "rollout"), 5)
+        assert s.watchdog_errors == 0 and "g0" in s.fenced_groups()
+        assert "fencing: a's engine: the stop raised RuntimeError: the GCS is unreachable" in s.failed()["a"]
+        assert s.failed()["c"] == s.failed()["b"]  # every task of the group, waiting or not
+        while s.fenced_groups():
+            await asyncio.sleep(0.02)
+        assert asked == [["a's engine: the stop raised RuntimeError: the GCS is unreachable"]]
 
     asyncio.run(scenario())
+
+
+def test_a_busy_role_across_hosts_is_stopped_by_ending_the_whole_group_job(ray_session):
+    """fencing.stop on a role whose mesh spans two hosts (one target per host, no pid: one JAX job), a call of it still
+    running on the second: every host's process is ended, for good, and the stop is confirmed (nothing left)."""
+    import ray
+
+    from rlsched.scheduling import fencing
+
+    @ray.remote(num_cpus=0, max_concurrency=2)
+    class Host:
+        def __init__(self, busy):
+            self.busy = busy
+
+        def drop_if_idle(self, key):
+            return not self.busy
+
+    hosts = [Host.remote(False), Host.remote(True)]
+    ray.get([h.__ray_ready__.remote() for h in hosts])
+    told = []
+    left = asyncio.run(fencing.stop([Target(f"actor[{i}]", h, "a/actor") for i, h in enumerate(hosts)],
+                                    timeout_s=10, on_end=lambda t: told.append(t.role)))
+    assert left == [] and told == ["actor[0]", "actor[1]"]
+    for h in hosts:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(h.__ray_ready__.remote(), timeout=10)

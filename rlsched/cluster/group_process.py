@@ -79,7 +79,9 @@ class GroupProcess(JobMember):
         self._calls: dict[str, int] = {}  # role key -> its calls running or waiting (a fence drops an idle role only)
         self._turns_of: dict[str, threading.Lock] = {}  # role key -> held by the one call of it that runs
         self._dropped: set[str] = set()  # keys a fence dropped: a late call on one is refused, not run
-        self._building = 0  # roles being built now (`start`): the process is not empty while one is
+        # Role key being built now (`start`) -> whether a fence or its driver dropped it meanwhile (`drop_if_idle`,
+        # `drop`): the process is not empty while one is, and a dropped one is dropped when its start returns
+        self._builds: dict[str, bool] = {}
         self._calls_lock = threading.Lock()
         # Ray restarted this process after it died (start_group_process's max_restarts): every role it held is gone.
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -94,8 +96,10 @@ class GroupProcess(JobMember):
         """Build role `cls` (rlsched.run.roles.ActorRole / EngineRole) for task `spec` here, under `key`. Returns
         whether this process writes under the run-file guard (a host other than the first of a group across
         hosts: only process 0 writes run files, workers.multihost)."""
-        if key in self.roles:
-            raise TaskError(f"{key} is held by this process already (a task started twice?)")
+        with self._calls_lock:
+            if key in self.roles or key in self._builds:
+                raise TaskError(f"{key} is held by this process already (a task started twice?)")
+            self._builds[key] = False
         guarded = False
         if spec.hosts > 1:
             from workers.multihost import guard_run_files
@@ -104,16 +108,22 @@ class GroupProcess(JobMember):
             roots.add(str(spec.run_dir))
             shared.update(str(d) for d in [spec.checkpoint_dir, spec.compile_cache] if d)
             guarded = guard_run_files(sorted(roots), shared=sorted(shared))
-        with self._calls_lock:
-            self._building += 1
+        dropped = True  # a build that raised leaves nothing
         try:
             role = cls(spec, channel=channel)  # built outside the lock: a role's start loads its model
             with self._calls_lock:  # other tasks' threads read self.roles meanwhile (`where`, `held`, `call`)
-                self.roles[key] = role
+                dropped = self._builds[key]
+                if not dropped:
+                    self.roles[key] = role
+            del role  # a dropped role's arrays go with this last reference (`_let_go`)
         finally:
             with self._calls_lock:
-                self._building -= 1
-            self._forget_if_empty()  # a start that failed may leave the process as empty as it found it
+                del self._builds[key]
+            if dropped:
+                self._let_go()  # a start that failed or was dropped leaves the process as it found it
+        if dropped:
+            raise TaskError(f"{key} was dropped while it was being built (its task was fenced or ended meanwhile); "
+                            "its arrays are freed")
         return guarded
 
     def call(self, key: str, method: str, args: tuple, kwargs: dict) -> Any:
@@ -142,8 +152,12 @@ class GroupProcess(JobMember):
 
     def drop_if_idle(self, key: str) -> bool:
         """Fencing (rlsched.scheduling.fencing): drop role `key` if none of its calls runs now, and refuse any later
-        one; False when one runs (a thread cannot be stopped: then only ending this process stops it)."""
+        one; False when one runs or the role is being built (a thread cannot be stopped: then only ending this process
+        stops it; a role being built is dropped when its start returns, should the process live on)."""
         with self._calls_lock:
+            if key in self._builds:  # being built: dropped when its start returns, but the build runs until then
+                self._builds[key] = True
+                return False
             if self._calls.get(key, 0):
                 return False
             self._dropped.add(key)
@@ -183,8 +197,11 @@ class GroupProcess(JobMember):
                 self._order.notify_all()
 
     def drop(self, key: str) -> None:
-        """Forget a role (its driver closed it first): its arrays are freed with its last reference."""
+        """Forget a role (its driver closed it first): its arrays are freed with its last reference. One being built
+        (its driver ended while its start ran) is dropped when its start returns."""
         with self._calls_lock:
+            if key in self._builds:
+                self._builds[key] = True
             dropped = self.roles.pop(key, None) is not None
         if dropped:
             self._let_go()
@@ -204,7 +221,7 @@ class GroupProcess(JobMember):
         from workers import compiling
 
         with self._calls_lock:
-            if not self.roles and not self._building:
+            if not self.roles and not self._builds:
                 compiling.forget()
                 gc.collect()  # the executables' memory maps go now
 

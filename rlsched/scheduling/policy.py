@@ -41,6 +41,9 @@ Design decisions (and why):
   reader's registration to the last reader's end, never evicted, and a role must fit beside the pool's bases. A
   new base that does not fit in the free room evicts idle roles when it is registered (their OFFLOAD moves come
   first in `register`'s result), since it is loaded with the task's roles.
+- **A device group can be closed** (`close`): the scheduler takes it out of service when a fence could not confirm
+  that a task's roles stopped there. Nothing of it is granted and no task is registered on it until `reopen`: a lock
+  or bytes that a live call may still use are never handed to anyone.
 - **Failure frees memory.** `fail` drops a task's lease and queued request and forgets its memory:
   its process died or, on lease expiry, is being killed by the caller.
 
@@ -251,6 +254,7 @@ class Policy:
         self._tasks: dict[str, _Task] = {}
         self._bases: dict[tuple[str, str], _Base] = {}  # (pool, key) -> a shared base pinned there
         self._request_tasks: dict[int, str] = {}  # queued or dropped request id -> task
+        self._closed: dict[str, str] = {}  # device group out of service -> why (`close`)
         self._next_id = 0
         self._tick = 0
 
@@ -274,6 +278,9 @@ class Policy:
             raise PolicyError(f"task {task!r}: weight must be > 0, got {weight!r}")
         if group not in self._groups:
             raise PolicyError(f"task {task!r}: unknown device group {group!r} (known: {sorted(self._groups)})")
+        if group in self._closed:
+            raise PolicyError(f"task {task!r}: device group {group!r} is out of service ({self._closed[group]}); "
+                              "submit it again once the group is back in service")
         nbytes = {Role.ENGINE: engine_bytes, Role.ACTOR: actor_bytes}
         pinned = {}  # (pool, key) -> bytes: the pools' bases once this task is registered
         for key, role, n in bases:
@@ -368,6 +375,21 @@ class Policy:
             raise PolicyError(f"task {task!r} is live; only a task that ended can be forgotten")
         del self._tasks[task]
 
+    def close(self, group: str, why: str) -> None:
+        """Take `group` out of service: none of its locks is granted and no task is registered on it until `reopen`
+        (its tasks' books stay as they are: the caller fails them)."""
+        if group not in self._groups:
+            raise PolicyError(f"unknown device group {group!r} (known: {sorted(self._groups)})")
+        self._closed.setdefault(group, why)
+
+    def reopen(self, group: str) -> None:
+        """Put `group` back in service (what held its devices is known gone). Idempotent."""
+        self._closed.pop(group, None)
+
+    def closed(self) -> dict[str, str]:
+        """The device groups out of service, with why."""
+        return dict(self._closed)
+
     # ---- locks ------------------------------------------------------------------------------------
 
     def request(self, task: str, phase: Phase, now: float) -> int:
@@ -390,8 +412,8 @@ class Policy:
     def grant(self, now: float) -> list[Grant]:
         """Every grant possible now. One pass over the candidates of free resources, oldest first, suffices:
         a grant takes a lock and protects bytes but never frees any room an earlier candidate could use."""
-        heads = sorted((self._candidate(q) for r, q in self._queues.items() if q and r not in self._holders),
-                       key=lambda q: q.id)
+        heads = sorted((self._candidate(q) for r, q in self._queues.items()
+                        if q and r not in self._holders and r.group not in self._closed), key=lambda q: q.id)
         grants = []
         for req in heads:
             moves = self._admit(req)
@@ -540,6 +562,9 @@ class Policy:
     def resource(self, task: str, phase: Phase) -> Resource:
         return Resource(self._task(task).group, Phase(phase))
 
+    def group(self, task: str) -> str:
+        return self._task(task).group
+
     def pool(self, task: str, role: Role) -> str:
         return self._pool(self._task(task), Role(role))
 
@@ -582,7 +607,7 @@ class Policy:
     def snapshot(self) -> dict[str, Any]:
         """JSON-safe state for logs and timelines."""
         return {
-            "order": str(self.order), "starvation_limit": self.starvation_limit,
+            "order": str(self.order), "starvation_limit": self.starvation_limit, "closed": dict(self._closed),
             "pools": {p: {"budget": self._budgets[p], "used": self._used[p],
                           **({"bases": {k: b.nbytes for (q, k), b in self._bases.items() if q == p}}
                              if any(q == p for q, _ in self._bases) else {})} for p in self._budgets},

@@ -15,6 +15,11 @@ Design decisions:
   holder whose driver lives also gets to end its phase first (it sees its call fail and lets go; LET_GO_S at
   most): its phase's span ends before the next holder's begins. A device group's process ended by a fence is
   recorded (`collateral`): its other tasks rebuild their roles without counting a restart of their own.
+- **An unconfirmed fence never passes a lock.** A stop that cannot be confirmed (a process not seen gone in time, a
+  stop that raised) takes the task's device group out of service (`fenced_groups`): every task of it is fenced and
+  fails with the cause, none of its locks is granted and no task is admitted to it (Policy.close), and the scheduler
+  asks again every `recover_s` whether what was not seen gone is gone (fencing.confirm); only then does the group
+  go back in service. Its locks and bytes never pass to another task while the old holder's call may still run.
 - **Evictions are ordered against the victim's own moves.** The victim's driver offloads its role on the
   scheduler's request, a round trip after the policy decided it; the victim's next grant (which may onload
   that role again) is handed over only once that offload is done.
@@ -58,6 +63,7 @@ class Lease:
 ASK_TIMEOUT_S = 300.0  # longest wait for the scheduler's answer to a call that waits for no one (not acquire)
 GRANT_LOG_LEN = 1000  # grants kept in Scheduler.grant_log
 LET_GO_S = 10.0  # how long a fenced holder's driver has to end its phase once its roles are stopped
+RECOVER_S = 5.0  # how often a device group out of service asks again whether its unconfirmed stops are done
 
 
 class LeaseLost(RuntimeError):
@@ -65,13 +71,21 @@ class LeaseLost(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0, stop=None, let_go_s: float = LET_GO_S,
-                 grant_log_len: int = GRANT_LOG_LEN):
-        """`stop`: async (targets, on_end) -> problems, how a task's roles are stopped (default
-        rlsched.scheduling.fencing.stop); `let_go_s`: how long a fenced holder's driver has to end its phase;
-        `grant_log_len`: how many of the last grants `grant_log` keeps."""
-        if stop is None:
-            from rlsched.scheduling.fencing import stop
+    def __init__(self, policy: Policy, *, lease_timeout_s: float = 600.0, stop=None, confirm=None,
+                 let_go_s: float = LET_GO_S, recover_s: float = RECOVER_S, grant_log_len: int = GRANT_LOG_LEN):
+        """`stop`: async (targets, on_end) -> [fencing.Unconfirmed], how a task's roles are stopped (default
+        rlsched.scheduling.fencing.stop); `confirm`: async ([Unconfirmed]) -> those still not seen gone (default
+        fencing.confirm), asked every `recover_s` while a device group is out of service; `let_go_s`: how long a
+        fenced holder's driver has to end its phase; `grant_log_len`: how many of the last grants `grant_log` keeps."""
+        from rlsched.scheduling import fencing
+
+        stop = stop or fencing.stop
+        self._confirm = confirm or fencing.confirm
+        self.recover_s = recover_s
+        # Device group out of service -> {"cause", "task" (whose fence could not be confirmed), "since" (wall clock),
+        # "left" (fencing.Unconfirmed not seen gone yet), "tries"}
+        self._out: dict[str, dict[str, Any]] = {}
+        self._fencing: dict[str, int] = {}  # device group -> fences of its tasks in flight (it reopens after them)
         self.policy = policy
         self.lease_timeout_s, self.let_go_s = lease_timeout_s, let_go_s
         self._waiters: dict[int, tuple[asyncio.Future, float]] = {}
@@ -233,13 +247,22 @@ class Scheduler:
             if not future.done() and self.policy.request_task(request_id) == task:
                 future.set_exception(LeaseLost(f"task {task} failed: {cause}"))
                 del self._waiters[request_id]
+        group = self.policy.group(task)
         try:
             if fence:
                 await self._fence(task, cause, holding=driver_alive and self.policy.lease_of(task) is not None)
-        finally:  # whatever the fence met, the task is out of the books and its lock passes on: never held forever
+        finally:  # the task is out of the books; its lock passes on unless its group is out of service (`_fence`)
             self.policy.fail(task)
             self.ports.release(task)
             self._dispatch()
+        out = self._out.get(group)
+        if out is not None and out["task"] == task:  # its fence closed the group: every other task there is fenced
+            why = f"device group {group} was taken out of service: task {task}'s fence could not be confirmed " \
+                  f"({self._failed[task]})"
+            others = [t for t in self.policy.tasks() if self.policy.group(t) == group and t not in self._failed]
+            await asyncio.gather(*(self.fail(t, why, fence=True, driver_alive=t in self._drivers) for t in others),
+                                 return_exceptions=True)
+            asyncio.get_running_loop().create_task(self._recover(group))
 
     async def _fence(self, task: str, cause: str, *, holding: bool) -> None:
         """Stop `task`'s roles (rlsched.scheduling.fencing) and, if it holds a lock and its driver lives, give the
@@ -255,16 +278,62 @@ class Scheduler:
             self._ended[target.handle, target.pid] = f"the device group's process was ended to fence task " \
                                                      f"{task} ({cause})"
 
+        from rlsched.scheduling.fencing import Unconfirmed
+
+        group = self.policy.group(task)
+        # A process a fence ended already is not ended again: gone, or (not seen gone) among its group's `left`
+        targets = [t for t in self._targets.get(task, []) if t.pid is None or (t.handle, t.pid) not in self._ended]
+        self._fencing[group] = self._fencing.get(group, 0) + 1
         try:
-            problems = await self._stop(self._targets.get(task, []), on_end=ended)
+            problems = await self._stop(targets, on_end=ended)
         except Exception as err:  # noqa: BLE001 - a stop that raised is a fence that could not confirm itself
-            problems = [f"the stop raised {type(err).__name__}: {err}"]
+            problems = [Unconfirmed(t, f"the stop raised {type(err).__name__}: {err}") for t in targets]
+            problems = problems or [Unconfirmed(None, f"the stop raised {type(err).__name__}: {err}")]
+        finally:
+            self._fencing[group] -= 1
         self.timeline.add_span("fence", t0, self.timeline.now(), task=task, cause=cause)
         if problems:
-            self._failed[task] = self._fenced[task] = f"{cause}; fencing: {'; '.join(problems)}"
+            left = [p for p in problems if p.target is not None]  # a stop that raised on no target: nothing to ask
+            if group in self._out:
+                self._out[group]["left"] += left
+                self._failed[task] = self._fenced[task] = f"{cause}; fencing: {'; '.join(map(str, problems))}"
+            else:
+                self._failed[task] = self._fenced[task] = (f"{cause}; fencing: {'; '.join(map(str, problems))}; device "
+                                                           f"group {group} is out of service until they are gone")
+                self._out[group] = {"cause": self._failed[task], "task": task, "since": time.time(), "left": left,
+                                    "tries": 0, "t0": self.timeline.now()}
+                self.policy.close(group, self._failed[task])
         if let_go is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(let_go.wait(), self.let_go_s)
+
+    async def _recover(self, group: str) -> None:
+        """A device group out of service: every `recover_s`, ask whether the fenced processes not seen gone are gone
+        now (fencing.confirm); once none is left and no fence of its tasks is in flight, it goes back in service."""
+        out = self._out[group]
+        while out["left"] or self._fencing.get(group):
+            await asyncio.sleep(self.recover_s)
+            asked = list(out["left"])
+            try:
+                still = await self._confirm(asked)
+            except Exception as err:  # noqa: BLE001 - asked again next time; the group stays out of service
+                still = asked
+                out["error"] = f"{type(err).__name__}: {err}".splitlines()[0]
+            out["left"] = list(still) + [u for u in out["left"] if all(u is not a for a in asked)]
+            out["tries"] += 1
+        del self._out[group]
+        self.timeline.add_span("out_of_service", out["t0"], self.timeline.now(), task=out["task"], group=group,
+                               cause=out["cause"], tries=out["tries"])
+        self.policy.reopen(group)
+        self._dispatch()
+
+    def fenced_groups(self) -> dict[str, dict[str, Any]]:
+        """The device groups out of service (a fence there could not be confirmed), each with its cause, the task whose
+        fence it was, since when (wall-clock seconds), what is not seen gone yet and how often that was asked. A group
+        leaves this once its fenced processes are gone (a restarted device-group process answers from a new pid)."""
+        return {g: {"cause": o["cause"], "task": o["task"], "since": o["since"], "left": [str(u) for u in o["left"]],
+                    "tries": o["tries"], **({"error": o["error"]} if "error" in o else {})}
+                for g, o in self._out.items()}
 
     async def retire(self, task: str) -> None:
         """`task` finished and its roles were stopped: the memory it held is free now and it takes no more locks;
@@ -369,7 +438,8 @@ class Scheduler:
     # ---- introspection ------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return {"failed": dict(self._failed), "grants": self.grants, "watchdog_errors": self.watchdog_errors,
+        return {"failed": dict(self._failed), "fenced_groups": self.fenced_groups(), "grants": self.grants,
+                "watchdog_errors": self.watchdog_errors,
                 "watchdog_error": self.watchdog_error, "snapshot": self.policy.snapshot(),
                 "measured": {name: pool.snapshot() for name, pool in self.measured.items()}}
 

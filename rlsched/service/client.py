@@ -168,6 +168,11 @@ def _service_lines(report: dict[str, Any]) -> list[str]:
         d = report["degraded"]
         lines.append(f"service DEGRADED since {time.strftime('%H:%M:%S', time.localtime(d['since']))}: its monitor "
                      f"failed {d['failures']} time(s) in a row ({d['cause']}); it retries (service.log has more)")
+    for group, f in (report.get("fenced_groups") or {}).items():  # Scheduler.fenced_groups
+        lines.append(f"device group {group}: {f}" if group == "error" else
+                     f"device group {group} FENCED since {time.strftime('%H:%M:%S', time.localtime(f['since']))}: "
+                     f"out of service until {'; '.join(f['left']) or 'its fences end'} ({f['cause']}); asked "
+                     f"{f['tries']} time(s) so far, nothing starts there meanwhile")
     auth = report.get("auth") or {}
     if auth.get("mode") is not None:
         lines.append(f"Ray's token authentication: {auth['mode']}; at start a client without the token was "

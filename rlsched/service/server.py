@@ -148,6 +148,7 @@ class Service:
         self._runs: dict[Any, str] = {}  # driver.run ref -> task
         self.given: dict[str, Given] = {}  # task -> what it was submitted with (kept until forgotten)
         self._closing = threading.Event()
+        self._group_fenced = False  # the device group was out of service at the last admission (fenced_groups)
         self._load_previous()
         budget = settings.get("memory_budget_gb")
         nbytes = None if budget is None else int(budget * GiB)
@@ -317,7 +318,17 @@ class Service:
             rows = status_rows([t.row() for t in self.tasks.values()], time.time())
             degraded = None if self._degraded is None else dict(self._degraded)
         return {"tasks": rows, "settings": self.settings, "group_processes": self._group_process_bytes(),
-                "used_bytes": self._used_bytes(), "budget_bytes": self._budget_bytes(), "degraded": degraded}
+                "used_bytes": self._used_bytes(), "budget_bytes": self._budget_bytes(), "degraded": degraded,
+                "fenced_groups": self._fenced_groups()}
+
+    def _fenced_groups(self) -> dict[str, Any]:
+        """The device groups out of service (Scheduler.fenced_groups), or what kept the scheduler from saying."""
+        import ray
+
+        try:
+            return ray.get(self.scheduler.fenced_groups.remote(), timeout=30)
+        except Exception as err:  # noqa: BLE001 - shown, not raised: status must answer
+            return {"error": f"{type(err).__name__}: {err}".splitlines()[0]}
 
     def sizes(self) -> dict[str, Any]:
         """How much the service keeps in memory, record by record (benchmarks/soak.py checks these stay flat),
@@ -441,8 +452,13 @@ class Service:
     def _admit(self) -> None:
         """Start pending tasks in submission order while they fit (the oldest that does not fit blocks the rest)."""
         budget = self._budget_bytes()
+        fenced = self._fenced_groups().get(ray_cluster.GROUP)  # out of service: nothing starts there until it is back
+        self._group_fenced = fenced is not None  # the monitor admits again each pass meanwhile (_tick)
         for name, record in list(self.tasks.items()):
             if record.state != PENDING:
+                continue
+            if fenced is not None:
+                record.reason = f"device group {ray_cluster.GROUP} is out of service: {fenced['cause']}"
                 continue
             used, need = self._used_bytes(), self._need_now(record)
             if budget is not None and used + need > budget:
@@ -543,7 +559,7 @@ class Service:
         for ref in done:
             self._finish(ref)
         with self._lock:
-            if done and not self._closing.is_set():
+            if (done or self._group_fenced) and not self._closing.is_set():
                 self._admit()
             if done:
                 self._save()
