@@ -103,7 +103,8 @@ def announce_models(cfg: ExperimentConfig, echo) -> set[str]:
 
 
 def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -> dict[str, list[dict[str, Any]]]:
-    """Each task's step loop in this process, one task after another, with always-free locks."""
+    """Each task's step loop in this process, one task after another, with always-free locks; then the run's
+    timeline.json and summary.json, as under Ray."""
     from rlsched.run.task import TaskDriver
     from rlsched.scheduling.scheduler import FreeLocks
 
@@ -118,6 +119,10 @@ def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -
             drivers[spec.name] = driver = TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo)
             stop.on_request = driver.request_stop  # the handler may call it: it only sets an event
             results[spec.name] = driver.run()
+    # the same outputs as a run under Ray: its timeline (phases, syncs, compiles) and summary.json
+    write_run_outputs(cfg, [e for d in drivers.values() for e in d.events()],
+                      {name: {"task": name, "status": "ok" if name in results else "stopped", "steps": d.step_done}
+                       for name, d in drivers.items()}, echo=echo)
     if stop.signum is not None:
         raise Stopped(stop.signum, {n: {"status": "stopped", "steps": d.step_done} for n, d in drivers.items()},
                       "stopped on request; the task in progress saved its last step")
