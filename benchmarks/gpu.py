@@ -30,6 +30,7 @@ A figure the backend cannot measure is null, with the reason in the run's "nulls
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -48,6 +49,7 @@ USER_PLATFORMS = os.environ.get("JAX_PLATFORMS")  # read before benchmarks.commo
 
 from benchmarks.common import count_params, save_results  # noqa: E402 - after the platform is read
 from benchmarks.lora import task_counts  # noqa: E402
+from rlsched.rundir.files import write_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "configs" / "gsm8k_qwen3.yaml"
@@ -248,6 +250,13 @@ def launch(run: Run, path: Path, overrides: list[str], log: Path, deadline: floa
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=path.parent)
         try:
             proc.wait(timeout=None if deadline is None else max(deadline - GRACE_S - time.perf_counter(), 0.1))
+        except KeyboardInterrupt:  # this benchmark is stopped: so is its run (which ends its step, and Ray)
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=GRACE_S)
+            if proc.poll() is None:
+                proc.kill()
+            raise
         except subprocess.TimeoutExpired:
             stopped = True
             proc.send_signal(signal.SIGTERM)
@@ -350,7 +359,9 @@ def figures(run: Run, cfg, metrics: dict[str, list[dict]], spans: list[dict], la
     if peak is None:
         nulls["mfu"] = why
     elif flops:
-        out["mfu"] = med(factor * params * m["train/padded_tokens"] / m["time/train_s"] / peak for m in pooled)
+        # tasks whose updates ran as one program (LoRA, train/cobatched) share the phase: the device did all theirs
+        out["mfu"] = med(factor * params * m["train/padded_tokens"] * m.get("train/cobatched", 1) / m["time/train_s"]
+                         / peak for m in pooled if "train/padded_tokens" in m)
     # bytes: the allocator's peak, beside what the roles hold and what the plan counts
     held = sum(int(r.get(f"mem/{role}/held/{k}", 0)) for r in last.values()
                for role, kinds in (("actor", ("params", "opt", "ref")), ("engine", ("params",))) for k in kinds)
@@ -415,6 +426,10 @@ def aggregate(run: Run, metrics: dict[str, list[dict]], w: int, rows: int) -> di
 
 # ---- the benchmark ------------------------------------------------------------------------------------------
 
+def interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def estimate_s(run: Run, done: list[dict]) -> float | None:
     """A run's seconds, from the most similar run done: its wall x tasks x steps (a LoRA task counted as a full
     one: conservative), or None before any run is done."""
@@ -439,6 +454,8 @@ def main(argv=None) -> dict:
                            "--dtype", args.dtype, *(["--copy-mib", str(args.copy_mib)] if args.copy_mib else [])],
                           env=child_env(), capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
         raise SystemExit(f"the device probe failed:\n{done.stderr[-3000:]}")
     device = json.loads(done.stdout.strip().splitlines()[-1])
     env, dtype = device.pop("env"), device.pop("dtype")
@@ -458,6 +475,9 @@ def main(argv=None) -> dict:
                    planned=[r.name for r in runs], runs=[], skipped=[], time=clock)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    save(out, results, t_start)  # the device and the model, before any run
+    # a `timeout` of this command: save what was measured, stop the run in progress (the caller's handler after)
+    before = signal.signal(signal.SIGTERM, interrupted)
     try:
         for i, run in enumerate(runs):
             elapsed = time.perf_counter() - t_start
@@ -476,7 +496,8 @@ def main(argv=None) -> dict:
             print(progress(i, len(runs), results["runs"][-1]), flush=True)
             save(out, results, t_start)
     finally:
-        save(out, results, t_start)
+        signal.signal(signal.SIGTERM, before)
+        save(out, results, t_start, final=True)
         print(where_time_went(results), flush=True)
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -501,7 +522,12 @@ def measure(run: Run, args, *, model: Path, dtype: str, work: Path, device: dict
     row = dict(name=run.name, layout=run.layout, tasks=run.tasks, lora=run.lora, steps=run.steps, warm=run.warm,
                cache=cache, status=status, wall_s=wall, steps_done={t: len(r) for t, r in metrics.items()},
                log=str(log))
-    found, nulls = figures(run, cfg, metrics, spans, launched, device, params, args)
+    try:
+        found, nulls = figures(run, cfg, metrics, spans, launched, device, params, args)
+    except Exception as err:  # noqa: BLE001 - a bug in one run's reading must not lose the runs after it
+        found, nulls = {}, {}
+        row["figures_error"] = f"{type(err).__name__}: {err}"
+        print(f"{run.name}: its figures could not be read: {row['figures_error']}", file=sys.stderr, flush=True)
     row.update(found)
     for field in FIELDS:
         if row.get(field) is None:
@@ -529,12 +555,18 @@ def with_ratios(runs: list[dict]) -> list[dict]:
     return runs
 
 
-def save(out: Path, results: dict, t_start: float) -> None:
+def save(out: Path, results: dict, t_start: float, *, final: bool = False) -> None:
+    """results.json and report.md, each atomically; the report is printed at the end only."""
     results["runs"] = with_ratios(results["runs"])
     results["goals"] = goals(results["runs"])
     results["time"]["total_s"] = time.perf_counter() - t_start
     results["timestamp"] = datetime.now(UTC).isoformat(timespec="seconds")
-    save_results(out, f"rlsched on {results['device']['kind']}", results, report(results))
+    title = f"rlsched on {results['device']['kind']}"
+    if final:
+        save_results(out, title, results, report(results))
+        return
+    write_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+    write_atomic(out / "report.md", f"# {title}\n\n{report(results)}\n")
 
 
 def goals(runs: list[dict]) -> list[dict]:
