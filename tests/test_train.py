@@ -117,7 +117,8 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model
     # in one process too, the run's timeline: each step's sync and generate (benchmarks/gpu.py reads them)
     spans = [e["name"] for e in read_trace(run / "timeline.json") if e.get("kind") == "span"]
     assert spans.count("generate") == spans.count("sync_weights") == spans.count("TRAIN") == 4, spans
-    assert json.loads((run / "summary.json").read_text())["tasks"]["addition"]["steps"] == 4
+    assert json.loads((run / "summary.json").read_text())["tasks"]["addition"] == {"task": "addition", "status": "ok",
+                                                                                   "steps": 4}
     with pytest.raises(RunDirError, match="already holds a run; pass --resume"):
         train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), in_process=True, echo=_silent)
 

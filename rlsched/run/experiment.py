@@ -122,8 +122,8 @@ def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -
     # a run under Ray's outputs: its timeline (phases, syncs, compiles) and summary.json; no picture (matplotlib's
     # import is most of a second, and an in-process run is for debugging and tests)
     write_run_outputs(cfg, [e for d in drivers.values() for e in d.events()],
-                      {name: {"task": name, "status": "ok" if name in results else "stopped", "steps": d.step_done}
-                       for name, d in drivers.items()}, echo=echo, picture=False)
+                      {name: {"task": name, "status": "ok" if d.step_done == d.spec.config.steps else "stopped",
+                              "steps": d.step_done} for name, d in drivers.items()}, echo=echo, picture=False)
     if stop.signum is not None:
         raise Stopped(stop.signum, {n: {"status": "stopped", "steps": d.step_done} for n, d in drivers.items()},
                       "stopped on request; the task in progress saved its last step")
