@@ -43,6 +43,10 @@ SMALLEST = {
                  "--repeats", "1"], "runs"),
     "cotrain": (["--tasks", "1,3", "--rows", "2", "--prompt-len", "4", "--completion-len", "4", "--steps", "1"],
                 "runs"),
+    # one tiny task in one process, from a cold compile cache and again warm; every field written (null: why)
+    "gpu": (["--preset", "tiny", "--tasks", "1", "--lora", "none", "--layouts", "in_process", "--steps", "3",
+             "--warmup-steps", "1", "--prompts", "2", "--generations", "2", "--new-tokens", "2", "--prompt-len", "32",
+             "--micro-batch", "4", "--copy-mib", "8"], "runs"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }
@@ -113,8 +117,35 @@ def check_cotrain(results: dict, out: Path) -> None:
     assert 0 < runs[3]["apart"]["norm"] < 1e-2 and runs[3]["speedup"] > 0, runs[3]
 
 
+def check_gpu(results: dict, out: Path) -> None:
+    """benchmarks/gpu.py: a cold run and its warm rerun, each with every field, a null only with its reason; the
+    figures a CPU can give are there and add up (the FLOP formula from the run's own metrics)."""
+    from benchmarks.gpu import FIELDS
+
+    cold, warm = results["runs"]
+    assert (cold["name"], cold["cache"], warm["name"], warm["cache"]) == (
+        "in_process/full-1", "cold", "in_process/full-1/warm", "warm"), (cold["name"], warm["name"])
+    for r in (cold, warm):
+        assert r["status"] == "ok" and set(FIELDS) <= r.keys(), (r["status"], set(FIELDS) - r.keys())
+        assert all(r["nulls"].get(k) for k in FIELDS if r[k] is None), (r["nulls"], [k for k in FIELDS if r[k] is None])
+        assert r["launch_to_first_step_s"] > r["first_step_s"] >= r["first_step_compile_s"] > 0
+        assert "CPU" in r["nulls"]["mfu"] and "memory_stats" in r["nulls"]["peak_device_bytes"]  # a CPU has neither
+    assert cold["steady_steps"] == 2 and cold["compiles_after_step1"] == 0  # steps 2-3; shapes seen at step 1
+    assert cold["rollout_s"] >= cold["spans_s"]["sync_weights"] + cold["spans_s"]["generate"] > 0
+    params = results["model"]["params"]  # the checkpoint's, from its safetensors headers
+    bandwidth = results["device"]["copy"]["bandwidth_bytes_per_s"]
+    assert cold["decode_bound_ms"] == pytest.approx(1e3 * params * 4 / bandwidth)  # float32 weights, read once
+    # (6 + 2 + 2) x N x rows x padded length, beta > 0: a whole number of padded lengths of 4 rows each
+    padded = cold["train_flops_per_step"] / (10 * params)
+    assert padded == round(padded) and round(padded) % 4 == 0 and 4 * 32 < padded <= 4 * 64, padded
+    assert cold["steps_per_s_x_one"] == 1.0 and cold["samples_per_s"] == pytest.approx(4 * cold["steps_per_s"])
+    goals = {g["goal"]: g["met"] for g in results["goals"]}
+    assert goals["no compile after step 1 in a steady run"] is True and None in goals.values()
+    assert "| goal (issue 40) | measured | verdict |" in (out / "report.md").read_text()
+
+
 # module -> a check of its results beyond their presence
-DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain}
+DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain, "gpu": check_gpu}
 
 
 def test_every_benchmark_has_a_smallest_setting():

@@ -16,6 +16,7 @@ from rlsched.base.errors import CheckpointError, TaskError
 from rlsched.cli import DEMO_CONFIG, main
 from rlsched.config.loading import load_config
 from rlsched.config.schema import ConfigError
+from rlsched.observe.timeline import read_trace
 from rlsched.observe.tracking import read_metrics
 from rlsched.run.checkpoints import TaskCheckpointer
 from rlsched.run.experiment import train
@@ -104,12 +105,20 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model
     for m in lines:
         assert set(REQUIRED_METRICS) <= m.keys()
         assert m["tokens/generated"] == m["response_len/mean"] * 16
+        # prompt + completion tokens, within the 16 padded rows of one length
+        assert m["tokens/generated"] < m["train/tokens"] <= m["train/padded_tokens"]
+        assert m["train/padded_tokens"] % 16 == 0
         assert math.isfinite(m["loss"]) and m["weight_version"] == m["step"]
         assert m["rollout/weight_version"] == m["step"] - 1  # sampled with the weights of the step before
         # the jax_sampler's logprobs are the actor's to float rounding; 4 groups of 4: shares in quarters
         assert m["train/logp_gap_max"] < 1e-4 and m["train/entropy"] > 0
         assert m["train/tied_groups"] in (0, 0.25, 0.5, 0.75, 1) and 0 <= m["rollout/truncated"] <= 1
     assert sorted(p.name for p in (run / "tasks/addition/checkpoints").iterdir()) == ["2", "4"]
+    # in one process too, the run's timeline: each step's sync and generate (benchmarks/gpu.py reads them)
+    spans = [e["name"] for e in read_trace(run / "timeline.json") if e.get("kind") == "span"]
+    assert spans.count("generate") == spans.count("sync_weights") == spans.count("TRAIN") == 4, spans
+    assert json.loads((run / "summary.json").read_text())["tasks"]["addition"] == {"task": "addition", "status": "ok",
+                                                                                   "steps": 4}
     with pytest.raises(RunDirError, match="already holds a run; pass --resume"):
         train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), in_process=True, echo=_silent)
 

@@ -103,7 +103,8 @@ def announce_models(cfg: ExperimentConfig, echo) -> set[str]:
 
 
 def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -> dict[str, list[dict[str, Any]]]:
-    """Each task's step loop in this process, one task after another, with always-free locks."""
+    """Each task's step loop in this process, one task after another, with always-free locks; then the run's
+    timeline.json and summary.json."""
     from rlsched.run.task import TaskDriver
     from rlsched.scheduling.scheduler import FreeLocks
 
@@ -118,6 +119,11 @@ def run_in_process(cfg: ExperimentConfig, *, resume: bool = False, echo=print) -
             drivers[spec.name] = driver = TaskDriver(spec, FreeLocks(spec.name), resume=resume, echo=echo)
             stop.on_request = driver.request_stop  # the handler may call it: it only sets an event
             results[spec.name] = driver.run()
+    # a run under Ray's outputs: its timeline (phases, syncs, compiles) and summary.json; no picture (matplotlib's
+    # import is most of a second, and an in-process run is for debugging and tests)
+    write_run_outputs(cfg, [e for d in drivers.values() for e in d.events()],
+                      {name: {"task": name, "status": "ok" if d.step_done == d.spec.config.steps else "stopped",
+                              "steps": d.step_done} for name, d in drivers.items()}, echo=echo, picture=False)
     if stop.signum is not None:
         raise Stopped(stop.signum, {n: {"status": "stopped", "steps": d.step_done} for n, d in drivers.items()},
                       "stopped on request; the task in progress saved its last step")
@@ -406,19 +412,20 @@ def _scheduler_run(cfg: ExperimentConfig, events: list[dict], summary: dict[str,
 
 
 def write_run_outputs(cfg: ExperimentConfig, events: list[dict], results: dict[str, dict[str, Any]],
-                      scheduler_state: dict[str, Any] | None = None, *, echo=print) -> None:
-    """runs/<exp>/timeline.json (Chrome trace), timeline.png (Gantt) and summary.json, each written
+                      scheduler_state: dict[str, Any] | None = None, *, echo=print, picture: bool = True) -> None:
+    """runs/<exp>/timeline.json (Chrome trace), timeline.png (Gantt, with `picture`) and summary.json, each written
     atomically; a picture that cannot be drawn is reported, never fatal."""
     from rlsched.observe.timeline import summarize, write_chrome_trace
 
     run_dir = cfg.run_dir
     write_chrome_trace(run_dir / "timeline.json", events)
-    try:
-        from rlsched.observe.gantt import plot_gantt
+    if picture:
+        try:
+            from rlsched.observe.gantt import plot_gantt
 
-        plot_gantt(events, run_dir / "timeline.png", title=cfg.experiment.name)
-    except Exception as err:  # noqa: BLE001 - the trace and the metrics are what matter
-        echo(f"timeline.png not drawn: {type(err).__name__}: {err}")
+            plot_gantt(events, run_dir / "timeline.png", title=cfg.experiment.name)
+        except Exception as err:  # noqa: BLE001 - the trace and the metrics are what matter
+            echo(f"timeline.png not drawn: {type(err).__name__}: {err}")
     summary = run_summary(cfg.experiment.name, cfg.cluster.placement, results, summarize(events), scheduler_state)
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
     if cfg.experiment.tracking.wandb:

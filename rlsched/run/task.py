@@ -337,6 +337,10 @@ class TaskDriver:
                 "time/lock_wait_s": t["ask_rollout", "rollout"] + t["ask_train", "train"],
                 "time/end_unix": time.time()})
             metrics.update(prompts.metrics)  # data/skipped_too_long, data/truncated (data.too_long)
+            # the update's tokens: prompt + completion (what it learns from), and rows x padded length (what its
+            # programs compute; a FLOP count for the device's utilisation, benchmarks/gpu.py)
+            metrics["train/tokens"] = int(batch.attention_mask.sum())
+            metrics["train/padded_tokens"] = int(batch.tokens.size)
             metrics["fault/restarts"] = len(self.restarts)  # those a fence of another task caused included
             metrics["fault/restarts_charged"] = self._charged
             self.record(n, metrics, train.value)
