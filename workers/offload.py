@@ -10,6 +10,9 @@ Design decisions (and why):
 - **Across processes too.** A role across hosts (rlsched.cluster.rolegroup) offloads in every process at once, each its
   own shards: a memory-kind move is per shard already; the numpy fallback keeps each process's shards
   (`_Shards`) where `device_get` would need the whole array in one process.
+- **Room is the allocator's word** (`room_for`): bytes_limit - bytes_in_use from `device.memory_stats()`, with a
+  reserve for the process's other roles. The CPU backend keeps no statistics; its device memory is host memory,
+  so a second copy "on the device" takes what a host copy would: there is room.
 - **"On the device" means the device memory kind.** Pinned-host arrays are live JAX arrays too, so
   counting bytes counts only arrays whose memory kind is the device's default.
 """
