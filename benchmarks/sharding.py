@@ -8,12 +8,13 @@ weight sync (actor fsdp 4 x tp 2 -> engine tp 2) against a plain device copy of 
    and the gradients of one backward pass compiled to come out in the parameters' layout. Each should
    fall as 1/n (norm scales are replicated: a few KB).
 2. Weight sync, both roles in this process on 8 devices: `JaxSampler.update_weights` taking the actor's
-   live params (fsdp 4 x tp 2) into the engine's layout (tp 2) leaf by leaf, old leaves to host first
-   (the transaction), then hashed on the devices and checked; against `raw`: one `device_put` of every
-   leaf into the engine's layout (the same bytes resharded, nothing else), with each part of the sync
-   timed alone beside it; and the same sync into an engine just onloaded (the colocated step: its old
-   weights still on host, so there is no undo copy to make). Goal: sync <= 1.5 x raw; and its peak extra
-   bytes on a device <= the largest leaf's shard.
+   live params (fsdp 4 x tp 2) into the engine's layout (tp 2), hashed on the devices and checked, the old
+   weights kept beside the new ones until they verify (the devices have room: on CPU always); the same sync
+   where the devices lack room (`host undo`: leaf by leaf, each old leaf to host first, a peak of one leaf's
+   shard); against `raw`: one `device_put` of every leaf into the engine's layout (the same bytes resharded,
+   nothing else), with each part of the sync timed alone beside it; and the same sync into an engine just
+   onloaded (the colocated step: its old weights still on host, so there is no undo copy to make).
+   Goal: sync <= 1.5 x raw.
 On CPU the "devices" share two cores and one memory: the ratios say what the code adds, not what
 NVLink or ICI would give.
 """
@@ -83,6 +84,7 @@ def weight_sync(args) -> dict:
     from workers.models import params as P
     from workers.models import sharding as S
     from workers.offload import offload
+    from workers.rollout import jax_sampler
     from workers.rollout.jax_sampler import JaxSampler
 
     devices = jax.devices()
@@ -98,19 +100,27 @@ def weight_sync(args) -> dict:
                                                       for k, x in flat.items()]),
         "hash": lambda: P.checksum(flat),
     }
-    times: dict[str, list[float]] = {k: [] for k in ("sync", "sync_resumed", *parts)}
-    stats = {}
+    times: dict[str, list[float]] = {k: [] for k in ("sync", "sync_host_undo", "sync_resumed", *parts)}
+    stats = undo_stats = {}
+    room_for = jax_sampler.room_for
     for version in range(1, args.repeats + 2):  # the first round compiles: not counted
         checksum = P.checksum(flat)  # the actor hashes before publishing (its own cost, not the sync's)
         t0 = time.perf_counter()
-        stats = engine.update_weights(flat, 2 * version, checksum=checksum)
+        stats = engine.update_weights(flat, 3 * version, checksum=checksum)
         times["sync"].append(time.perf_counter() - t0)
+        jax_sampler.room_for = lambda nbytes: False  # devices without room for a second copy: the host undo path
+        try:
+            t0 = time.perf_counter()
+            undo_stats = engine.update_weights(flat, 3 * version + 1, checksum=checksum)
+            times["sync_host_undo"].append(time.perf_counter() - t0)
+        finally:
+            jax_sampler.room_for = room_for
         # The colocated step: the engine was offloaded while the actor trained and is onloaded for ROLLOUT;
         # its old weights wait on host (a lazy onload), so the sync has no undo copy to make.
         engine.offload()
         engine.onload()
         t0 = time.perf_counter()
-        engine.update_weights(flat, 2 * version + 1, checksum=checksum)
+        engine.update_weights(flat, 3 * version + 2, checksum=checksum)
         times["sync_resumed"].append(time.perf_counter() - t0)
         for name, run in parts.items():
             t0 = time.perf_counter()
@@ -120,7 +130,10 @@ def weight_sync(args) -> dict:
     median["host_backup"] = max(0.0, median["host_backup"] - median["raw"])  # it placed the leaves first
     return {"params": cfg.num_params, "bytes": P.num_bytes(flat), "seconds": median,
             "ratio": median["sync"] / median["raw"], "ratio_resumed": median["sync_resumed"] / median["raw"],
+            "ratio_host_undo": median["sync_host_undo"] / median["raw"],
             "largest_leaf_shard_bytes": stats["largest_leaf_bytes"], "peak_extra_bytes": stats["peak_extra_bytes"],
+            "undo_host_bytes": stats["undo_host_bytes"], "host_undo_peak_extra_bytes": undo_stats["peak_extra_bytes"],
+            "host_undo_bytes": undo_stats["undo_host_bytes"],
             "checksum_equal": engine.weight_checksum == P.checksum(flat)}
 
 
@@ -150,16 +163,21 @@ def main(argv: list[str] | None = None) -> dict:
     sec = sync["seconds"]
     lines += ["", f"weight sync fsdp 4 x tp 2 -> tp 2 (median of {args.repeats}): update_weights "
               f"{sec['sync']:.3f} s = {sync['ratio']:.1f} x the raw resharding transfer ({sec['raw']:.3f} s; goal "
-              "<= 1.5 x); peak extra "
-              f"{sync['peak_extra_bytes'] / mib:.1f} MiB/device (largest leaf shard "
-              f"{sync['largest_leaf_shard_bytes'] / mib:.1f} MiB); logical checksum equal: {sync['checksum_equal']}",
+              "<= 1.5 x); the old weights beside the new: peak extra "
+              f"{sync['peak_extra_bytes'] / mib:.1f} MiB/device, {sync['undo_host_bytes'] / mib:.1f} MiB to host; "
+              f"logical checksum equal: {sync['checksum_equal']}",
+              f"where the devices lack room (host undo): {sec['sync_host_undo']:.3f} s = "
+              f"{sync['ratio_host_undo']:.1f} x raw; peak extra {sync['host_undo_peak_extra_bytes'] / mib:.1f} "
+              f"MiB/device (largest leaf shard {sync['largest_leaf_shard_bytes'] / mib:.1f} MiB), "
+              f"{sync['host_undo_bytes'] / mib:.1f} MiB/device to host",
               f"into an engine just onloaded (the colocated step): {sec['sync_resumed']:.3f} s = "
               f"{sync['ratio_resumed']:.1f} x raw",
               "", "| part of a sync, alone | seconds | x raw |", "|---|---:|---:|"]
     for name, what in (("raw", "resharding transfer (device_put of every leaf into the engine's layout)"),
                        ("host_backup", "the old leaves to host memory (the transaction's undo copy)"),
                        ("hash", "logical checksum on the devices (the verification)"),
-                       ("sync", "update_weights: all of the above, leaf by leaf"),
+                       ("sync", "update_weights, room for both versions: transfer + checksum, old ones freed after"),
+                       ("sync_host_undo", "update_weights without room: all of the above, leaf by leaf"),
                        ("sync_resumed", "update_weights into a just-onloaded engine: transfer + checksum, no undo")):
         lines.append(f"| {what} | {sec[name]:.3f} | {sec[name] / sec['raw']:.2f} |")
     results = {"environment": environment(), "bytes_per_device": memory, "weight_sync": sync}

@@ -68,6 +68,68 @@ def rlsched_export(task, *args):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture
+def host_transfers():
+    """`with host_transfers() as seen:` lists each device array whose bytes are read into host memory inside the
+    block, as (how, shape, dtype name, bytes). JAX's transfer guard cannot tell on the CPU backend (device memory
+    is host memory there: a guard set to "disallow_explicit" lets `jax.device_get` and a move to pinned_host
+    through), so the ways code reads a device array's bytes on the host are wrapped instead: `jax.device_get`,
+    `jax.device_put` into a host memory kind, numpy's `asarray` / `array` / `ascontiguousarray` of a jax.Array, and
+    the array's own host value (`float(x)`, `.item()`, `.tolist()`). A read may be listed twice (device_get reads
+    the host value): the lists are for asserting what crossed, not for summing."""
+    import contextlib
+
+    import jax
+    import numpy as np
+    from jax._src import array as jax_array
+
+    from workers.offload import on_device
+
+    @contextlib.contextmanager
+    def record():
+        seen: list[tuple[str, tuple, str, int]] = []
+
+        def note(how, tree):
+            for x in jax.tree.leaves(tree):
+                if isinstance(x, jax.Array) and on_device(x):
+                    seen.append((how, tuple(x.shape), x.dtype.name, int(x.nbytes)))
+
+        get, put, value = jax.device_get, jax.device_put, jax_array.ArrayImpl._value
+        numpy = {name: getattr(np, name) for name in ("asarray", "array", "ascontiguousarray")}
+
+        def device_get(tree):
+            note("device_get", tree)
+            return get(tree)
+
+        def device_put(x, device=None, *args, **kwargs):
+            if any(getattr(d, "memory_kind", None) in ("pinned_host", "unpinned_host")
+                   for d in jax.tree.leaves(device)):
+                note("device_put to host memory", x)
+            return put(x, device, *args, **kwargs)
+
+        def to_numpy(name):
+            def wrapped(x, *args, **kwargs):
+                note(f"np.{name}", x if isinstance(x, jax.Array) else None)
+                return numpy[name](x, *args, **kwargs)
+            return wrapped
+
+        def host_value(self):
+            note("host value", self)
+            return value.fget(self)
+
+        jax.device_get, jax.device_put, jax_array.ArrayImpl._value = device_get, device_put, property(host_value)
+        for name in numpy:
+            setattr(np, name, to_numpy(name))
+        try:
+            yield seen
+        finally:
+            jax.device_get, jax.device_put, jax_array.ArrayImpl._value = get, put, value
+            for name, fn in numpy.items():
+                setattr(np, name, fn)
+
+    return record
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _forget_compiled_programs():
     """After each test module, free the programs it compiled in this process. Each holds a few memory maps of JIT

@@ -98,6 +98,10 @@ def test_tasks_evicted_every_step_sync_what_their_actor_published(solo, tmp_path
         assert len(offloads) >= STEPS - 1, f"{task}'s actor was not evicted every step: {len(offloads)} offloads"
         received = [e["args"]["from"] for e in mine if e["name"] == "receive"]
         assert "host" in received, f"{task}'s engine never synced from an offloaded actor: {received}"
+        # The engine's old weights never went to host for a sync: they waited there since its own eviction, or
+        # beside the new ones on the device (workers.rollout.jax_sampler.update_weights)
+        undo = [e["args"]["undo_host_bytes"] for e in mine if e["name"] == "sync_weights"]
+        assert len(undo) == STEPS and set(undo) == {0}, undo
         _assert_close(_metrics(run_dir, task), solo[task])
         if checkpoint_every:
             assert (run_dir / "tasks" / task / "checkpoints" / str(STEPS)).is_dir()

@@ -52,3 +52,38 @@ def test_an_array_deleted_by_another_thread_while_bytes_are_counted_holds_nothin
     assert sum(O.bytes_by_device([kept, gone]).values()) == 64 * 8 * 4
     monkeypatch.setattr(jax, "live_arrays", lambda: [kept, gone])
     assert sum(memprobe._live_bytes_by_device(jax).values()) == 64 * 8 * 4
+
+
+class _Device:
+    """A device as `room_for` reads it: its platform and its allocator's statistics (None: it keeps none)."""
+
+    def __init__(self, platform: str, stats: dict | None):
+        self.platform, self._stats = platform, stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_room_for_a_second_version_keeps_a_tenth_of_each_device_free():
+    gpu = _Device("gpu", {"bytes_limit": 1000, "bytes_in_use": 500})
+    assert O.room_for({gpu: 400})  # 1000 - 500 - 400 = 100 left: a tenth of the limit, just
+    assert not O.room_for({gpu: 401})  # 99 left
+    assert O.room_for({gpu: 450}, reserve=0.05)  # 50 left: a twentieth
+    # Every device must have room: a mesh's one full device refuses it
+    assert not O.room_for({gpu: 100, _Device("gpu", {"bytes_limit": 1000, "bytes_in_use": 950}): 100})
+    # No statistics: CPU device memory is host memory (a host copy would take the same bytes), elsewhere unknown
+    assert O.room_for({_Device("cpu", None): 10**15})
+    assert not O.room_for({_Device("gpu", None): 1})
+    assert not O.room_for({_Device("tpu", {"bytes_in_use": 0}): 1})  # no limit reported: unknown too
+    assert O.room_for({d: 1 for d in jax.devices()[:2]})  # this machine's CPU devices
+
+
+def test_layout_bytes_count_what_the_live_buffers_hold():
+    from workers.models import sharding as S
+
+    mesh = S.mesh({"fsdp": 4, "tp": 2}, jax.devices()[:8])
+    split = jax.device_put(np.zeros((8, 6), np.float32), S.named(mesh, ("fsdp", "tp")))  # (2, 3) shards: 24 bytes
+    whole = jax.device_put(np.zeros(5, np.int32), S.named(mesh, ()))  # 20 bytes on every device
+    expected = {d: 24 + 20 for d in mesh.devices.flat}
+    assert O.layout_bytes([split, whole]) == O.bytes_by_device([split, whole]) == expected
+    assert O.shard_bytes(split) == 24 and O.shard_bytes(whole) == 20

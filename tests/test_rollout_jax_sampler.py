@@ -245,3 +245,88 @@ def test_bad_requests_are_rejected_with_a_clear_error(engine, prompts, params, m
 def test_bad_sampling_params_are_rejected(kwargs, match):
     with pytest.raises(RolloutInputError, match=match):
         SamplingParams(**kwargs)
+
+
+def _published(model) -> dict:
+    """A model's weights as an actor in this process publishes them: device arrays, with their checksum."""
+    flat = {k: jnp.asarray(v) for k, v in P.host_params(model).items()}
+    return flat, P.checksum(flat)
+
+
+def _no_room(monkeypatch):
+    """The devices have no room for a second version: the swap keeps its undo copy in host memory."""
+    from workers.rollout import jax_sampler
+
+    monkeypatch.setattr(jax_sampler, "room_for", lambda nbytes: False)
+
+
+def test_a_sync_with_room_moves_no_weight_byte_to_host_and_serves_the_published_bits(
+        tiny_model_dir, prompt_ids, host_transfers, monkeypatch):
+    """Actor and engine in one process, the devices with room for both versions (on CPU always: device memory is
+    host memory): the new weights are copied device to device beside the old ones, hashed on the devices, and the
+    old ones freed. The only bytes read on the host are the checksum's, one uint32 a tensor. With no room, the old
+    weights go to host memory as the undo copy: the counter sees every one of their bytes (it would catch them)."""
+    model_a, _ = load_pretrained(tiny_model_dir)
+    model_b = abstract_model(model_a.config, seed=42)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    expected = JaxSampler(model_b, max_prompt_len=64, max_new_tokens=16).generate(prompt_ids, params)
+    flat, checksum = _published(model_b)
+    engine = JaxSampler(model_a, max_prompt_len=64, max_new_tokens=16)
+    old = jax.tree.leaves(engine._state)
+    with host_transfers() as seen:
+        stats = engine.update_weights(flat, 1, checksum=checksum)
+    assert {(shape, dtype) for _, shape, dtype, _ in seen} == {((len(flat),), "uint32")}  # the digests alone
+    assert (engine.weight_version, engine.weight_checksum) == (1, checksum)
+    served = P.to_flat(engine._state)
+    for name, leaf in served.items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(flat[name]))  # bit for bit
+        assert leaf.unsafe_buffer_pointer() != flat[name].unsafe_buffer_pointer()  # the engine's own buffers
+    assert not any(x.is_deleted() for x in flat.values()) and all(x.is_deleted() for x in old)
+    nbytes = P.num_bytes(flat)  # one device: the whole model
+    assert stats == {"params_bytes": nbytes, "largest_leaf_bytes": max(x.nbytes for x in flat.values()),
+                     "peak_extra_bytes": nbytes, "undo_host_bytes": 0}  # both versions at once, none on host
+    got = engine.generate(prompt_ids, params)
+    for x, y in zip(expected.samples, got.samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+
+    _no_room(monkeypatch)
+    back, checksum_a = _published(model_a)
+    with host_transfers() as seen:
+        stats = engine.update_weights(back, 2, checksum=checksum_a)
+    assert (engine.weight_version, engine.weight_checksum) == (2, checksum_a)
+    moved = sum(n for how, _, _, n in seen if how == "device_put to host memory")
+    assert moved == stats["undo_host_bytes"] == nbytes  # each old leaf, once
+    assert 0 <= stats["peak_extra_bytes"] <= stats["largest_leaf_bytes"]  # one leaf at a time
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["beside", "host-undo"])
+def test_a_failed_sync_leaves_the_old_version_whole(tiny_model_dir, prompt_ids, monkeypatch, room):
+    """A tensor that fails half way through, or weights that land but hash unlike the sender's: the engine keeps
+    serving its previous version, whole, on either path, and holds no more than it did."""
+    from workers.offload import bytes_by_device
+
+    if not room:
+        _no_room(monkeypatch)
+    model_a, _ = load_pretrained(tiny_model_dir)
+    engine = JaxSampler(model_a, max_prompt_len=64, max_new_tokens=16)
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    before, checksum = engine.generate(prompt_ids, greedy), engine.weight_checksum
+    flat, published = _published(abstract_model(model_a.config, seed=7))
+    resident = bytes_by_device()  # the engine's weights and the published ones
+    broken = dict(flat)
+    victim = sorted(broken)[len(broken) // 2]
+    broken[victim] = jnp.copy(broken[victim])
+    broken[victim].delete()  # its transfer fails after half the leaves have landed
+    with pytest.raises(RuntimeError, match="deleted"):
+        engine.update_weights(broken, 1, checksum=published)
+    wrong = {k: v * 1.01 if v.ndim else v for k, v in flat.items()}  # lands whole, but is not what was sent
+    with pytest.raises(P.WeightMismatchError, match="keeping v0"):
+        engine.update_weights(wrong, 1, checksum=published)
+    del broken, wrong
+    assert (engine.weight_version, engine.weight_checksum, P.checksum(P.to_flat(engine._state))) == (0, checksum,
+                                                                                                     checksum)
+    assert bytes_by_device() == resident  # nothing of the refused versions is left on the device
+    after = engine.generate(prompt_ids, greedy)
+    for x, y in zip(before.samples, after.samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)

@@ -349,20 +349,32 @@ def actor_and_engine(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_a_sync_reshards_leaf_by_leaf_device_to_device(actor_and_engine, prompt_ids):
+@pytest.mark.parametrize("room", [True, False], ids=["beside", "host-undo"])
+def test_a_sync_reshards_device_to_device(actor_and_engine, prompt_ids, monkeypatch, room):
+    """With room for both versions the old weights wait beside the new ones; without, each old leaf goes to host
+    before the new one lands, and never more than one leaf's shard is held beyond the steady state."""
+    from workers.rollout import jax_sampler
+
+    if not room:
+        monkeypatch.setattr(jax_sampler, "room_for", lambda nbytes: False)
     actor, engine = actor_and_engine
     _, _, mini = _batch()
     actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)  # weights the engine lacks
     snapshot = actor.export_weights()
     layout = {k: v.sharding for k, v in P.to_flat(engine._state).items()}
-    stats = engine.update_weights(snapshot.flat, 1, checksum=snapshot.checksum)
-    assert engine.weight_version == 1 and engine.weight_checksum == snapshot.checksum
+    version = engine.weight_version + 1
+    stats = engine.update_weights(snapshot.flat, version, checksum=snapshot.checksum)
+    assert engine.weight_version == version and engine.weight_checksum == snapshot.checksum
     flat = P.to_flat(engine._state)
     assert {k: v.sharding for k, v in flat.items()} == layout  # the engine's layout (tp 2), not the actor's
     for name, leaf in flat.items():
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(snapshot.flat[name]))
-    # Never more than one leaf's shard beyond the steady state on any device.
-    assert 0 <= stats["peak_extra_bytes"] <= stats["largest_leaf_bytes"]
+    held = engine.memory_bytes()["params"]  # per device: tp 2 splits most leaves
+    if room:
+        assert stats["peak_extra_bytes"] == stats["params_bytes"] == held and stats["undo_host_bytes"] == 0
+    else:
+        assert 0 <= stats["peak_extra_bytes"] <= stats["largest_leaf_bytes"]
+        assert stats["undo_host_bytes"] == held
     assert stats["largest_leaf_bytes"] == max(max(s.data.nbytes for s in v.addressable_shards) for v in flat.values())
     assert not any(v.is_deleted() for v in snapshot.flat.values())  # the actor's own arrays are untouched
 

@@ -233,7 +233,7 @@ def test_gsm8k_recipe_fails_clearly_without_weights(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_stale_or_unverified_engine_weights_are_refused(tmp_path, tiny_model_dir):
+def test_stale_or_unverified_engine_weights_are_refused(tmp_path, tiny_model_dir, host_transfers):
     from workers.rollout import SamplingParams
 
     cfg = load_config(DEMO_CONFIG, _quick(tmp_path, tiny_model_dir))
@@ -247,10 +247,16 @@ def test_stale_or_unverified_engine_weights_are_refused(tmp_path, tiny_model_dir
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=4, stop_token_ids=())
     with pytest.raises(TaskError, match="holds weights v0 but the actor published v1; refusing"):
         engine.generate(ids, greedy, expected=driver.published)
-    stats = engine.update_weights(driver.published)
-    # A swap never holds two full copies on the device: at most one leaf beyond the steady state.
+    from workers.offload import on_device
+
+    assert all(on_device(v) for v in driver.channel.receive(driver.published).values())  # the actor's, on device
+    with host_transfers() as seen:  # the in-process sync: the actor's arrays, through the local channel
+        stats = engine.update_weights(driver.published)
+    # The engine's old weights wait beside the new ones (the CPU device has room: its memory is host memory) until
+    # the new verify: no weight byte is read on the host, only the checksum's one uint32 a tensor.
+    assert {(shape, dtype) for _, shape, dtype, _ in seen} == {((len(engine.engine._served_flat()),), "uint32")}
     assert stats["params_bytes"] > 4 * stats["largest_leaf_bytes"] > 0
-    assert 0 <= stats["peak_extra_bytes"] <= stats["largest_leaf_bytes"]
+    assert stats["peak_extra_bytes"] == stats["params_bytes"] and stats["undo_host_bytes"] == 0
     before = engine.generate(ids, greedy, expected=driver.published)
     engine.offload()  # offload -> onload: the contents come back and are re-hashed
     assert engine.memory()["params"] == 0

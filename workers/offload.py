@@ -10,6 +10,9 @@ Design decisions (and why):
 - **Across processes too.** A role across hosts (rlsched.cluster.rolegroup) offloads in every process at once, each its
   own shards: a memory-kind move is per shard already; the numpy fallback keeps each process's shards
   (`_Shards`) where `device_get` would need the whole array in one process.
+- **Room is the allocator's word** (`room_for`): bytes_limit - bytes_in_use from `device.memory_stats()`, with a
+  reserve for the process's other roles. The CPU backend keeps no statistics; its device memory is host memory,
+  so a second copy "on the device" takes what a host copy would: there is room.
 - **"On the device" means the device memory kind.** Pinned-host arrays are live JAX arrays too, so
   counting bytes counts only arrays whose memory kind is the device's default.
 """
@@ -17,6 +20,7 @@ Design decisions (and why):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -128,6 +132,46 @@ def device_shards(x: jax.Array) -> list[tuple[Any, int, int]]:
         if x.is_deleted():  # deleted meanwhile ("Array has been deleted")
             return []
         raise
+
+
+def shard_bytes(x: jax.Array) -> int:
+    """The bytes of one of `x`'s shards, from its shape and sharding alone (no buffer is read)."""
+    return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+def layout_bytes(arrays) -> dict[Any, int]:
+    """{device: bytes} that `arrays` take on this process's devices, from their shapes and shardings: what
+    `bytes_by_device` counts for arrays of their own (not sharing buffers), without touching a shard (a
+    model's few hundred leaves in well under a millisecond)."""
+    out: dict[Any, int] = {}
+    for x in arrays:
+        nbytes = shard_bytes(x)
+        for device in x.sharding.addressable_devices:
+            out[device] = out.get(device, 0) + nbytes
+    return out
+
+
+ROOM_RESERVE = 0.10  # of each device's limit, left free by `room_for` for what the process's other roles allocate
+
+
+def room_for(nbytes: Mapping[Any, int], reserve: float = ROOM_RESERVE) -> bool:
+    """Whether each device can take `nbytes[device]` more bytes now and still keep `reserve` of its limit free
+    (the allocator's bytes_limit - bytes_in_use, `device.memory_stats()`). The reserve is for what other roles of
+    a device group's process may allocate meanwhile (another task's train step between two micro-batches): an
+    allocation taken now is not visible to them until it fails.
+    A device without allocator statistics: on the CPU backend its memory is the process's host memory, so room
+    for a second copy on the "device" is room for it on the host: yes. Any other backend without them: no (the
+    caller takes its path that needs no room)."""
+    for device, extra in nbytes.items():
+        stats = device.memory_stats()
+        if not stats or "bytes_limit" not in stats:
+            if device.platform == "cpu":
+                continue
+            return False
+        limit = int(stats["bytes_limit"])
+        if limit - int(stats["bytes_in_use"]) - int(extra) < reserve * limit:
+            return False
+    return True
 
 
 def reserved_bytes(off: Offloaded) -> int:

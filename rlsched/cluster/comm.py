@@ -13,8 +13,9 @@ Design decisions (and why):
   that forwards it: an object reference here, a rendezvous id for a collective later. The driver never
   holds the weights, only the message.
 - **Arrays in, arrays out; the receiver copies.** The sender hands its arrays as they lie (device arrays
-  on its mesh). `LocalChannel` passes them through, so an engine in the actor's process reshards them
-  device to device, leaf by leaf; `ObjectStoreChannel` moves them to host one leaf at a time into the
+  on its mesh). `LocalChannel` passes them through, so an engine in the actor's process copies them
+  device to device into its layout, no weight byte through host memory (workers.rollout.jax_sampler, where the
+  devices have room for both versions); `ObjectStoreChannel` moves them to host one leaf at a time into the
   object store (the transfer between processes). The receiver copies onto its own devices and layout
   (the engine must own its buffers: object-store arrays are read-only views, local ones the actor's), then
   hashes what it holds on its devices, and the driver compares that with `message.checksum`:

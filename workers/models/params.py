@@ -120,7 +120,9 @@ def checksum(flat: Mapping[str, object]) -> str:
     # Arrays in host memory (an offloaded actor's published weights) are hashed on the host: device programs
     # cannot take them as they lie.
     on_device = {k: v for k, v in flat.items() if isinstance(v, jax.Array) and in_device_memory(v)}
-    sums = {k: int(v) for k, v in jax.device_get(_digest_device(on_device)).items()} if on_device else {}
+    # One uint32 per tensor comes back, all in one transfer: a model's few hundred tensors are one read, not hundreds
+    sums = dict(zip(sorted(on_device), map(int, jax.device_get(_digest_device(on_device))), strict=True)) \
+        if on_device else {}
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(flat):
         arr = flat[name]
@@ -156,9 +158,9 @@ def _digest_host(a: np.ndarray) -> int:
 
 
 @jax.jit
-def _digest_device(flat: dict) -> dict:
-    """{name: uint32} for device arrays, computed where they lie: uint32 sums wrap identically in any
-    order, so every sharding gives the same."""
+def _digest_device(flat: dict) -> jax.Array:
+    """(len(flat),) uint32, one per device array in sorted name order, computed where they lie: uint32 sums wrap
+    identically in any order, so every sharding gives the same."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -170,7 +172,7 @@ def _digest_device(flat: dict) -> dict:
             h = jnp.sum(h * _weights(x.shape[d], d, jnp), axis=-1, dtype=jnp.uint32)
         return h
 
-    return {k: one(v) for k, v in flat.items()}
+    return jnp.stack([one(flat[k]) for k in sorted(flat)])
 
 
 def num_bytes(flat: Mapping[str, object]) -> int:

@@ -282,3 +282,37 @@ def place(x, sharding, *, copy: bool):
     if any(s.data.unsafe_buffer_pointer() in theirs for s in y.addressable_shards):
         y = _COPIES[sharding](y)  # a shard came back shared: copy it out (y is on `sharding`'s devices now)
     return y
+
+
+_COPY_ALL: dict = kept({})
+
+
+def place_all(xs, shardings) -> list:
+    """`place(x, sharding, copy=True)` of each pair, the leaves already on their target's devices in one program:
+    one dispatch for a whole model (a few hundred leaves) instead of one per leaf, and the copies all exist at
+    once (the caller has room for them). The others (host arrays, other devices) go leaf by leaf."""
+    import jax
+    import jax.numpy as jnp
+
+    from workers.offload import on_device
+
+    xs, shardings = list(xs), list(shardings)
+    together = [i for i, (x, sh) in enumerate(zip(xs, shardings, strict=True))
+                if isinstance(x, jax.Array) and on_device(x) and x.sharding.device_set == sh.device_set]
+    out = [None] * len(xs)
+    try:
+        if together:
+            key = tuple(shardings[i] for i in together)
+            if key not in _COPY_ALL:
+                _COPY_ALL[key] = jax.jit(lambda leaves: [jnp.copy(x) for x in leaves], out_shardings=list(key))
+            for i, y in zip(together, _COPY_ALL[key]([xs[i] for i in together]), strict=True):
+                out[i] = y
+        for i, (x, sh) in enumerate(zip(xs, shardings, strict=True)):
+            if out[i] is None:
+                out[i] = place(x, sh, copy=True)
+    except BaseException:  # a leaf that cannot be placed: free the copies made, or they live as long as the error
+        for y in out:
+            if y is not None and not y.is_deleted():
+                y.delete()
+        raise
+    return out

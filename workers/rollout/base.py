@@ -17,8 +17,9 @@ Contract (every implementation, tested in tests/test_rollout_contract.py):
   names, see workers.models.params) and records `weight_version` and `weight_checksum`. Names,
   shapes and dtypes must match the engine's model exactly, or it raises and keeps its old weights.
   It returns what the swap held on the devices ({"params_bytes", "largest_leaf_bytes",
-  "peak_extra_bytes"}): a swap never holds two full copies of the params, so the peak over the
-  steady state is at most one leaf.
+  "peak_extra_bytes"}): where the devices lack room for two full copies of the params the peak over the
+  steady state is at most one leaf (jax_sampler keeps its old version beside the new one only where they
+  have room, workers.offload.room_for, and then moves no weight through host memory).
 - `memory_bytes()` is {"params": bytes, "kv": bytes} the engine holds on its devices now, counted
   from its live arrays (on CPU there are no device memory statistics).
 - Memory: `offload()` frees the engine's device memory (weights and KV cache);

@@ -52,7 +52,16 @@ from workers.models.checkpoint import load_pretrained
 from workers.models.decoder import CausalLM, init_cache
 from workers.models.lora import LoraSpec
 from workers.models.lora_batch import AdapterBatch, check_modules, stack
-from workers.offload import bytes_by_device, offload, onload, per_device_bytes, reserved_bytes
+from workers.offload import (
+    bytes_by_device,
+    layout_bytes,
+    offload,
+    onload,
+    per_device_bytes,
+    reserved_bytes,
+    room_for,
+    shard_bytes,
+)
 from workers.rollout.base import (
     EngineOffloadedError,
     FinishReason,
@@ -144,29 +153,64 @@ class JaxSampler(StampedWeights):
                        checksum: str | None = None) -> dict[str, int]:
         """Swap in `flat_params` (host arrays, or device arrays in any layout) as weights `version`.
 
-        A transaction, leaf by leaf: each old leaf goes to host memory, its device buffers are freed, and
-        the new leaf is copied into the engine's layout in its place (device to device when it is on this
-        process's devices), so a device never holds more than one extra leaf's shard. The new weights are
-        then hashed on the devices and, with `checksum`, must match it. Any failure (a bad tensor, a
-        transfer error, a mismatch) puts the old leaves back: the engine stays on its previous version,
-        never on a mix. When the old weights wait on host (resumed, not yet used) they are the undo copy
-        already: nothing moves out, and a failure leaves them waiting. Returns, per device:
-        {"params_bytes", "largest_leaf_bytes" (the largest leaf's shard), "peak_extra_bytes" (over the
-        steady state: a tally of the leaves the swap holds, after every leaf)}."""
+        A transaction. The new leaves are copied into the engine's layout (device to device when they are on this
+        process's devices: the engine owns its buffers, so the sender may donate or overwrite its own), hashed on
+        the devices and, with `checksum`, must match it; any failure (a bad tensor, a transfer error, a mismatch)
+        leaves the engine on its previous version, never on a mix. Where the old weights are kept meanwhile:
+        - on the devices, beside the new ones, when every device has room for both (workers.offload.room_for):
+          the new leaves land in one program, the old ones are freed once the new verify, and no weight byte
+          passes through host memory (`_update_beside`);
+        - else in host memory, leaf by leaf: each old leaf goes to host, its device buffers are freed and the new
+          leaf lands in its place, so a device never holds more than one extra leaf's shard (`_update_in_place`);
+        - when they wait on host already (resumed, not yet used) they are the undo copy: nothing moves out, and a
+          failure leaves them waiting (`_update_from_host`).
+        Returns, per device: {"params_bytes", "largest_leaf_bytes" (the largest leaf's shard), "peak_extra_bytes"
+        (over the steady state: the leaves the swap held at once), "undo_host_bytes" (the old weights this swap
+        moved to host memory: 0 unless the devices lacked room)}."""
         if self._state is None and self._deferred:
             return self._update_from_host(flat_params, version, checksum)
         current = self._live_state()
         incoming = P.from_flat(current, flat_params, source=f"update_weights(version={version})")
         old, treedef = jax.tree.flatten(current)
         new = treedef.flatten_up_to(incoming)
+        held = layout_bytes(old)  # what the new version takes on each device: the old one's layout
+        if room_for(held):
+            return self._update_beside(old, new, treedef, version, checksum, held)
+        return self._update_in_place(old, new, treedef, version, checksum)
+
+    def _update_beside(self, old: list, new: list, treedef, version: int, checksum: str | None,
+                       held: dict) -> dict[str, int]:
+        """The new version lands beside the old one; the old is freed once the new verifies (or, on a failure, the
+        new is: the old never moved). Sizes come from the layout (`held`), not from the buffers: a model's few
+        hundred leaves would cost more Python than the copy costs a GPU."""
+        leaves: list = []
+        try:
+            leaves = S.place_all(new, [x.sharding for x in old])
+            state = treedef.unflatten(leaves)
+            digest = self._verify(state, version, checksum)
+        except BaseException:
+            for leaf in leaves:
+                if not leaf.is_deleted():
+                    leaf.delete()
+            raise
+        self._state, self._version, self._checksum = state, int(version), digest
+        for leaf in old:
+            leaf.delete()
+        steady = max(held.values(), default=0)  # the new version, in the old one's layout; both were held at once
+        return {"params_bytes": steady, "largest_leaf_bytes": max(map(shard_bytes, old), default=0),
+                "peak_extra_bytes": steady, "undo_host_bytes": 0}
+
+    def _update_in_place(self, old: list, new: list, treedef, version: int, checksum: str | None) -> dict[str, int]:
+        """Leaf by leaf, each old leaf to host memory before the new one lands in its place (bounded peak)."""
         leaves, saved = list(old), {}  # saved: index -> the old leaf's host copy, while the new one lands
         extra: dict = {}  # device -> bytes the swap holds beyond the engine's steady state (a running tally)
-        peak = largest = 0
+        peak = largest = moved = 0
         try:
             for i, (was, arriving) in enumerate(zip(old, new, strict=True)):
                 shards = bytes_by_device([was])
                 largest = max(largest, *shards.values())
                 saved[i] = offload(was)  # to host; frees the device buffers
+                moved += max(shards.values())
                 leaves[i] = S.place(arriving, was.sharding, copy=True)  # the engine owns its buffers
                 for device, nbytes in bytes_by_device([leaves[i]]).items():
                     extra[device] = extra.get(device, 0) + nbytes - shards.get(device, 0)
@@ -184,7 +228,7 @@ class JaxSampler(StampedWeights):
         for host in saved.values():  # pinned-host copies: freed now that the new version stands
             jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, host.tree)
         return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": int(largest),
-                "peak_extra_bytes": max(0, int(peak))}
+                "peak_extra_bytes": max(0, int(peak)), "undo_host_bytes": int(moved)}
 
     def _update_from_host(self, flat_params, version: int, checksum: str | None) -> dict[str, int]:
         """`update_weights` while the old weights wait on host: the new leaves land in their device memory
@@ -210,7 +254,7 @@ class JaxSampler(StampedWeights):
         self._version, self._checksum = int(version), digest
         jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, waiting.tree)
         return {"params_bytes": self.memory_bytes()["params"], "largest_leaf_bytes": int(largest),
-                "peak_extra_bytes": 0}  # the reservation holds exactly the new leaves
+                "peak_extra_bytes": 0, "undo_host_bytes": 0}  # the reservation holds exactly the new leaves
 
     def _verify(self, state, version: int, checksum: str | None) -> str:
         digest = P.checksum(P.to_flat(state))
