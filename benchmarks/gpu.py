@@ -73,7 +73,8 @@ GOAL = {"sync_s": 0.010, "decode_ms": 1.5, "mfu": 0.45, "peak_over_held": 1.25, 
 FIELDS = ("status", "wall_s", "launch_to_first_step_s", "launch_to_every_first_step_s", "first_step_s",
           "first_step_compile_s", "compiles_after_step1", "compile_s_after_step1", "steady_steps", "step_s",
           "rollout_s", "train_s", "reward_s", "lock_wait_s", "spans_s", "switch_share", "sync_s_max_task",
-          "decode_ms_per_token_step", "decode_rows", "decode_bound_ms", "decode_over_bound", "generated_tokens_per_s",
+          "decode_ms_per_token_step", "decode_rows", "decode_bound_ms", "decode_bound_kv_ms",
+          "decode_over_bound", "generated_tokens_per_s",
           "train_flops_per_step", "mfu", "peak_device_bytes", "held_bytes", "plan_bytes", "peak_over_held",
           "steps_per_s", "samples_per_s", "steps_per_s_x_one", "samples_per_s_x_one_full")
 
@@ -378,6 +379,12 @@ def figures(run: Run, cfg, metrics: dict[str, list[dict]], spans: list[dict], la
     out["plan_bytes"], why = plan_bytes(cfg)
     if why:
         nulls["plan_bytes"] = why
+    if weights and out.get("plan_bytes"):
+        # The sampler's attention reads every slot of its KV cache (prompt bucket + new tokens) at every token-step,
+        # filled or not: at GSM8K's setting those bytes are several times the weights'.
+        out["decode_bound_kv_ms"] = 1e3 * (weights + out["plan_bytes"]["kv_cache"]) / bandwidth
+    elif weights:
+        nulls["decode_bound_kv_ms"] = "needs plan_bytes (see its reason)"
     if out.get("peak_device_bytes") and out.get("plan_bytes"):
         out["peak_over_held"] = out["peak_device_bytes"] / (held + out["plan_bytes"]["kv_cache"])
     elif "peak_device_bytes" in nulls or "plan_bytes" in nulls:
@@ -654,7 +661,9 @@ def report(results: dict) -> str:
                           for r in results["runs"] if r["spans_s"]),
               "", f"MFU: {results['flops_formula']}; over the TRAIN phase's seconds (time/train_s: log-probs, update, "
               "publish). Decode: the generate span / grpo.max_new_tokens token-steps (prefill included); its bound: "
-              "the engine's weight bytes read once per token-step at the copy's bandwidth. Peak: the allocator's "
+              "the engine's weight bytes read once per token-step at the copy's bandwidth (decode_bound_kv_ms in "
+              "results.json: with the whole KV cache, which the sampler's attention reads at every token-step). Peak: "
+              "the allocator's "
               "peak_bytes_in_use in the roles' process; held: what the roles hold between phases (params, optimizer, "
               "reference, the engine's params; a shared base once); KV plan: `rlsched plan`'s largest engine KV cache.",
               "", "| goal (issue 40) | measured | verdict |", "|---|---|---|"]

@@ -135,6 +135,8 @@ def check_gpu(results: dict, out: Path) -> None:
     params = results["model"]["params"]  # the checkpoint's, from its safetensors headers
     bandwidth = results["device"]["copy"]["bandwidth_bytes_per_s"]
     assert cold["decode_bound_ms"] == pytest.approx(1e3 * params * 4 / bandwidth)  # float32 weights, read once
+    kv = cold["plan_bytes"]["kv_cache"]  # with the whole KV cache, which the attention reads every token-step
+    assert kv > 0 and cold["decode_bound_kv_ms"] == pytest.approx(1e3 * (params * 4 + kv) / bandwidth)
     # (6 + 2 + 2) x N x rows x padded length, beta > 0: a whole number of padded lengths of 4 rows each
     padded = cold["train_flops_per_step"] / (10 * params)
     assert padded == round(padded) and round(padded) % 4 == 0 and 4 * 32 < padded <= 4 * 64, padded
