@@ -29,7 +29,7 @@ INJECT = textwrap.dedent("""
     FAILS = 5  # degraded for 0.5 + 1 + 2 + 4 + 8 + 16 s: long enough for a `status` on a loaded machine
 
     def inject(service):
-        original, failed = service._tick, []
+        original, failed = service.monitor.tick, []
 
         def broken():
             if len(failed) < FAILS:
@@ -37,7 +37,7 @@ INJECT = textwrap.dedent("""
                 raise RuntimeError("injected: the monitor's pass failed")
             return original()
 
-        service._tick = broken
+        service.monitor.tick = broken
         return "injected"
 
     handle, _ = daemon.connect()

@@ -1,0 +1,226 @@
+"""The service's live submissions and the drivers of their running tasks: a task admitted is started (a TaskDriver
+actor over the scheduler's locks, as `rlsched train` runs it), polled, and finished when its run returns; a
+submission whose tasks have all ended writes its run's outputs (timeline, summary) and goes.
+
+    runs = Runs(book, scheduler, lock, state_dir=..., where=..., processes=...)
+    runs.add(request_id, cfg, names, resume=False)   # the submission its tasks start from
+    runs.start(name, admitted_bytes)                 # RUNNING; its driver's run is in runs.refs
+    runs.poll(name); runs.finish(ref)                # the monitor's pass (rlsched.service.server._tick)
+
+Design decisions (and why):
+- **A long submission does not grow the service.** A run's timeline holds every scheduler event of its time, so
+  the scheduler kept all events since the oldest live submission began: a task training for a week kept a week of
+  every task's events in memory. The monitor moves the events older than a few seconds to each live submission's
+  spool file every `spool_s` (rlsched.service.spool); the run's outputs read it back when its last task ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rlsched.base.units import format_bytes
+from rlsched.cluster import ray_cluster
+from rlsched.config.schema import ExperimentConfig
+from rlsched.service.records import CANCELLED, FAILED, FINISHED, RUNNING, TERMINAL, TaskBook
+from rlsched.service.spool import SPOOL_MARGIN_S, EventSpool, event_end
+
+
+@dataclasses.dataclass
+class Submission:
+    cfg: ExperimentConfig
+    resume: bool
+    tasks: list[str]
+    results: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    events: list[dict] = dataclasses.field(default_factory=list)
+    started: float = dataclasses.field(default_factory=time.time)  # wall clock: its timeline starts here
+    spool: EventSpool | None = None  # the scheduler's events of its time so far, on disk (rlsched.service.spool)
+    spooled: float = 0.0  # wall clock: its events that ended before this are in its spool (0: none yet)
+
+    def __post_init__(self):
+        self.spooled = self.spooled or self.started
+
+
+class Runs:
+    """The live submissions, their running tasks' drivers, and the scheduler's events of their time (see the module
+    docstring). Shares the service's lock and task records."""
+
+    def __init__(self, book: TaskBook, scheduler, lock: threading.RLock, *, state_dir: Path, where, processes: str):
+        self.book = book
+        self.scheduler = scheduler
+        self._lock = lock
+        self.state_dir = Path(state_dir)
+        self.where = where  # rlsched.cluster.ray_cluster.role_sites of the service's device group
+        self.processes = processes
+        self.subs: dict[str, Submission] = {}  # request id -> a submission not yet complete
+        self.drivers: dict[str, Any] = {}  # running task -> driver handle
+        self.refs: dict[Any, str] = {}  # driver.run ref -> task
+        self.spooling = threading.Lock()  # one spool pass at a time, and none while a run's outputs read a spool
+
+    def add(self, request_id: str, cfg: ExperimentConfig, names: list[str], *, resume: bool) -> None:
+        self.subs[request_id] = Submission(cfg, resume, list(names),
+                                           spool=EventSpool(self.state_dir / "spool" / f"{request_id}.jsonl"))
+
+    def start(self, name: str, admitted: int) -> None:
+        """Start the admitted task `name` (`admitted`: the bytes per device its admission counted)."""
+        import dataclasses as dc
+
+        import ray
+
+        from rlsched.observe.progress import LineBuffer
+        from rlsched.run.experiment import cobatches, estimate_bytes, shared_bytes, task_bases
+        from rlsched.run.task import TaskDriver
+        from rlsched.scheduling.scheduler import SchedulerLocks
+
+        record = self.book.tasks[name]
+        sub = self.subs[record.request]
+        spec = next(s for s in sub.cfg.task_specs() if s.name == name)
+        spec = dc.replace(spec, processes=self.processes, shares_devices=True)  # tasks come and go beside it
+        task = spec.config
+        try:
+            bases = task_bases(sub.cfg, name, self.processes)
+            # A shared base is the policy's to count, once, pinned while any task reads it (Policy.register); the
+            # task's own bytes leave it out
+            engine, actor = estimate_bytes(task, shared_bytes(bases, name))
+            pinned = [(repr(b.key), role, b.nbytes) for b in bases for t, role in b.roles if t == name]
+            # A LoRA task rolls out (and trains) together with waiting tasks of its base group, whichever submission
+            # they came in
+            cobatch = cobatches(sub.cfg, bases).get(name)
+            moves = ray.get(self.scheduler.admit.remote(name, ray_cluster.GROUP, engine, actor, priority=task.priority,
+                                                        weight=task.weight, cobatch=cobatch, bases=pinned), timeout=60)
+        except Exception as err:  # noqa: BLE001 - the policy refused it: this task fails, nothing else
+            self.book.end(name, FAILED, f"the scheduler refused it: {err}")
+            return
+        driver_cls = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(TaskDriver)
+        driver = driver_cls.remote(spec, SchedulerLocks(self.scheduler, name), sites=self.where,
+                                   resume=sub.resume, initial_moves=moves, echo=LineBuffer())
+        self.scheduler.watch.remote(name, [driver.lifeline.remote()])
+        self.scheduler.register_driver.remote(name, driver)
+        self.drivers[name] = driver
+        self.refs[driver.run.remote()] = name
+        record.state, record.reason, record.started_at = RUNNING, None, time.time()
+        shared = " (its base is held once for its base group, already running)" if \
+            record.bases and admitted == record.needs_bytes else ""
+        self.book.say(name, f"[{name}] admitted: {format_bytes(admitted)} per device{shared}; starting its roles")
+
+    def poll(self, name: str) -> dict[str, Any] | None:
+        import ray
+
+        try:
+            poll = ray.get(self.drivers[name].poll.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, KeyError):
+            return None
+        with self._lock:
+            record = self.book.tasks[name]
+            for line in poll["lines"]:
+                self.book.say(name, line)
+            # phase and lock of one moment of the driver's (TaskDriver.poll), replaced together under our lock
+            record.step, record.phase, record.lock, record.devices = (poll["step"], poll["phase"], poll.get("lock"),
+                                                                      poll["roles"])
+            record.driver_pid = poll.get("pid", record.driver_pid)
+            record.reward = poll.get("reward", record.reward)
+        return poll
+
+    def finish(self, ref) -> None:
+        """A driver's run returned or raised: its state, its events, its driver ended, the submission's
+        outputs written once all of its tasks have ended."""
+        import ray
+
+        from rlsched.run.experiment import _result
+
+        with self._lock:
+            name = self.refs.pop(ref)
+            request = self.book.tasks[name].request
+        last = self.poll(name)
+        sub = self.subs[request]
+        result = _result(name, ref, self.scheduler, sub.cfg)
+        if last is not None:
+            result["roles"] = last["roles"]
+            if result["status"] == "ok" and last["state"] == "stopped":
+                result.update(status="stopped", steps=last["step"])
+        with contextlib.suppress(Exception):
+            sub.events += ray.get(self.drivers[name].events.remote(), timeout=60)
+        try:
+            ray.get(self.scheduler.retire.remote(name), timeout=60)
+            ray.get(self.scheduler.forget_task.remote(name), timeout=60)  # its cause is in `result` now
+        except Exception as err:  # noqa: BLE001 - said, not raised: the task's own end is recorded all the same
+            self.book.log(f"task {name}: the scheduler did not retire it ({type(err).__name__}: {err}); its memory "
+                          "may still count as held until it is submitted again")
+        with self._lock:
+            ray.kill(self.drivers.pop(name))  # its roles go with it
+            sub.results[name] = result
+            if result["status"] == "ok":
+                self.book.end(name, FINISHED, None)
+                self.book.given.pop(name, None)  # a finished task is not resumed: its config need not be kept
+            elif result["status"] == "stopped":
+                self.book.end(name, CANCELLED, f"cancelled after step {result['steps']} (its checkpoint is saved; "
+                                               f"`rlsched resume {name}` continues it)")
+            else:
+                self.book.end(name, FAILED, result["error"])
+                self.book.say(name, f"[{name}] `rlsched resume {name}` continues it from its last checkpoint, as it "
+                                    "was submitted (once the cause is fixed)")
+            complete = self.ended(sub)
+        if complete:  # outside the lock: drawing a long run's Gantt takes seconds, and status or cancel must not wait
+            self.complete(request, sub)
+
+    def complete(self, request: str, sub: Submission) -> None:
+        """Every task of `sub` ended: its run's outputs are written (if any task of it ran), then it is dropped."""
+        if sub.results:
+            self._write_outputs(sub)
+        with self.spooling, self._lock:  # a spool pass appends to live submissions' files only
+            sub.spool.remove()
+            self.subs.pop(request, None)  # nothing more is asked of it
+
+    def ended(self, sub: Submission) -> bool:
+        """Whether every task of `sub` has ended (those cancelled before they started included) and no driver of
+        it is still being finished."""
+        records = [self.book.tasks.get(n) for n in sub.tasks]
+        return (all(r is None or r.state in TERMINAL for r in records)
+                and not any(n in sub.tasks for n in self.refs.values()))
+
+    def _write_outputs(self, sub: Submission) -> None:
+        import ray
+
+        from rlsched.run.experiment import write_run_outputs
+
+        def say(line: str) -> None:
+            with self._lock:
+                self.book.say(sub.tasks[0], line)
+
+        try:  # the scheduler's events of this submission's time only (spooled, then those since), and its tasks'
+            with self.spooling:  # not while a spool pass moves events out of the scheduler
+                events = sub.spool.read() + list(ray.get(self.scheduler.events_since.remote(sub.spooled),
+                                                         timeout=60))
+            state = ray.get(self.scheduler.state.remote(), timeout=60)
+            write_run_outputs(sub.cfg, events + sub.events, sub.results, state, echo=say)
+        except Exception as err:  # noqa: BLE001 - the tasks' own files are written; say what is missing
+            say(f"the run's timeline and summary were not written: {type(err).__name__}: {err}")
+        with self._lock:
+            live = [s.spooled for s in self.subs.values() if s is not sub]
+        with contextlib.suppress(Exception):  # the events no live submission needs go
+            ray.get(self.scheduler.forget_events_before.remote(min(live, default=time.time())), timeout=60)
+
+    def spool_events(self) -> None:
+        """Move the scheduler's events that ended before the cut (SPOOL_MARGIN_S ago) to the spool of each live
+        submission whose time they fall in, then let the scheduler forget them: its memory holds a few seconds of
+        events, not the age of the oldest live submission (rlsched.service.spool)."""
+        import ray
+
+        with self.spooling:
+            cut = time.time() - SPOOL_MARGIN_S
+            with self._lock:
+                live = [s for s in self.subs.values() if s.spooled < cut]
+            if not live:
+                return
+            events = [e for e in ray.get(self.scheduler.events_since.remote(min(s.spooled for s in live)),
+                                         timeout=60) if event_end(e) < cut]
+            for sub in live:
+                sub.spool.append(e for e in events if event_end(e) >= sub.spooled)
+                sub.spooled = cut
+            with self._lock:
+                oldest = min((s.spooled for s in self.subs.values()), default=cut)
+            ray.get(self.scheduler.forget_events_before.remote(oldest), timeout=60)
