@@ -318,3 +318,38 @@ def test_an_update_that_leaves_the_weights_unchanged_is_an_error(tmp_path, tiny_
     with pytest.raises(TaskError, match="step 3's update left every parameter as it was"):
         actor.train(batch, varied, step=3)
     driver.close()
+
+
+def test_completions_that_end_early_compile_nothing_after_step_1(tmp_path, tiny_model_dir, monkeypatch):
+    """In-process, the tiny model's actor under the fake engine, whose every completion stops at a random length in
+    1..8 (engine_args stop_probability 1): the steps' longest rows differ, and the old padding (the power-of-two
+    bucket of the longest row: 8 or 16 as the longest completion is under 5 or not) made a new program mid-run. Now
+    every batch is the prompts' bucket (8: "a+b=" is 4 bytes) + max_new_tokens 8 = 16 long: the actor prepares
+    (compiles) once, in step 1, and never runs a program it did not prepare."""
+    from workers.actor import ActorWorker
+    from workers.batch import length_bucket
+
+    prepared, trained = [], []
+    prepare, update = ActorWorker.prepare, ActorWorker.train
+
+    def recording_prepare(self, size, length):
+        compiled = prepare(self, size, length)
+        prepared.append((length, compiled))
+        return compiled
+
+    def recording_train(self, batch, **kw):
+        out = update(self, batch, **kw)
+        on_first_use = sum(fn._cache_size() for fn in self._programs.values())  # jitted, not prepared
+        trained.append((batch.tokens.shape[1], int(batch.attention_mask.sum(1).max()), on_first_use))
+        return out
+
+    monkeypatch.setattr(ActorWorker, "prepare", recording_prepare)
+    monkeypatch.setattr(ActorWorker, "train", recording_train)
+    over = _quick(tmp_path, tiny_model_dir, "tasks.0.rollout.engine=fake",
+                  "tasks.0.rollout.engine_args={stop_probability: 1.0}", "tasks.0.grpo.max_new_tokens=8",
+                  "tasks.0.grpo.prompts_per_step=1", "tasks.0.grpo.num_generations=2", "tasks.0.grpo.mini_batch_size=2",
+                  "tasks.0.steps=6", "tasks.0.checkpoint_every=0")
+    train(DEMO_CONFIG, overrides=over, in_process=True, echo=_silent)
+    assert len({length_bucket(longest) for _, longest, _ in trained}) > 1, trained  # the old rule: two shapes
+    assert [t for t, _, _ in trained] == [16] * 6 and [n for _, _, n in trained] == [0] * 6, trained
+    assert len(prepared) == 1 and prepared[0][0] == 16 and prepared[0][1] >= 1, prepared

@@ -98,6 +98,9 @@ class ActorSettings:
     # max_new_tokens is the completion length the seq-mean-token-sum-norm aggregation divides by.
     kl_clamp: float | None
     max_new_tokens: int | None
+    # What each decoder layer's forward keeps for the backward (workers.models.decoder.REMAT_POLICIES): memory and
+    # time only, never a result (the backward recomputes the same values), hence the one default here
+    remat: str = "layers"
 
 
 class TrainState(NamedTuple):
@@ -158,14 +161,14 @@ def policy_model(graphdef, params, base, lora, rows: int, *, row=0, dtype=None):
 
 
 def policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, *, temperature, router_loss: bool = False,
-                    row=0, dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    row=0, dtype=None, remat: str = "off") -> tuple[jax.Array, jax.Array, jax.Array]:
     """`policy_model`'s log p(tokens[:, 1:]) (B, T-1), its entropy there (B, T-1, no gradient) and the MoE
     load-balancing loss (0 without `router_loss`), all float32, for tokens, attention_mask (B, T): the output head
     runs on chunks of positions (workers.token_logprobs), so no [B, T, V] float32 logits are ever alive, in the
-    forward or the backward."""
+    forward or the backward. `remat`: what each decoder layer keeps for a backward (the update's: `layers`)."""
     model, adapters = policy_model(graphdef, params, base, lora, tokens.shape[0], row=row, dtype=dtype)
     hidden, aux = model.hidden_states(tokens, attention_mask=attention_mask, adapters=adapters,
-                                      router_loss=router_loss)
+                                      router_loss=router_loss, remat=remat)
     logp, entropy = target_logprobs(lambda h: model.logits(h, adapters), hidden[:, :-1], tokens[:, 1:],
                                     temperature=temperature)
     return logp, entropy, aux
@@ -208,7 +211,8 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
     def micro_loss(params, mb):
         # with aux_coef, the router's load-balancing loss too, averaged over the mini-batch's micro-batches
         logp, entropy, aux = policy_logprobs(graphdef, params, base, lora, mb["tokens"], mb["attention_mask"],
-                                             temperature=s.temperature, router_loss=bool(aux_coef), dtype=dtype)
+                                             temperature=s.temperature, router_loss=bool(aux_coef), dtype=dtype,
+                                             remat=s.remat)
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
         loss, m = grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
                                    epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,

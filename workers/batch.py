@@ -2,7 +2,10 @@
 asks for the TRAIN lock, and the driver never imports JAX).
 
 Sequences are right-padded [prompt, completion, pad] to a length bucket so a run compiles a few
-programs, not one per step.
+programs, not one per step. A run's batches (`max_new_tokens` given) take their length from the prompts alone:
+the power-of-two bucket of the longest prompt (`prompt_bucket`, the rollout engine's: workers.rollout.jax_sampler)
+plus max_new_tokens, so completions that end early never change the shape (the policy's lengths drift from step
+to step; a new shape mid-run was a new compile: 16 s at Qwen3-0.6B's shape on an H100).
 """
 
 from __future__ import annotations
@@ -53,13 +56,31 @@ def length_bucket(n: int) -> int:
     return math.ceil(n / 256) * 256
 
 
+def prompt_bucket(n: int, max_prompt_len: int) -> int:
+    """The padded length of prompts of at most n tokens: a power of two (at least 8), never above max_prompt_len.
+    jax_sampler pads a chunk's prompts to it too (its `_bucket(n, 8, max_prompt_len)`)."""
+    return min(max(8, 1 << (n - 1).bit_length()), max_prompt_len)
+
+
 def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], advantages: np.ndarray | None = None,
-                      *, pad_id: int, logprobs: list[np.ndarray] | None = None) -> TrainBatch:
-    """Right-pad [prompt + completion] rows to `length_bucket` of the longest. `advantages` (N,) may come
-    later (`TrainBatch.with_advantages`): the actor computes them from the rewards. `logprobs`: the engine's
-    log-prob of each completion token (Sample.logprobs, one array per row), compared with the actor's."""
+                      *, pad_id: int, logprobs: list[np.ndarray] | None = None, max_prompt_len: int | None = None,
+                      max_new_tokens: int | None = None) -> TrainBatch:
+    """Right-pad [prompt + completion] rows: to `prompt_bucket` of the longest prompt + max_new_tokens when
+    max_new_tokens is given (a run's batches: the completions' lengths never change the shape), else to
+    `length_bucket` of the longest row. `advantages` (N,) may come later (`TrainBatch.with_advantages`): the actor
+    computes them from the rewards. `logprobs`: the engine's log-prob of each completion token (Sample.logprobs, one
+    array per row), compared with the actor's."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-    t = length_bucket(max(lengths))
+    if max_new_tokens is None:
+        t = length_bucket(max(lengths))
+    else:
+        if max_prompt_len is None:
+            raise ValueError("give max_prompt_len with max_new_tokens (the prompt bucket never exceeds it)")
+        longest = max(len(p) for p in prompts)
+        t = prompt_bucket(longest, max(longest, max_prompt_len)) + max_new_tokens
+        if max(len(c) for c in completions) > max_new_tokens:
+            raise ValueError(f"a completion of {max(len(c) for c in completions)} tokens is longer than "
+                             f"max_new_tokens {max_new_tokens}: pass the max_new_tokens the engine sampled with")
     n = len(prompts)
     tokens = np.full((n, t), pad_id, np.int32)
     attn = np.zeros((n, t), bool)

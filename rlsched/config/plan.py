@@ -272,7 +272,7 @@ def train_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[Shared
             g, plan = task.grpo, task.batch_plan()
             update = (dataclasses.replace(plan, task=""), task.optim.model_dump(), task.lora.model_dump(),
                       g.epsilon, g.epsilon_high, g.beta, g.loss_aggregation, g.temperature,
-                      task.actor.router_aux_loss_coef)
+                      task.actor.router_aux_loss_coef, task.actor.remat)
             key = repr((b.key, update, task.actor.max_cobatch_rows))
             batch = found.setdefault(key, SharedHold(phase="train", key=key, tasks=[], rows=[],
                                                      capacity=task.actor.max_cobatch_rows))

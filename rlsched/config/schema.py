@@ -313,6 +313,11 @@ class ActorSection(_Section):
     max_cobatch_rows: int = Field(512, ge=1)
     """Most rows one co-batched TRAIN runs at once: each task adds its grpo.micro_batch_size, and the tasks of a hold
     are padded to a power of two (activation memory grows with it)."""
+    remat: Literal["layers", "off"] = "layers"
+    """What the update's forward keeps for its backward: `layers` each decoder layer's input only, the backward
+    recomputing one layer at a time (about a third more FLOPs in the update; activation memory ~1/L of `off`'s, L the
+    layers: workers.models.decoder); `off` every layer's internals, attention's float32 scores the largest. The
+    results are the same either way (the same computation, recomputed)."""
 
 
 class RolloutSection(_Section):

@@ -124,9 +124,11 @@ class HostWork:
     def train_batch(self, prompts: Prompts, output: RolloutOutput) -> TrainBatch:
         """[prompt + completion] rows, padded (before the TRAIN lock is asked for), with the engine's logprobs (the
         actor compares its own with them); the actor adds the advantages."""
-        samples = output.samples
+        samples, g = output.samples, self.spec.config.grpo
+        # padded to the prompts' bucket + max_new_tokens: completions that end early never make a new shape (a compile)
         return build_train_batch([prompts.ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
-                                 pad_id=self.tokenizer.pad_token_id, logprobs=[s.logprobs for s in samples])
+                                 pad_id=self.tokenizer.pad_token_id, logprobs=[s.logprobs for s in samples],
+                                 max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens)
 
 
 def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int, train: dict[str, float],
