@@ -167,6 +167,8 @@ def child_env() -> dict[str, str]:
 def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path) -> dict:
     """Run in the probe's child: the device's kind, the bandwidth of a copy of `copy_mib` MiB on it, and the
     model of `preset` at `model` (made here, if it is not there yet: one process start less)."""
+    if USER_PLATFORMS is None:  # this child imported benchmarks.common too, which defaults JAX to the CPU
+        os.environ.pop("JAX_PLATFORMS", None)
     import jax
     import jax.numpy as jnp
 
@@ -193,7 +195,8 @@ def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path) -> 
     return dict(kind=device.device_kind, platform=device.platform, count=len(jax.devices()),
                 allocator_stats=stats is not None, bytes_limit=(stats or {}).get("bytes_limit"),
                 copy=dict(bytes=2 * x_bytes(mib), seconds=best, bandwidth_bytes_per_s=2 * x_bytes(mib) / best),
-                env=environment(), dtype=dtype, model_s=time.perf_counter() - t0)
+                env=environment(), dtype=dtype, model_s=time.perf_counter() - t0,
+                jax_platforms=os.environ.get("JAX_PLATFORMS"))  # what JAX was told here (None: its own choice)
 
 
 def x_bytes(mib: int) -> int:

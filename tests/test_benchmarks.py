@@ -153,3 +153,24 @@ DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain
 def test_every_benchmark_has_a_smallest_setting():
     modules = {p.stem for p in BENCHMARKS.glob("*.py")} - NOT_BENCHMARKS
     assert modules == set(SMALLEST), f"add the new benchmarks to SMALLEST: {sorted(modules - set(SMALLEST))}"
+
+
+def test_the_gpu_benchmarks_device_probe_lets_jax_pick_the_device(tmp_path):
+    """benchmarks/gpu.py's probe child imports benchmarks.common, which defaults JAX_PLATFORMS to cpu: without
+    JAX_PLATFORMS in the caller's environment the probe must leave JAX its own choice (on a GPU machine it probed
+    the CPU, and made a float32 model, until it did)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS.parent), *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--probe", str(tmp_path / "m"), "--preset", "tiny",
+                           "--dtype", "auto", "--copy-mib", "1"], env=env, capture_output=True, text=True,
+                          cwd=BENCHMARKS.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert probe["jax_platforms"] is None, probe["jax_platforms"]
+    import jax
+
+    assert probe["platform"] == jax.devices()[0].platform  # the device JAX picks by itself (the CPU here)
