@@ -313,8 +313,11 @@ def figures(run: Run, cfg, metrics: dict[str, list[dict]], spans: list[dict], la
     late = [e for e in spans if e["name"] == COMPILE_SPAN_S and metrics.get(e["task"])
             and e["start"] > metrics[e["task"]][0]["time/end_unix"]]
     if any(len(rows) > 1 for rows in metrics.values()):
-        out["compiles_after_step1"] = len(late)
-        out["compile_s_after_step1"] = sum(e["end"] - e["start"] for e in late)
+        later = [m for rows in metrics.values() for m in rows[1:]]
+        out["compile_s_after_step1"] = sum(m["time/compile_s"] for m in later)  # each step's own count
+        # A run stopped early writes no timeline.json: then the later steps that spent a second or more compiling
+        # (a run stopped at --budget-s on an H100 compiled 74 s at step 3, which the spans alone missed).
+        out["compiles_after_step1"] = len(late) if spans else sum(m["time/compile_s"] >= 1.0 for m in later)
     steady = {t: rows[w:] for t, rows in metrics.items() if len(rows) > w}
     pooled = [m for rows in steady.values() for m in rows]
     out["steady_steps"] = len(pooled)
