@@ -72,6 +72,7 @@ LIMITS = {
     "requests": 1000,  # request ids answered, for a client that retries (within minutes)
     "lines": 1000,  # lines per task for `rlsched logs` (all of them are in the run's run.log)
     "finished": 100,  # finished tasks shown in `status`; older ones are in <state dir>/history.jsonl
+    "unfinished": 100,  # cancelled and failed tasks shown in `status`; older ones: history.jsonl, still resumable
     "grants": 1000,  # the scheduler's log of its last grants
     "spool_s": SPOOL_EVERY_S,  # seconds between moves of the scheduler's events to live submissions' spools
 }
@@ -122,10 +123,20 @@ class Service:
         self.runs = Runs(self.book, self.scheduler, self._lock, state_dir=self.state_dir, where=self.where,
                          processes=self.processes)
         self._next_spool = time.monotonic() + self.limits["spool_s"]
-        shutil.rmtree(self.state_dir / "spool", ignore_errors=True)  # a dead service's: its runs' timelines are gone
+        self._remove_old_spool()
         self.book.save()
         self.monitor = Monitor(self._tick, log=self.book.log, lock=self._lock)
         self.monitor.start()
+
+    def _remove_old_spool(self) -> None:
+        """A dead service's spool files go: its runs' timelines are gone with it. What cannot be removed is said."""
+        left: list[str] = []
+        spool = self.state_dir / "spool"
+        if spool.exists():
+            shutil.rmtree(spool, onerror=lambda _, path, info: left.append(f"{path} ({info[1]})"))
+        if left:
+            self.book.log(f"a dead service's spool was not removed whole: {len(left)} path(s) left, the first "
+                          f"{left[0]}")
 
     def _start_group_processes(self):
         """One process per device group (colocated: one) that holds every task's roles there for the service's
@@ -211,11 +222,13 @@ class Service:
                 return self._requests[request_id]
             if self._closing.is_set():
                 return {"error": "the scheduler is shutting down (`rlsched down` is in progress)"}
-            if task not in self.book.tasks:
+            record, given = self.book.tasks.get(task), self.book.given.get(task)
+            if record is None:  # summarised into history.jsonl (records.TaskBook.retire_old), or never known
+                record, given = self.book.summarised(task) or (None, None)
+            if record is None:
                 return {"error": self.book.unknown(task)}
-            error = self.book.not_resumable(task)
+            error = self.book.not_resumable(record, given)
             if error is None:
-                given = self.book.given[task]
                 try:
                     cfg = given.config({k: self.settings[k] for k in SETTINGS_KEYS if k in self.settings})
                 except ValueError as err:
@@ -232,8 +245,10 @@ class Service:
                 error = (f"task {task} has no checkpoint to resume from (none in {spec.checkpoint_dir}); "
                          f"`rlsched resume {task} --fresh` runs it again from step 0")
                 return self._requests.setdefault(request_id, {"error": error})
+            if task not in self.book.tasks:  # back from history: its record and config, until it ends again
+                self.book.tasks[task], self.book.given[task] = record, given
             self.book.say(task, f"[{task}] resumed by request: " + (f"continues after step {step}" if step is not None
-                                                                else "no checkpoint, starts again from step 0"))
+                                                                     else "no checkpoint, starts again from step 0"))
             self._queue(request_id, cfg, [task], resume=True)
             answer = self._requests[request_id] = {"task": task, "after_step": step, "steps": spec.config.steps,
                                                    "checkpoint_dir": str(spec.checkpoint_dir),
@@ -346,7 +361,7 @@ class Service:
         for them; `force`: nothing waits (the caller then ends every process)."""
         with self._lock:
             self._closing.set()
-            for name, record in self.book.tasks.items():
+            for name, record in list(self.book.tasks.items()):  # end() may move older records to history
                 if record.state == PENDING:
                     self.book.end(name, CANCELLED, "the scheduler was shut down before it started")
                 elif record.state == RUNNING and not force:
@@ -360,7 +375,7 @@ class Service:
                     break
             time.sleep(0.2)
         with self._lock:
-            for name, record in self.book.tasks.items():
+            for name, record in list(self.book.tasks.items()):
                 if record.state == RUNNING:  # force, or it did not stop in time
                     self.book.end(name, FAILED, "the scheduler was shut down (rlsched down --force) while it ran; "
                                             f"`rlsched resume {name}` continues it from its last checkpoint")
