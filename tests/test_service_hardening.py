@@ -2,7 +2,8 @@
 
 Each command is a process of its own against a service with a private RLSCHED_HOME. An exception is injected into
 the live service's monitor loop (through Ray's `__ray_call__`, from a process that holds the cluster's token):
-`status` says the service is degraded and why, the loop recovers, and the task it was running finishes whole.
+`status` says the service is degraded and why, the loop recovers, and the task it was running finishes whole; the
+same for the scheduler's lease watchdog.
 """
 
 from __future__ import annotations
@@ -40,10 +41,25 @@ INJECT = textwrap.dedent("""
         service.monitor.tick = broken
         return "injected"
 
+    def inject_watchdog(scheduler):  # its lease watchdog's passes fail for the next 20 s, then run as before
+        import time
+
+        expired, until = scheduler.policy.expired, time.monotonic() + 20
+
+        def broken(now, timeout):
+            if time.monotonic() < until:
+                raise RuntimeError("injected: the watchdog's pass failed")
+            return expired(now, timeout)
+
+        scheduler.policy.expired = broken
+        return "injected"
+
     handle, _ = daemon.connect()
     import ray
 
     print(ray.get(handle.__ray_call__.remote(inject), timeout=60))
+    scheduler = ray.get(handle.__ray_call__.remote(lambda service: service.scheduler), timeout=60)
+    print(ray.get(scheduler.__ray_call__.remote(inject_watchdog), timeout=60))
 """)
 
 
@@ -66,11 +82,13 @@ def test_a_failing_monitor_is_shown_degraded_recovers_and_loses_no_task(tmp_path
 
     injected = subprocess.run([sys.executable, "-c", INJECT], capture_output=True, text=True, timeout=120,
                               env={**__import__("os").environ, "RLSCHED_HOME": str(svc.home)})
-    assert injected.stdout.strip() == "injected", injected.stderr[-2000:]
-    seen, deadline = [], time.monotonic() + 180
+    assert injected.stdout.split() == ["injected", "injected"], injected.stderr[-2000:]
+    seen, shown_parts, deadline = [], set(), time.monotonic() + 180
     while time.monotonic() < deadline:  # degraded within a pass, then well again ~32 s later
         shown = svc("status").stdout
         seen.append("service DEGRADED" in shown)
+        shown_parts |= {line.split(" failed")[0].split("its ")[-1] for line in shown.splitlines()
+                        if line.startswith("service DEGRADED") and "injected: the" in line}
         if seen == [True]:  # a task submitted while the monitor fails waits, and is not lost
             svc("submit", CONFIG, *sets, "--set", "experiment.name=later", "--set", "tasks.0.steps=3",
                 "--set", "tasks.0.name=addition-later")
@@ -78,6 +96,7 @@ def test_a_failing_monitor_is_shown_degraded_recovers_and_loses_no_task(tmp_path
             break
         time.sleep(0.3)
     assert any(seen), "status never showed the service degraded"
+    assert shown_parts == {"monitor", "lease watchdog"}, shown_parts  # each with its injected cause
     assert not seen[-1], "the service did not recover"
     degraded = json.loads(svc("status", "--json").stdout)["degraded"]
     assert degraded is None
@@ -91,3 +110,4 @@ def test_a_failing_monitor_is_shown_degraded_recovers_and_loses_no_task(tmp_path
         assert (svc.cwd / "runs" / experiment / "summary.json").is_file()
     svc("down")
     svc.assert_all_gone()
+

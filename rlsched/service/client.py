@@ -164,10 +164,11 @@ def render_status(report: dict[str, Any]) -> str:
 def _service_lines(report: dict[str, Any]) -> list[str]:
     """The device group's processes, the service's own health and its authentication (as checked at `up`)."""
     lines = []
-    if report.get("degraded"):
-        d = report["degraded"]
-        lines.append(f"service DEGRADED since {time.strftime('%H:%M:%S', time.localtime(d['since']))}: its monitor "
-                     f"failed {d['failures']} time(s) in a row ({d['cause']}); it retries (service.log has more)")
+    for part, d in (report.get("degraded") or {}).items():  # the monitor, the scheduler's lease watchdog
+        since = "" if d["since"] is None else f" since {time.strftime('%H:%M:%S', time.localtime(d['since']))}"
+        count = "" if d["failures"] is None else f" {d['failures']} time(s) in a row"
+        lines.append(f"service DEGRADED{since}: its {part} failed{count} ({d['cause']}); it retries ({d['log']} has "
+                     "more)")
     auth = report.get("auth") or {}
     if auth.get("mode") is not None:
         lines.append(f"Ray's token authentication: {auth['mode']}; at start a client without the token was "

@@ -150,6 +150,19 @@ class Service:
             max_tasks=MAX_TASKS, max_restarts=-1, shares_devices=True)
         return dataclasses.replace(self.where, processes=self.group_processes)
 
+    def _watchdog_health(self) -> dict[str, Any] | None:
+        """The scheduler's lease watchdog while its passes fail (Scheduler.health), or None; a scheduler that does not
+        answer is failing too."""
+        import ray
+
+        log = "the Scheduler actor's worker log (Ray's session logs)"
+        try:
+            failing = ray.get(self.scheduler.health.remote(), timeout=30)["watchdog"]
+        except Exception as err:  # noqa: BLE001 - shown in `status`, not raised
+            cause = f"the scheduler did not answer: {type(err).__name__}: {err}".splitlines()[0]
+            return {"since": None, "cause": cause, "failures": None, "log": log}
+        return None if failing is None else {**failing, "log": log}
+
     def _group_process_bytes(self) -> list[dict[str, Any]]:
         """Each device group's process: its pid, the roles it holds and its device bytes (live arrays)."""
         import ray
@@ -276,11 +289,14 @@ class Service:
 
     def status(self) -> dict[str, Any]:
         """Every task's row (its phase and lock from one poll of its driver: status_rows), the device-group
-        processes' and the pools' bytes, and the service's own health (`degraded`: the monitor's error, until it
-        recovers). The scheduler's own view of the locks is `locks` (`rlsched locks`)."""
+        processes' and the pools' bytes, and the service's own health (`degraded`: {part: {"since", "cause",
+        "failures", "log"}} for each part failing now, the monitor and the scheduler's lease watchdog, or None). The
+        scheduler's own view of the locks is `locks` (`rlsched locks`)."""
         with self._lock:
             rows = status_rows([t.row() for t in self.book.tasks.values()], time.time())
-            degraded = None if self.monitor.degraded is None else dict(self.monitor.degraded)
+            monitor = None if self.monitor.degraded is None else {**self.monitor.degraded, "log": "service.log"}
+        parts = {"monitor": monitor, "lease watchdog": self._watchdog_health()}
+        degraded = {part: failing for part, failing in parts.items() if failing is not None} or None
         return {"tasks": rows, "settings": self.settings, "group_processes": self._group_process_bytes(),
                 "used_bytes": self.admission.used_bytes(self.book.tasks), "budget_bytes": self.admission.budget_bytes(),
                 "degraded": degraded}
