@@ -707,7 +707,7 @@ def _main(argv: list[str] | None = None) -> int:
     from rlsched.service.daemon import NoService, ServiceError
 
     if args.command in SERVICE_COMMANDS:  # quick commands: no model code imported for their errors
-        from rlsched.base.errors import TaskError
+        from rlsched.base.errors import is_input_error
 
         try:
             return args.func(args)
@@ -717,9 +717,13 @@ def _main(argv: list[str] | None = None) -> int:
         except (NoService, ServiceError) as err:
             print(str(err) if isinstance(err, NoService) else f"error: {err}", file=sys.stderr)
             return 1
-        except (ValueError, TaskError) as err:  # config errors (ConfigError, RunDirError) and refusals
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        except BrokenPipeError:
+            raise  # `main` decides, as below
+        except Exception as err:
+            if is_input_error(err):  # config errors (ConfigError, RunDirError) and the service's refusals (UsageError)
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            return _internal_error(args)  # a bug (a plain ValueError included): its traceback, kept, as `train`'s
     from rlsched.base.errors import ClusterTooSmall, ClusterUnreachable, TaskError, is_input_error
     from workers.rewards import RewardError
 

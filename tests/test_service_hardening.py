@@ -3,7 +3,8 @@
 Each command is a process of its own against a service with a private RLSCHED_HOME. An exception is injected into
 the live service's monitor loop (through Ray's `__ray_call__`, from a process that holds the cluster's token):
 `status` says the service is degraded and why, the loop recovers, and the task it was running finishes whole; the
-same for the scheduler's lease watchdog.
+same for the scheduler's lease watchdog. A service command that meets a bug says so with its traceback (exit 1),
+kept in crashes/, as `rlsched train` does; only input errors are one line, exit 2.
 """
 
 from __future__ import annotations
@@ -111,3 +112,22 @@ def test_a_failing_monitor_is_shown_degraded_recovers_and_loses_no_task(tmp_path
     svc("down")
     svc.assert_all_gone()
 
+
+def test_a_bug_in_a_service_command_prints_its_traceback_and_is_kept(tmp_path):
+    """A service command that meets a bug (here a service record that is not JSON: json's ValueError, which no input
+    of the user's fixes) prints its traceback, keeps it in crashes/ as `rlsched train` does, and exits 1; before,
+    every ValueError was one line, exit 2, as if the user had typed something wrong."""
+    from test_service import _cli
+
+    (tmp_path / "service.json").write_text("{not json")
+    proc = _cli("status", home=tmp_path, cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert "Traceback (most recent call last)" in proc.stderr and "JSONDecodeError" in proc.stderr, proc.stderr
+    [kept] = (tmp_path / "crashes").iterdir()
+    assert f"the traceback is kept in {kept}" in proc.stderr and "-status-" in kept.name
+    assert kept.read_text().startswith("rlsched status\n") and "JSONDecodeError" in kept.read_text()
+    # An input error stays one line, exit 2.
+    bad = _cli("up", "--limit", "finished=0", home=tmp_path / "fresh", cwd=tmp_path, check=False, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --limit finished=0: expected NAME=N with NAME one of requests, lines, finished, unfinished, grants, "
+        "spool_s and N >= 1"], bad.stderr

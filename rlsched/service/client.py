@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlsched.base.errors import TaskError, UsageError
+from rlsched.base.errors import UsageError
 from rlsched.base.units import format_bytes
 from rlsched.config.loading import load_configs, select_tasks, with_absolute_paths
 from rlsched.config.schema import ConfigError, ExperimentConfig
@@ -112,7 +112,7 @@ def cancel(task: str, request: str | None = None) -> dict[str, Any]:
     service, _ = daemon.connect()
     answer = daemon.call(service.cancel, request or daemon.request_id(), task)
     if "error" in answer:
-        raise TaskError(answer["error"])
+        raise UsageError(answer["error"])
     return answer
 
 
@@ -123,7 +123,7 @@ def follow_logs(task: str, *, follow: bool, echo=print, period_s: float = 0.5) -
     while True:
         answer = daemon.call(service.logs, task, offset)
         if "error" in answer:
-            raise TaskError(answer["error"])
+            raise UsageError(answer["error"])
         for line in answer["lines"]:
             echo(line)
         offset = answer["next"]
@@ -137,7 +137,7 @@ def locks(release: str | None = None) -> dict[str, Any]:
     if release is not None:
         answer = daemon.call(service.release, release, timeout_s=180)
         if "error" in answer:
-            raise TaskError(answer["error"])
+            raise UsageError(answer["error"])
     return daemon.call(service.locks)
 
 
