@@ -306,6 +306,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from rlsched.cluster import security
     from rlsched.service import daemon
 
+    limits = _limits(args.limit)  # before anything starts
     if args.address is None and daemon.read_info() is None:  # the service's process checks it again as it starts
         security.prepare_embedded_cluster(echo=lambda line: print(line, file=sys.stderr))
 
@@ -313,6 +314,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 "memory_budget_gb": args.memory_budget_gb, "policy": args.policy,
                 "starvation_limit": args.starvation_limit, "lease_timeout_s": args.lease_timeout_s,
                 "overcommit": args.overcommit, "processes": args.processes}
+    if limits:
+        settings["limits"] = limits
     fresh = daemon.read_info() is None
     info = daemon.up(settings, address=args.address)
     if fresh:
@@ -323,6 +326,25 @@ def _cmd_up(args: argparse.Namespace) -> int:
               f"roles in {s.get('processes', 'per_role')} processes")
         print(f"its log: {daemon.state_dir() / 'service.log'}; send tasks with `rlsched submit CONFIG`")
     return 0
+
+
+def _limits(given: list[str]) -> dict[str, float]:
+    """`up --limit NAME=N ...` as the service's settings["limits"] (rlsched.service.server.LIMITS); UsageError naming
+    a bad one."""
+    from rlsched.base.errors import UsageError
+    from rlsched.service.server import LIMITS
+
+    limits = {}
+    for item in given:
+        name, _, text = item.partition("=")
+        try:
+            value = float(text) if name == "spool_s" else int(text)
+        except ValueError:
+            value = None
+        if name not in LIMITS or value is None or value < 1:
+            raise UsageError(f"--limit {item}: expected NAME=N with NAME one of {', '.join(LIMITS)} and N >= 1")
+        limits[name] = value
+    return limits
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -505,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admit any task that fits alone; evictions swap roles between tasks (as train does)")
     p.add_argument("--insecure", action="store_true",
                    help="allow RAY_AUTH_MODE=disabled: a Ray cluster anyone reaching this machine may use")
+    p.add_argument("--limit", action="append", default=[], metavar="NAME=N",
+                   help="a bound of what the service keeps in memory (repeatable): requests, lines, finished, "
+                        "unfinished, grants, spool_s (defaults 1000, 1000, 100, 100, 1000, 10; docs/service.md)")
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("submit", help="send an experiment's tasks to the running scheduler; returns at once")
@@ -682,7 +707,7 @@ def _main(argv: list[str] | None = None) -> int:
     from rlsched.service.daemon import NoService, ServiceError
 
     if args.command in SERVICE_COMMANDS:  # quick commands: no model code imported for their errors
-        from rlsched.base.errors import TaskError
+        from rlsched.base.errors import is_input_error
 
         try:
             return args.func(args)
@@ -692,9 +717,13 @@ def _main(argv: list[str] | None = None) -> int:
         except (NoService, ServiceError) as err:
             print(str(err) if isinstance(err, NoService) else f"error: {err}", file=sys.stderr)
             return 1
-        except (ValueError, TaskError) as err:  # config errors (ConfigError, RunDirError) and refusals
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        except BrokenPipeError:
+            raise  # `main` decides, as below
+        except Exception as err:
+            if is_input_error(err):  # config errors (ConfigError, RunDirError) and the service's refusals (UsageError)
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            return _internal_error(args)  # a bug (a plain ValueError included): its traceback, kept, as `train`'s
     from rlsched.base.errors import ClusterTooSmall, ClusterUnreachable, TaskError, is_input_error
     from workers.rewards import RewardError
 

@@ -243,27 +243,37 @@ def test_a_fence_that_cannot_confirm_a_device_group_process_stopped_holds_the_lo
 
 
 def test_a_watchdog_pass_that_raises_is_kept_and_leases_still_expire(capsys):
-    """One failed pass of the lease watchdog (here the policy raising once) is printed and counted, and the next
-    passes go on: a later hang still has its lease taken."""
+    """Failed passes of the lease watchdog (here the policy raising twice) are printed and counted, `health()` shows
+    the watchdog failing while they fail in a row and clears once a pass succeeds (a service's `status` shows it),
+    and the next passes go on: a later hang still has its lease taken."""
     async def scenario():
         s = _scheduler(lease_timeout_s=0.1, stop=_Fence(), let_go_s=0.1)
-        expired, calls = s.policy.expired, []
+        expired, calls, seen = s.policy.expired, [], []
 
         def broken(now, timeout):
             calls.append(now)
-            if len(calls) == 1:
-                raise RuntimeError("injected: the policy failed once")
+            seen.append(s.health()["watchdog"])  # as the pass starts: what the passes before it left
+            if len(calls) <= 2:
+                raise RuntimeError(f"injected: the policy failed ({len(calls)})")
             return expired(now, timeout)
 
+        assert s.health() == {"watchdog": None}
         s.policy.expired = broken
-        await s.acquire("a", "train")  # held past its lease: the first pass raises, a later one expires it
+        await s.acquire("a", "train")  # held past its lease: the first passes raise, a later one expires it
         await asyncio.wait_for(s.acquire("b", "train"), 3)
         assert s.failed()["a"].startswith("lease expired after 0 s in phase train"), s.failed()
-        assert s.state()["watchdog_errors"] == 1
-        assert s.state()["watchdog_error"] == "RuntimeError: injected: the policy failed once"
+        assert s.state()["watchdog_errors"] == 2
+        assert s.state()["watchdog_error"] == "RuntimeError: injected: the policy failed (2)"
+        assert seen[0] is None
+        assert {k: seen[1][k] for k in ("cause", "failures")} == {"cause": "RuntimeError: injected: the policy "
+                                                                           "failed (1)", "failures": 1}
+        assert {k: seen[2][k] for k in ("cause", "failures")} == {"cause": "RuntimeError: injected: the policy "
+                                                                           "failed (2)", "failures": 2}
+        assert seen[2]["since"] == seen[1]["since"]  # failing since the first of the row
+        assert seen[3] is None and s.health() == {"watchdog": None}  # the third pass succeeded
 
     asyncio.run(scenario())
-    assert "the lease watchdog's pass failed (1 so far)" in capsys.readouterr().out
+    assert "the lease watchdog's pass failed (2 so far)" in capsys.readouterr().out
 
 
 def test_a_dead_holder_releases_and_its_waiters_are_told():

@@ -2,7 +2,9 @@
 
 Each command is a process of its own against a service with a private RLSCHED_HOME. An exception is injected into
 the live service's monitor loop (through Ray's `__ray_call__`, from a process that holds the cluster's token):
-`status` says the service is degraded and why, the loop recovers, and the task it was running finishes whole.
+`status` says the service is degraded and why, the loop recovers, and the task it was running finishes whole; the
+same for the scheduler's lease watchdog. A service command that meets a bug says so with its traceback (exit 1),
+kept in crashes/, as `rlsched train` does; only input errors are one line, exit 2.
 """
 
 from __future__ import annotations
@@ -40,10 +42,25 @@ INJECT = textwrap.dedent("""
         service.monitor.tick = broken
         return "injected"
 
+    def inject_watchdog(scheduler):  # its lease watchdog's passes fail for the next 20 s, then run as before
+        import time
+
+        expired, until = scheduler.policy.expired, time.monotonic() + 20
+
+        def broken(now, timeout):
+            if time.monotonic() < until:
+                raise RuntimeError("injected: the watchdog's pass failed")
+            return expired(now, timeout)
+
+        scheduler.policy.expired = broken
+        return "injected"
+
     handle, _ = daemon.connect()
     import ray
 
     print(ray.get(handle.__ray_call__.remote(inject), timeout=60))
+    scheduler = ray.get(handle.__ray_call__.remote(lambda service: service.scheduler), timeout=60)
+    print(ray.get(scheduler.__ray_call__.remote(inject_watchdog), timeout=60))
 """)
 
 
@@ -66,11 +83,13 @@ def test_a_failing_monitor_is_shown_degraded_recovers_and_loses_no_task(tmp_path
 
     injected = subprocess.run([sys.executable, "-c", INJECT], capture_output=True, text=True, timeout=120,
                               env={**__import__("os").environ, "RLSCHED_HOME": str(svc.home)})
-    assert injected.stdout.strip() == "injected", injected.stderr[-2000:]
-    seen, deadline = [], time.monotonic() + 180
+    assert injected.stdout.split() == ["injected", "injected"], injected.stderr[-2000:]
+    seen, shown_parts, deadline = [], set(), time.monotonic() + 180
     while time.monotonic() < deadline:  # degraded within a pass, then well again ~32 s later
         shown = svc("status").stdout
         seen.append("service DEGRADED" in shown)
+        shown_parts |= {line.split(" failed")[0].split("its ")[-1] for line in shown.splitlines()
+                        if line.startswith("service DEGRADED") and "injected: the" in line}
         if seen == [True]:  # a task submitted while the monitor fails waits, and is not lost
             svc("submit", CONFIG, *sets, "--set", "experiment.name=later", "--set", "tasks.0.steps=3",
                 "--set", "tasks.0.name=addition-later")
@@ -78,6 +97,7 @@ def test_a_failing_monitor_is_shown_degraded_recovers_and_loses_no_task(tmp_path
             break
         time.sleep(0.3)
     assert any(seen), "status never showed the service degraded"
+    assert shown_parts == {"monitor", "lease watchdog"}, shown_parts  # each with its injected cause
     assert not seen[-1], "the service did not recover"
     degraded = json.loads(svc("status", "--json").stdout)["degraded"]
     assert degraded is None
@@ -91,3 +111,23 @@ def test_a_failing_monitor_is_shown_degraded_recovers_and_loses_no_task(tmp_path
         assert (svc.cwd / "runs" / experiment / "summary.json").is_file()
     svc("down")
     svc.assert_all_gone()
+
+
+def test_a_bug_in_a_service_command_prints_its_traceback_and_is_kept(tmp_path):
+    """A service command that meets a bug (here a service record that is not JSON: json's ValueError, which no input
+    of the user's fixes) prints its traceback, keeps it in crashes/ as `rlsched train` does, and exits 1; before,
+    every ValueError was one line, exit 2, as if the user had typed something wrong."""
+    from test_service import _cli
+
+    (tmp_path / "service.json").write_text("{not json")
+    proc = _cli("status", home=tmp_path, cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert "Traceback (most recent call last)" in proc.stderr and "JSONDecodeError" in proc.stderr, proc.stderr
+    [kept] = (tmp_path / "crashes").iterdir()
+    assert f"the traceback is kept in {kept}" in proc.stderr and "-status-" in kept.name
+    assert kept.read_text().startswith("rlsched status\n") and "JSONDecodeError" in kept.read_text()
+    # An input error stays one line, exit 2.
+    bad = _cli("up", "--limit", "finished=0", home=tmp_path / "fresh", cwd=tmp_path, check=False, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --limit finished=0: expected NAME=N with NAME one of requests, lines, finished, unfinished, grants, "
+        "spool_s and N >= 1"], bad.stderr

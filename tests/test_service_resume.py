@@ -1,5 +1,6 @@
 """`rlsched resume TASK` and `rlsched forget TASK` as a user drives them, each command a process of its own against a
-service with a private RLSCHED_HOME: a cancelled task stays in `status`, resumes by name from another directory
+service with a private RLSCHED_HOME: a cancelled task stays in `status` (the newest ones; older ones are summarised
+into history.jsonl, and resume all the same), resumes by name from another directory
 exactly as it was submitted, and computes what it computes uninterrupted; one with no checkpoint is refused on
 the command's own output; `forget` drops a record, never a live task's."""
 
@@ -47,7 +48,8 @@ def test_a_cancelled_task_resumes_by_name_from_anywhere_and_computes_what_it_com
          home=svc.home, cwd=svc.cwd, timeout=600)
     engine, actor = estimate_bytes(load_config(CONFIG, [*SMALL, f"tasks.0.model.path={tmp_path / 'models' / 'a'}"])
                                    .tasks[0])
-    svc("up", "--memory-budget-gb", f"{1.5 * (engine + actor) / 2**30:.6f}")  # room for one task at a time
+    # Room for one task at a time; one CANCELLED or FAILED record kept in memory (older ones: history.jsonl)
+    svc("up", "--memory-budget-gb", f"{1.5 * (engine + actor) / 2**30:.6f}", "--limit", "unfinished=1")
     svc.processes()
 
     svc("submit", CONFIG, *sets)  # from svc.cwd: its outputs go to svc.cwd/runs/demo-addition
@@ -70,20 +72,26 @@ def test_a_cancelled_task_resumes_by_name_from_anywhere_and_computes_what_it_com
     assert "rlsched resume addition" in cancelled["reason"], cancelled
     checkpoints = svc.cwd / "runs" / "demo-addition" / "tasks" / "addition" / "checkpoints"
     assert (checkpoints / str(step)).is_dir(), list(checkpoints.iterdir())
-    # Both stay in status with their state until forgotten.
+    # The last one stays in status until forgotten; the one before it (past --limit unfinished=1) is summarised
+    # into history.jsonl with what it was submitted with, its lines and config out of the service's memory.
     text = svc("status").stdout
-    assert {r["name"]: r["state"] for r in svc.tasks().values()} == {"addition": "CANCELLED", "second": "CANCELLED"}
-    assert "CANCELLED" in text and "addition" in text and "second" in text, text
+    assert {r["name"]: r["state"] for r in svc.tasks().values()} == {"addition": "CANCELLED"}
+    assert "CANCELLED" in text and "addition" in text and "second" not in text, text
+    [summarised] = [json.loads(line) for line in (svc.home / "history.jsonl").read_text().splitlines()]
+    assert summarised["name"] == "second" and summarised["state"] == "CANCELLED", summarised
+    assert "tasks.0.name=second" in summarised["given"]["overrides"], summarised
+    saved = json.loads((svc.home / "tasks.json").read_text())
+    assert [t["name"] for t in saved["tasks"]] == ["addition"] and list(saved["given"]) == ["addition"], saved
 
     # From another directory: the obvious resubmit would resume another run (its runs/ is elsewhere): refused ...
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     trap = _cli("submit", CONFIG, *sets, "--resume", home=svc.home, cwd=elsewhere, check=False)
     _one_line_error(trap, "addition is CANCELLED", "rlsched resume addition", str(elsewhere / "runs"))
-    # ... the task with no checkpoint says so, and does not start ...
+    # ... the task with no checkpoint (summarised: read back from history.jsonl) says so, and does not start ...
     _one_line_error(_cli("resume", "second", home=svc.home, cwd=elsewhere, check=False), "second has no checkpoint",
                     "--fresh")
-    assert svc.tasks()["second"]["state"] == "CANCELLED"
+    assert "second" not in svc.tasks()
     # ... and `rlsched resume TASK` continues the cancelled one where it was submitted, from its checkpoint.
     resumed = _cli("resume", "addition", home=svc.home, cwd=elsewhere)
     assert f"addition: continues after step {step} of {STEPS}" in resumed.stdout, resumed.stdout
@@ -98,7 +106,8 @@ def test_a_cancelled_task_resumes_by_name_from_anywhere_and_computes_what_it_com
     assert f"[addition] resumed after step {step}" in logs and "[addition] CANCELLED" in logs, logs
     _one_line_error(svc("resume", "addition", check=False), "addition is FINISHED", "nothing to resume")
 
-    # `submit --resume TASK` is `resume TASK`; `--fresh` runs a task without a checkpoint again from step 0.
+    # `submit --resume TASK` is `resume TASK`; `--fresh` runs a task without a checkpoint again from step 0 (here
+    # the summarised one, with the config, overrides and run directory it was submitted with).
     _one_line_error(svc("submit", "--resume", "second", check=False), "no checkpoint")
     fresh = _cli("resume", "second", "--fresh", home=svc.home, cwd=elsewhere)
     assert "second: no checkpoint: starts again from step 0" in fresh.stdout, fresh.stdout

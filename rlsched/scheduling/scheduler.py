@@ -98,6 +98,7 @@ class Scheduler:
         self._stop = stop
         self._watchdog: asyncio.Task | None = None
         self.watchdog_errors, self.watchdog_error = 0, None  # the lease watchdog's failed passes, and the last one
+        self.watchdog_failing: dict[str, Any] | None = None  # {"since", "cause", "failures"} until a pass succeeds
         self._drivers: dict[str, Any] = {}  # task -> driver handle, to evict its idle roles
         self._evicting: dict[str, set[asyncio.Task]] = {}  # task -> offloads of its roles still in flight
         # The last grants, (time, task, phase, resource), for a look at what happened lately; bounded, as a service's
@@ -419,8 +420,12 @@ class Scheduler:
             except Exception as err:  # noqa: BLE001 - logged and kept; the watchdog goes on
                 self.watchdog_errors += 1
                 self.watchdog_error = f"{type(err).__name__}: {err}".splitlines()[0]
+                failing = self.watchdog_failing or {"since": time.time(), "failures": 0}
+                self.watchdog_failing = {**failing, "cause": self.watchdog_error, "failures": failing["failures"] + 1}
                 print(f"rlsched scheduler: the lease watchdog's pass failed ({self.watchdog_errors} so far):\n"
                       f"{traceback.format_exc()}", flush=True)
+            else:
+                self.watchdog_failing = None
 
     # ---- memory ---------------------------------------------------------------------------------------
 
@@ -436,6 +441,11 @@ class Scheduler:
         return self.timeline.events()
 
     # ---- introspection ------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        """What fails now: {"watchdog": {"since", "cause", "failures"} while the lease watchdog's passes fail in a row,
+        else None} (a service's `status` shows it; `state()` counts every failure ever)."""
+        return {"watchdog": None if self.watchdog_failing is None else dict(self.watchdog_failing)}
 
     def state(self) -> dict[str, Any]:
         return {"failed": dict(self._failed), "fenced_groups": self.fenced_groups(), "grants": self.grants,

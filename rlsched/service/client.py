@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlsched.base.errors import TaskError, UsageError
+from rlsched.base.errors import UsageError
 from rlsched.base.units import format_bytes
 from rlsched.config.loading import load_configs, select_tasks, with_absolute_paths
 from rlsched.config.schema import ConfigError, ExperimentConfig
@@ -112,7 +112,7 @@ def cancel(task: str, request: str | None = None) -> dict[str, Any]:
     service, _ = daemon.connect()
     answer = daemon.call(service.cancel, request or daemon.request_id(), task)
     if "error" in answer:
-        raise TaskError(answer["error"])
+        raise UsageError(answer["error"])
     return answer
 
 
@@ -123,7 +123,7 @@ def follow_logs(task: str, *, follow: bool, echo=print, period_s: float = 0.5) -
     while True:
         answer = daemon.call(service.logs, task, offset)
         if "error" in answer:
-            raise TaskError(answer["error"])
+            raise UsageError(answer["error"])
         for line in answer["lines"]:
             echo(line)
         offset = answer["next"]
@@ -137,7 +137,7 @@ def locks(release: str | None = None) -> dict[str, Any]:
     if release is not None:
         answer = daemon.call(service.release, release, timeout_s=180)
         if "error" in answer:
-            raise TaskError(answer["error"])
+            raise UsageError(answer["error"])
     return daemon.call(service.locks)
 
 
@@ -164,10 +164,11 @@ def render_status(report: dict[str, Any]) -> str:
 def _service_lines(report: dict[str, Any]) -> list[str]:
     """The device group's processes, the service's own health and its authentication (as checked at `up`)."""
     lines = []
-    if report.get("degraded"):
-        d = report["degraded"]
-        lines.append(f"service DEGRADED since {time.strftime('%H:%M:%S', time.localtime(d['since']))}: its monitor "
-                     f"failed {d['failures']} time(s) in a row ({d['cause']}); it retries (service.log has more)")
+    for part, d in (report.get("degraded") or {}).items():  # the monitor, the scheduler's lease watchdog
+        since = "" if d["since"] is None else f" since {time.strftime('%H:%M:%S', time.localtime(d['since']))}"
+        count = "" if d["failures"] is None else f" {d['failures']} time(s) in a row"
+        lines.append(f"service DEGRADED{since}: its {part} failed{count} ({d['cause']}); it retries ({d['log']} has "
+                     "more)")
     for group, f in (report.get("fenced_groups") or {}).items():  # Scheduler.fenced_groups
         lines.append(f"device group {group}: {f}" if group == "error" else
                      f"device group {group} FENCED since {time.strftime('%H:%M:%S', time.localtime(f['since']))}: "

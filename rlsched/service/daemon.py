@@ -202,8 +202,12 @@ def down(*, force: bool = False, echo=print, timeout_s: float = 900.0) -> int:
         time.sleep(0.2)
     if _alive(pid):
         echo(f"the scheduler process {pid} did not end in time: killing its process group")
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    try:
         os.killpg(pid, signal.SIGKILL)  # anything of its session still there (it leads its own group)
+    except ProcessLookupError:
+        pass  # nothing of it is left
+    except PermissionError as err:
+        echo(f"the scheduler's process group {pid} could not be killed ({err}): what is left of it runs on")
     (state_dir() / "service.json").unlink(missing_ok=True)
     return pid
 
@@ -257,8 +261,7 @@ def serve(settings: dict[str, Any], address: str | None) -> int:
         settings = ray.get(service.info.remote(), timeout=READY_TIMEOUT_S)["settings"]  # as resolved (processes)
     except Exception as err:  # noqa: BLE001 - said in service.log, and `up` shows its end
         print(f"the service did not start: {type(err).__name__}: {err}", flush=True)
-        with contextlib.suppress(Exception):
-            ray.kill(service)
+        _kill(service)
         ray.shutdown()
         return 1
     info = {"pid": os.getpid(), "identity": process_identity(os.getpid()),
@@ -281,11 +284,20 @@ def serve(settings: dict[str, Any], address: str | None) -> int:
         print("shutting down" + (" at once (--force)" if force else ": running tasks stop after saving"), flush=True)
         with contextlib.suppress(Exception):
             print(ray.get(service.shutdown.remote(force), timeout=30 if force else None), flush=True)
-    with contextlib.suppress(Exception):
-        ray.kill(service)
+    _kill(service)
     (where / "service.json").unlink(missing_ok=True)
     ray.shutdown()
     return code
+
+
+def _kill(service) -> None:
+    """End the service actor; a failure is said in service.log (Ray's shutdown next ends it with its workers)."""
+    import ray
+
+    try:
+        ray.kill(service)
+    except Exception as err:  # noqa: BLE001 - said, not raised: the process goes on to shut Ray down
+        print(f"the service actor was not killed ({type(err).__name__}: {err}); Ray's shutdown ends it", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,22 +14,25 @@ Design decisions (and why):
   was submitted with (rlsched.service.submissions), until `rlsched forget TASK`: `rlsched resume TASK` continues it from
   any directory, exactly as it was submitted. Its name cannot be submitted anew meanwhile, nor `--resume`d in
   another run directory (that would resume some other run under its name). A FINISHED task's name is free.
-- **Finished records are bounded.** The newest limits["finished"] stay in `status`; older ones move to
-  `<state dir>/history.jsonl`, one row each (a service that ran thousands of tasks keeps no more of them in memory).
+- **Ended records are bounded.** The newest limits["finished"] FINISHED tasks stay in `status`, and the newest
+  limits["unfinished"] CANCELLED and FAILED ones; older ones move to `<state dir>/history.jsonl`, one row each, their
+  lines and kept configs leaving memory with them: a service that ran (or saw cancelled) thousands of tasks keeps
+  no more of them in memory. A CANCELLED or FAILED task's row keeps what it was submitted with, so `rlsched resume
+  TASK` still continues it from its run directory (`summarised`); a new submission may take its name meanwhile.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from rlsched.config.schema import ExperimentConfig
 from rlsched.rundir.files import json_safe, write_atomic
-from rlsched.service.bounded import TailLines
+from rlsched.service.bounded import RecentAnswers, TailLines
 from rlsched.service.submissions import Given
 
 PENDING, RUNNING, FINISHED, FAILED, CANCELLED = "PENDING", "RUNNING", "FINISHED", "FAILED", "CANCELLED"
@@ -75,27 +78,51 @@ class TaskBook:
         self.tasks: dict[str, TaskRecord] = {}  # in submission order
         self.lines: dict[str, TailLines] = {}  # task -> its last lines (all of them are in its run.log)
         self.given: dict[str, Given] = {}  # task -> what it was submitted with (kept until forgotten)
+        self._said = RecentAnswers(limits["requests"])  # failures `log_once` has logged (bounded: a service lives long)
 
     def end(self, name: str, state: str, reason: str | None) -> None:
         record = self.tasks[name]
         record.state, record.reason, record.ended_at, record.phase, record.lock = state, reason, time.time(), None, None
         self.say(name, f"[{name}] {state}" + (f": {reason}" if reason else ""))
-        if state == FINISHED:
-            self.retire_old_finished()
+        self.retire_old()
 
-    def retire_old_finished(self) -> None:
-        """Keep the newest limits["finished"] finished tasks in `status`; older ones move to `history.jsonl` in the
-        state directory, one row each (a service that ran thousands of tasks keeps no more of them in memory).
-        CANCELLED and FAILED tasks stay until forgotten: they may be resumed."""
-        finished = sorted((t for t in self.tasks.values() if t.state == FINISHED), key=lambda t: t.ended_at or 0)
-        old = finished[:max(len(finished) - self.limits["finished"], 0)]
+    def retire_old(self) -> None:
+        """Keep the newest limits["finished"] FINISHED tasks and limits["unfinished"] CANCELLED or FAILED ones;
+        older ones move to `history.jsonl` in the state directory, one row each (with what a CANCELLED or FAILED one
+        was submitted with, for `rlsched resume`), their lines and kept configs dropped from memory."""
+        old = []
+        for states, limit in (((FINISHED,), self.limits["finished"]),
+                              ((CANCELLED, FAILED), self.limits["unfinished"])):
+            ended = sorted((t for t in self.tasks.values() if t.state in states), key=lambda t: t.ended_at or 0)
+            old += ended[:max(len(ended) - limit, 0)]
         if not old:
             return
         with open(self.state_dir / "history.jsonl", "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(t.row()) + "\n" for t in old)
+            for record in old:
+                given = self.given.get(record.name) if record.state != FINISHED else None
+                f.write(json.dumps({**record.row(), **({"given": given.row()} if given else {})}) + "\n")
         for record in old:
             del self.tasks[record.name]
             self.lines.pop(record.name, None)
+            self.given.pop(record.name, None)
+
+    def summarised(self, name: str) -> tuple[TaskRecord, Given | None] | None:
+        """The last row of task `name` in history.jsonl (a record `retire_old` moved there), with what it was
+        submitted with if it was CANCELLED or FAILED; None when it has none. Read from the file on each call (only
+        `rlsched resume` of a task no longer in `status` asks): memory holds none of it."""
+        path = self.state_dir / "history.jsonl"
+        if not path.exists():
+            return None
+        found, key = None, json.dumps({"name": name})[1:-1]  # '"name": "<name>"', how each row starts
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("{" + key + ","):
+                    found = line
+        if found is None:
+            return None
+        row = json.loads(found)
+        given = row.pop("given", None)
+        return _record(row), (None if given is None else Given.from_row(given))
 
     def kept_error(self, cfg: ExperimentConfig, resume: bool) -> str | None:
         """Why a submission may not take the name of a CANCELLED or FAILED task (kept for `rlsched resume` until
@@ -114,23 +141,37 @@ class TaskBook:
                         f"`rlsched forget {task.name}` first to resume the other")
         return None
 
-    def not_resumable(self, task: str) -> str | None:
-        """Why `resume` refuses the task (one line), or None."""
-        record = self.tasks[task]
+    @staticmethod
+    def not_resumable(record: TaskRecord, given: Given | None) -> str | None:
+        """Why `resume` refuses the task of `record`, submitted with `given` (one line), or None."""
+        task = record.name
         if record.state in (PENDING, RUNNING):
             return f"task {task} is {record.state}: there is nothing to resume (`rlsched cancel {task}` stops it)"
         if record.state == FINISHED:
             return (f"task {task} is FINISHED (step {record.step} of {record.steps}): there is nothing to resume; "
                     f"`rlsched forget {task}` drops its record")
-        if task not in self.given:
+        if given is None:
             return (f"task {task} was submitted to a scheduler that kept no config for it: submit it again from its "
                     "directory with `rlsched submit CONFIG ... --resume`")
         return None
 
     def log(self, line: str) -> None:
-        """A line of the service's own (not a task's) in service.log, timed."""
-        with contextlib.suppress(OSError), open(self.state_dir / "service.log", "a", encoding="utf-8") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} service: {line}\n")
+        """A line of the service's own (not a task's) in service.log, timed. One that cannot be written there goes
+        to the actor's stderr (Ray's worker log), once."""
+        try:
+            with open(self.state_dir / "service.log", "a", encoding="utf-8") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} service: {line}\n")
+        except OSError as err:
+            if "service.log" not in self._said:
+                self._said["service.log"] = True
+                print(f"rlsched service: service.log cannot be written ({err}); its lines are lost from here on, "
+                      f"starting with: {line}", file=sys.stderr, flush=True)
+
+    def log_once(self, key: str, line: str) -> None:
+        """`log(line)` the first time a failure `key` is met (a clean-up that fails again and again is said once)."""
+        if key not in self._said:
+            self._said[key] = True
+            self.log(line)
 
     def say(self, name: str, line: str) -> None:
         """A task's line: kept for `logs`, and appended, timed, to its experiment's run.log."""
@@ -138,8 +179,13 @@ class TaskBook:
             self.lines.setdefault(name, TailLines(self.limits["lines"])).append(line)
         record = self.tasks.get(name)
         if record is not None:
-            with contextlib.suppress(OSError), open(Path(record.run_dir) / "run.log", "a", encoding="utf-8") as f:
-                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+            path = Path(record.run_dir) / "run.log"
+            try:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+            except OSError as err:  # a run directory removed under a live task: `logs` still has its lines
+                self.log_once(f"unwritable {path}", f"task {name}: {path} cannot be written ({err}); its lines "
+                                                       "are kept for `rlsched logs` only")
 
     def unknown(self, task: str) -> str:
         known = ", ".join(self.tasks) or "none yet"
@@ -155,17 +201,23 @@ class TaskBook:
         path = self.state_dir / "tasks.json"
         if not path.exists():
             return
-        fields = {f.name for f in dataclasses.fields(TaskRecord)}
         saved = json.loads(path.read_text())
         self.given = {name: Given.from_row(row) for name, row in saved.get("given", {}).items()}  # older: none
         for row in saved["tasks"]:
-            record = TaskRecord(**{k: v for k, v in row.items() if k in fields})
+            record = _record(row)
             self.tasks[record.name] = record
             self.lines[record.name] = TailLines(self.limits["lines"])
             if record.state not in TERMINAL:
                 self.end(record.name, FAILED, f"the scheduler service stopped while the task was {record.state} "
                                               f"(its process died); `rlsched resume {record.name}` continues it "
                                               "from its last checkpoint")
+        self.retire_old()  # a service with lower limits than the last one's
+
+
+def _record(row: dict[str, Any]) -> TaskRecord:
+    """A TaskRecord from its row (TaskRecord.row()); keys of other versions are left out."""
+    fields = {f.name for f in dataclasses.fields(TaskRecord)}
+    return TaskRecord(**{k: v for k, v in row.items() if k in fields})
 
 
 def status_rows(records: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:

@@ -16,7 +16,6 @@ Design decisions (and why):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -142,8 +141,11 @@ class Runs:
             result["roles"] = last["roles"]
             if result["status"] == "ok" and last["state"] == "stopped":
                 result.update(status="stopped", steps=last["step"])
-        with contextlib.suppress(Exception):
+        try:
             sub.events += ray.get(self.drivers[name].events.remote(), timeout=60)
+        except Exception as err:  # noqa: BLE001 - said, not raised: the run's timeline lacks the task's own events
+            self.book.log(f"task {name}: its driver's events were not read ({type(err).__name__}: {err}); the run's "
+                          "timeline lacks them")
         try:
             ray.get(self.scheduler.retire.remote(name), timeout=60)
             ray.get(self.scheduler.forget_task.remote(name), timeout=60)  # its cause is in `result` now
@@ -201,8 +203,11 @@ class Runs:
             say(f"the run's timeline and summary were not written: {type(err).__name__}: {err}")
         with self._lock:
             live = [s.spooled for s in self.subs.values() if s is not sub]
-        with contextlib.suppress(Exception):  # the events no live submission needs go
+        try:  # the events no live submission needs go
             ray.get(self.scheduler.forget_events_before.remote(min(live, default=time.time())), timeout=60)
+        except Exception as err:  # noqa: BLE001 - said, not raised: the next spool pass forgets them (spool_events)
+            self.book.log(f"the scheduler did not forget the events of {sub.cfg.experiment.name}'s time "
+                          f"({type(err).__name__}: {err}); the next spool pass does")
 
     def spool_events(self) -> None:
         """Move the scheduler's events that ended before the cut (SPOOL_MARGIN_S ago) to the spool of each live

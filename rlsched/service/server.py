@@ -72,6 +72,7 @@ LIMITS = {
     "requests": 1000,  # request ids answered, for a client that retries (within minutes)
     "lines": 1000,  # lines per task for `rlsched logs` (all of them are in the run's run.log)
     "finished": 100,  # finished tasks shown in `status`; older ones are in <state dir>/history.jsonl
+    "unfinished": 100,  # cancelled and failed tasks shown in `status`; older ones: history.jsonl, still resumable
     "grants": 1000,  # the scheduler's log of its last grants
     "spool_s": SPOOL_EVERY_S,  # seconds between moves of the scheduler's events to live submissions' spools
 }
@@ -123,10 +124,20 @@ class Service:
         self.runs = Runs(self.book, self.scheduler, self._lock, state_dir=self.state_dir, where=self.where,
                          processes=self.processes)
         self._next_spool = time.monotonic() + self.limits["spool_s"]
-        shutil.rmtree(self.state_dir / "spool", ignore_errors=True)  # a dead service's: its runs' timelines are gone
+        self._remove_old_spool()
         self.book.save()
         self.monitor = Monitor(self._tick, log=self.book.log, lock=self._lock)
         self.monitor.start()
+
+    def _remove_old_spool(self) -> None:
+        """A dead service's spool files go: its runs' timelines are gone with it. What cannot be removed is said."""
+        left: list[str] = []
+        spool = self.state_dir / "spool"
+        if spool.exists():
+            shutil.rmtree(spool, onerror=lambda _, path, info: left.append(f"{path} ({info[1]})"))
+        if left:
+            self.book.log(f"a dead service's spool was not removed whole: {len(left)} path(s) left, the first "
+                          f"{left[0]}")
 
     def _start_group_processes(self):
         """One process per device group (colocated: one) that holds every task's roles there for the service's
@@ -139,6 +150,19 @@ class Service:
             self.where, colocated=self.settings["placement"] == "colocated", num_devices=self.settings["num_devices"],
             max_tasks=MAX_TASKS, max_restarts=-1, shares_devices=True)
         return dataclasses.replace(self.where, processes=self.group_processes)
+
+    def _watchdog_health(self) -> dict[str, Any] | None:
+        """The scheduler's lease watchdog while its passes fail (Scheduler.health), or None; a scheduler that does not
+        answer is failing too."""
+        import ray
+
+        log = "the Scheduler actor's worker log (Ray's session logs)"
+        try:
+            failing = ray.get(self.scheduler.health.remote(), timeout=30)["watchdog"]
+        except Exception as err:  # noqa: BLE001 - shown in `status`, not raised
+            cause = f"the scheduler did not answer: {type(err).__name__}: {err}".splitlines()[0]
+            return {"since": None, "cause": cause, "failures": None, "log": log}
+        return None if failing is None else {**failing, "log": log}
 
     def _group_process_bytes(self) -> list[dict[str, Any]]:
         """Each device group's process: its pid, the roles it holds and its device bytes (live arrays)."""
@@ -212,11 +236,13 @@ class Service:
                 return self._requests[request_id]
             if self._closing.is_set():
                 return {"error": "the scheduler is shutting down (`rlsched down` is in progress)"}
-            if task not in self.book.tasks:
+            record, given = self.book.tasks.get(task), self.book.given.get(task)
+            if record is None:  # summarised into history.jsonl (records.TaskBook.retire_old), or never known
+                record, given = self.book.summarised(task) or (None, None)
+            if record is None:
                 return {"error": self.book.unknown(task)}
-            error = self.book.not_resumable(task)
+            error = self.book.not_resumable(record, given)
             if error is None:
-                given = self.book.given[task]
                 try:
                     cfg = given.config({k: self.settings[k] for k in SETTINGS_KEYS if k in self.settings})
                 except ValueError as err:
@@ -233,8 +259,10 @@ class Service:
                 error = (f"task {task} has no checkpoint to resume from (none in {spec.checkpoint_dir}); "
                          f"`rlsched resume {task} --fresh` runs it again from step 0")
                 return self._requests.setdefault(request_id, {"error": error})
+            if task not in self.book.tasks:  # back from history: its record and config, until it ends again
+                self.book.tasks[task], self.book.given[task] = record, given
             self.book.say(task, f"[{task}] resumed by request: " + (f"continues after step {step}" if step is not None
-                                                                else "no checkpoint, starts again from step 0"))
+                                                                     else "no checkpoint, starts again from step 0"))
             self._queue(request_id, cfg, [task], resume=True)
             answer = self._requests[request_id] = {"task": task, "after_step": step, "steps": spec.config.steps,
                                                    "checkpoint_dir": str(spec.checkpoint_dir),
@@ -262,11 +290,14 @@ class Service:
 
     def status(self) -> dict[str, Any]:
         """Every task's row (its phase and lock from one poll of its driver: status_rows), the device-group
-        processes' and the pools' bytes, and the service's own health (`degraded`: the monitor's error, until it
-        recovers). The scheduler's own view of the locks is `locks` (`rlsched locks`)."""
+        processes' and the pools' bytes, and the service's own health (`degraded`: {part: {"since", "cause",
+        "failures", "log"}} for each part failing now, the monitor and the scheduler's lease watchdog, or None). The
+        scheduler's own view of the locks is `locks` (`rlsched locks`)."""
         with self._lock:
             rows = status_rows([t.row() for t in self.book.tasks.values()], time.time())
-            degraded = None if self.monitor.degraded is None else dict(self.monitor.degraded)
+            monitor = None if self.monitor.degraded is None else {**self.monitor.degraded, "log": "service.log"}
+        parts = {"monitor": monitor, "lease watchdog": self._watchdog_health()}
+        degraded = {part: failing for part, failing in parts.items() if failing is not None} or None
         return {"tasks": rows, "settings": self.settings, "group_processes": self._group_process_bytes(),
                 "used_bytes": self.admission.used_bytes(self.book.tasks), "budget_bytes": self.admission.budget_bytes(),
                 "degraded": degraded, "fenced_groups": self._fenced_groups()}
@@ -356,7 +387,7 @@ class Service:
         for them; `force`: nothing waits (the caller then ends every process)."""
         with self._lock:
             self._closing.set()
-            for name, record in self.book.tasks.items():
+            for name, record in list(self.book.tasks.items()):  # end() may move older records to history
                 if record.state == PENDING:
                     self.book.end(name, CANCELLED, "the scheduler was shut down before it started")
                 elif record.state == RUNNING and not force:
@@ -370,7 +401,7 @@ class Service:
                     break
             time.sleep(0.2)
         with self._lock:
-            for name, record in self.book.tasks.items():
+            for name, record in list(self.book.tasks.items()):
                 if record.state == RUNNING:  # force, or it did not stop in time
                     self.book.end(name, FAILED, "the scheduler was shut down (rlsched down --force) while it ran; "
                                             f"`rlsched resume {name}` continues it from its last checkpoint")
