@@ -270,7 +270,9 @@ def test_a_watchdog_pass_that_raises_is_kept_and_leases_still_expire(capsys):
         assert {k: seen[2][k] for k in ("cause", "failures")} == {"cause": "RuntimeError: injected: the policy "
                                                                            "failed (2)", "failures": 2}
         assert seen[2]["since"] == seen[1]["since"]  # failing since the first of the row
-        assert seen[3] is None and s.health() == {"watchdog": None}  # the third pass succeeded
+        # The third pass succeeded (the one that expired a's lease, or one before it): health is clear again.
+        # Whether a fourth pass ran before b's grant depends on the machine's load: only what ran is checked.
+        assert all(x is None for x in seen[3:]) and s.health() == {"watchdog": None}
 
     asyncio.run(scenario())
     assert "the lease watchdog's pass failed (2 so far)" in capsys.readouterr().out
