@@ -250,7 +250,7 @@ def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[Shar
             g, r = task.grpo, task.rollout
             if role != "engine" or not r.cobatch:
                 continue
-            key = repr((b.key, g.max_prompt_len, g.max_new_tokens, r.max_batch_size))
+            key = repr((b.key, g.max_prompt_len, g.max_new_tokens, r.max_batch_size, g.prompt_padding))  # open_view's
             batch = found.setdefault(key, SharedHold(phase="rollout", key=key, tasks=[], rows=[],
                                                      capacity=r.max_batch_size))
             batch.tasks.append(name)
