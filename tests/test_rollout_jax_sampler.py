@@ -137,6 +137,24 @@ def test_compiles_a_handful_of_programs_not_one_per_request(tiny_model):
     assert engine.programs_compiled() - programs_before <= len(engine.compiled_shapes)
 
 
+def test_max_prompt_padding_gives_the_bucket_padding_greedy_tokens(tiny_model, prompt_ids):
+    """prompt_padding="max" left-pads every prompt to max_prompt_len (64) where "bucket" pads these three (at most
+    16 tokens) to 16: the padding is masked and RoPE positions start at each row's first token, so greedy decoding
+    gives the same tokens, and the same log-probs to float rounding (the programs' shapes differ)."""
+    model, tok = tiny_model
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(tok.eos_token_id,))
+    runs = {}
+    for padding in ("bucket", "max"):
+        engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=16, prompt_padding=padding)
+        runs[padding] = engine.generate(prompt_ids[:3], params)
+        assert {p for _, p, _, _ in engine.compiled_shapes} == {16 if padding == "bucket" else 64}
+    for x, y in zip(runs["bucket"].samples, runs["max"].samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match=r"prompt_padding='longest'; choose one of \('bucket', 'max'\)"):
+        JaxSampler(model, prompt_padding="longest")
+
+
 def test_prepare_compiles_ahead_without_the_weights_and_generate_then_compiles_nothing(tiny_model, prompt_ids):
     """What a task does before asking for the rollout lock: compile this request's programs while its weights
     are on host (another task may hold the device). The generate that follows runs those executables (jit

@@ -353,3 +353,51 @@ def test_completions_that_end_early_compile_nothing_after_step_1(tmp_path, tiny_
     assert len({length_bucket(longest) for _, longest, _ in trained}) > 1, trained  # the old rule: two shapes
     assert [t for t, _, _ in trained] == [16] * 6 and [n for _, _, n in trained] == [0] * 6, trained
     assert len(prepared) == 1 and prepared[0][0] == 16 and prepared[0][1] >= 1, prepared
+
+
+@pytest.mark.parametrize("padding", ["max", "bucket"])
+def test_max_prompt_padding_compiles_nothing_after_step_1_when_prompt_lengths_change_bucket(
+        tmp_path, tiny_model_dir, monkeypatch, padding):
+    """In-process, the tiny model under the jax_sampler engine, one prompt a step, in file order (data.shuffle
+    false): "1+2=" (4 byte tokens, bucket 8) and "12345+67890=" (12 tokens, bucket 16) take turns under
+    max_prompt_len 16. grpo.prompt_padding=max pads both to 16, in the engine and in the train batch: the engine
+    holds one generate program from step 1 on and the actor prepares one update (16 + max_new_tokens 8 = 24).
+    bucket (the default) pads each step to its prompt's bucket: step 2 brings a new shape to both (a compile)."""
+    from workers.actor import ActorWorker
+    from workers.rollout.jax_sampler import JaxSampler
+
+    prepared, lengths, programs, prompt_shapes = [], [], [], []
+    prepare, update, generate = ActorWorker.prepare, ActorWorker.train, JaxSampler.generate_many
+
+    def recording_prepare(self, size, length):
+        prepared.append(length)
+        return prepare(self, size, length)
+
+    def recording_train(self, batch, **kw):
+        lengths.append(batch.tokens.shape[1])
+        return update(self, batch, **kw)
+
+    def recording_generate(self, requests):
+        out = generate(self, requests)
+        programs.append(self.programs_compiled())  # prepared, plus any jitted on first use
+        prompt_shapes.append({plen for _, plen, _, _ in self.compiled_shapes})
+        return out
+
+    monkeypatch.setattr(ActorWorker, "prepare", recording_prepare)
+    monkeypatch.setattr(ActorWorker, "train", recording_train)
+    monkeypatch.setattr(JaxSampler, "generate_many", recording_generate)
+    data = tmp_path / "sums.jsonl"
+    data.write_text('{"question": "1+2=", "answer": "3"}\n{"question": "12345+67890=", "answer": "80235"}\n')
+    over = _quick(tmp_path, tiny_model_dir, "tasks.0.data.kind=jsonl", f"tasks.0.data.path={data}",
+                  "tasks.0.data.shuffle=false", "tasks.0.grpo.max_prompt_len=16", "tasks.0.grpo.max_new_tokens=8",
+                  f"tasks.0.grpo.prompt_padding={padding}", "tasks.0.grpo.prompts_per_step=1",
+                  "tasks.0.grpo.num_generations=2", "tasks.0.grpo.mini_batch_size=2", "tasks.0.steps=2",
+                  "tasks.0.checkpoint_every=0")
+    train(DEMO_CONFIG, overrides=over, in_process=True, echo=_silent)
+    assert len(programs) == 2, programs
+    if padding == "max":
+        assert programs[1] == programs[0] and prompt_shapes[-1] == {16}, (programs, prompt_shapes)
+        assert prepared == [24] and lengths == [24, 24], (prepared, lengths)
+    else:  # the same data compiles again at step 2, in the engine and in the actor
+        assert programs[1] == programs[0] + 1 and prompt_shapes[-1] == {8, 16}, (programs, prompt_shapes)
+        assert prepared == [16, 24] and lengths == [16, 24], (prepared, lengths)

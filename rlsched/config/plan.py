@@ -14,7 +14,8 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     (a LoRA task, tasks[i].lora: params are the base's plus its adapter's; grads and optimizer are the adapter's
     (float32, counted whole on every device: at most a few MiB); no reference, the base is it)
     kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp x ep) x (max_prompt_len +
-                 max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule
+                 max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule:
+                 the cache of every step under grpo.prompt_padding max, the largest one under bucket
     activations  actor, an ESTIMATE: rows per device (micro-batch / (dp x fsdp x ep)) x [(max_prompt_len +
                  max_new_tokens) tokens x per-layer values, summed over the layers, + the positions of one chunk of
                  the output head (workers.token_logprobs, at most 128) x 2 x vocab / tp] x 4 bytes
@@ -250,7 +251,7 @@ def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[Shar
             g, r = task.grpo, task.rollout
             if role != "engine" or not r.cobatch:
                 continue
-            key = repr((b.key, g.max_prompt_len, g.max_new_tokens, r.max_batch_size))
+            key = repr((b.key, g.max_prompt_len, g.max_new_tokens, r.max_batch_size, g.prompt_padding))  # open_view's
             batch = found.setdefault(key, SharedHold(phase="rollout", key=key, tasks=[], rows=[],
                                                      capacity=r.max_batch_size))
             batch.tasks.append(name)

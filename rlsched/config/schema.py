@@ -376,6 +376,13 @@ class GRPOSection(_Section):
     """Longest prompt, in tokens (a longer one is handled as data.too_long says: an error by default)."""
     max_new_tokens: int = Field(256, ge=1)
     """Longest completion, in tokens."""
+    prompt_padding: Literal["bucket", "max"] = "bucket"
+    """The length prompts are padded to, in the rollout engine (jax_sampler) and the train batch: `bucket` the
+    power-of-two bucket of each batch's longest prompt (at least 8, at most max_prompt_len): less work where prompts
+    are short, but one compile of the engine's and the actor's programs per new bucket, also mid-run (74 s at
+    Qwen3-0.6B's shape on an H100, GSM8K prompts under max_prompt_len 256); `max` max_prompt_len, every batch: one
+    shape a run, so nothing compiles after step 1 (what verl and tunix do: pad to max_prompt_length), at the cost of
+    prefill and KV-cache reads for the longest possible prompt at every step."""
     beta: float = Field(0.0, ge=0)
     """KL-penalty weight; 0 = no reference model is kept."""
     epsilon: float = Field(0.2, gt=0)

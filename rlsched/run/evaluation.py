@@ -130,5 +130,6 @@ def score_model(model, tokenizer, cfg: TaskConfig, *, task: str, model_dir, seed
                     encode=partial(render_prompt, tokenizer, d),
                     stop_token_ids=end_token_ids(model_dir, tokenizer))
     engine = JaxSampler(model, max_prompt_len=max(len(ids) for ids in work.prompts.ids),
-                        max_new_tokens=cfg.grpo.max_new_tokens, max_batch_size=max_batch_size)
+                        max_new_tokens=cfg.grpo.max_new_tokens, max_batch_size=max_batch_size,
+                        prompt_padding=cfg.grpo.prompt_padding)
     return work.score(engine.generate(work.prompts.ids, work.sampling_params(step)))

@@ -125,10 +125,12 @@ class HostWork:
         """[prompt + completion] rows, padded (before the TRAIN lock is asked for), with the engine's logprobs (the
         actor compares its own with them); the actor adds the advantages."""
         samples, g = output.samples, self.spec.config.grpo
-        # padded to the prompts' bucket + max_new_tokens: completions that end early never make a new shape (a compile)
+        # padded to the prompts' bucket (or max_prompt_len: grpo.prompt_padding) + max_new_tokens: completions that end
+        # early never make a new shape (a compile)
         return build_train_batch([prompts.ids[s.prompt_index] for s in samples], [s.token_ids for s in samples],
                                  pad_id=self.tokenizer.pad_token_id, logprobs=[s.logprobs for s in samples],
-                                 max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens)
+                                 max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
+                                 prompt_padding=g.prompt_padding)
 
 
 def step_metrics(output: RolloutOutput, rewards: np.ndarray, reward_errors: int, train: dict[str, float],

@@ -343,20 +343,22 @@ class EngineRole(_Role):
         self.name = spec.name
         self.channel = channel
         self.timeline = Timeline("engine", task=spec.name)
-        # Only jax_sampler lays itself out on a mesh so far; the config refuses a mesh for the others.
-        mesh = {"mesh": role_mesh(spec, "engine")} if r.engine == "jax_sampler" else {}
+        # Only jax_sampler lays itself out on a mesh so far (the config refuses a mesh for the others), and only it
+        # pads prompts as grpo.prompt_padding says (the others pad their own way; the train batch follows the key)
+        jax_args = ({"mesh": role_mesh(spec, "engine"), "prompt_padding": g.prompt_padding}
+                    if r.engine == "jax_sampler" else {})
         self._view = shares_base(spec, "engine")
         if self._view:  # a slot of its base group's engine in this process (workers.rollout.shared_engine)
             from workers.rollout.shared_engine import open_view
 
             self.engine = open_view(spec.config.model.path, dtype=spec.config.model.dtype, spec=lora_spec(spec),
                                     max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
-                                    max_batch_size=r.max_batch_size, seed=spec.seed, weight_version=-1, **mesh)
+                                    max_batch_size=r.max_batch_size, seed=spec.seed, weight_version=-1, **jax_args)
         else:
             self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
                                       max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
                                       max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
-                                      lora=lora_spec(spec), **mesh, **r.engine_args)
+                                      lora=lora_spec(spec), **jax_args, **r.engine_args)
         self._held = self.engine
 
     def close(self) -> None:

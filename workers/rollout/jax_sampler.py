@@ -6,6 +6,9 @@ Design decisions:
   powers of two, so a run compiles a handful of programs, not one per request.
 - Prompts are left-padded: every row writes its next token to the same cache slot, so one
   `dynamic_update_slice` serves the whole batch; each row's RoPE positions start at 0 regardless.
+  `prompt_padding` says to what length: "bucket" the power-of-two bucket of a chunk's longest prompt (less work
+  for short prompts, a compile per new bucket), "max" max_prompt_len always (one prompt shape for a run: no
+  compile after the first request, at the cost of prefill and KV-cache reads for the longest prompt).
 - Randomness is per sample: the key of sample j of prompt i is fold_in(fold_in(key(seed), i), j),
   then folded with the step. The n samples of a prompt differ, a seed reproduces them, and the
   result does not depend on how rows are batched.
@@ -74,6 +77,7 @@ from workers.rollout.base import (
 from workers.rollout.sampling import sample_tokens
 from workers.rollout.stamp import StampedWeights
 
+PROMPT_PADDINGS = ("bucket", "max")  # grpo.prompt_padding
 _STOP_SLOTS = 8  # stop-id array size (static); more stop ids -> next multiple of 8
 
 
@@ -90,18 +94,23 @@ class JaxSampler(StampedWeights):
 
     def __init__(self, model: CausalLM, *, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  max_batch_size: int = 64, weight_version: int = 0, seed: int = 0, take_ownership: bool = False,
-                 mesh=None):
+                 mesh=None, prompt_padding: str = "bucket"):
         """take_ownership: the engine may free the model's buffers (offload, update_weights);
         by default it copies them, so the caller's model stays usable.
         mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default: this
-        process's first device."""
+        process's first device.
+        prompt_padding: "bucket" (a chunk's prompts padded to the power-of-two bucket of its longest) or "max"
+        (to max_prompt_len): see the module docstring."""
         cfg = model.config
+        if prompt_padding not in PROMPT_PADDINGS:
+            raise ValueError(f"prompt_padding={prompt_padding!r}; choose one of {PROMPT_PADDINGS}")
         if max_prompt_len + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_prompt_len + max_new_tokens = {max_prompt_len + max_new_tokens} exceeds the model's "
                 f"max_position_embeddings={cfg.max_position_embeddings}")
         self.config = cfg
         self.max_prompt_len, self.max_new_tokens, self.max_batch_size = max_prompt_len, max_new_tokens, max_batch_size
+        self.prompt_padding = prompt_padding
         self.mesh = mesh if mesh is not None else S.mesh({}, jax.devices()[:1])
         self._rows = S.batch_rows(dict(self.mesh.shape))  # request rows split this many ways
         self._graphdef, state = nnx.split(model)
@@ -453,7 +462,9 @@ class JaxSampler(StampedWeights):
                 chunk = rows[start : start + self.max_batch_size]
                 batch = -(-_bucket(len(chunk), 1, self.max_batch_size) // self._rows) * self._rows  # rows over dp
                 longest = max(len(checked[m][0][i]) for m, i, _ in chunk)
-                plen = _bucket(longest, 8, self.max_prompt_len)
+                # "max": every chunk one prompt shape (left padding is masked: the same tokens either way)
+                plen = _bucket(self.max_prompt_len if self.prompt_padding == "max" else longest, 8,
+                               self.max_prompt_len)
                 tokens = np.zeros((batch, plen), np.int32)
                 mask = np.zeros((batch, plen), bool)
                 seed, prompt_idx, sample_idx = (np.zeros(batch, d) for d in (np.uint32, np.int32, np.int32))

@@ -69,14 +69,15 @@ class _Slot:
 class SharedSampler:
     """A JaxSampler over a shared base serving the adapters of K slots. Built by `open_view`."""
 
-    def __init__(self, lease: shared_base.Lease, *, max_prompt_len: int, max_new_tokens: int, max_batch_size: int):
+    def __init__(self, lease: shared_base.Lease, *, max_prompt_len: int, max_new_tokens: int, max_batch_size: int,
+                 prompt_padding: str = "bucket"):
         from workers.rollout.jax_sampler import JaxSampler
 
         self.lease = lease
         # take_ownership: the base's own arrays, not a copy (it lays them out as they already are)
         self.sampler = JaxSampler(nnx.merge(lease.graphdef, lease.params), max_prompt_len=max_prompt_len,
                                   max_new_tokens=max_new_tokens, max_batch_size=max_batch_size, take_ownership=True,
-                                  mesh=lease.mesh)
+                                  mesh=lease.mesh, prompt_padding=prompt_padding)
         self.config, self.mesh = self.sampler.config, self.sampler.mesh
         self.slots: list[_Slot | None] = []
         self.lock = threading.RLock()
@@ -217,16 +218,19 @@ _GROUPS: dict[tuple, SharedSampler] = {}
 
 
 def open_view(path, *, dtype: str | None, mesh, spec: LoraSpec, max_prompt_len: int, max_new_tokens: int,
-              max_batch_size: int, seed: int = 0, weight_version: int = -1) -> AdapterView:
-    """A LoRA task's engine: a slot of its base group's sampler in this process (made now if it has none)."""
-    key = (shared_base.base_key(path, dtype, mesh), max_prompt_len, max_new_tokens, max_batch_size)
+              max_batch_size: int, seed: int = 0, weight_version: int = -1,
+              prompt_padding: str = "bucket") -> AdapterView:
+    """A LoRA task's engine: a slot of its base group's sampler in this process (made now if it has none). Tasks
+    share a sampler only where they agree on its settings (prompt_padding included: it is the sampler's)."""
+    key = (shared_base.base_key(path, dtype, mesh), max_prompt_len, max_new_tokens, max_batch_size, prompt_padding)
     with _LOCK:
         group = _GROUPS.get(key)
         if group is None:
             lease = shared_base.acquire(path, dtype=dtype, mesh=mesh)
             try:
                 group = _GROUPS[key] = SharedSampler(lease, max_prompt_len=max_prompt_len,
-                                                     max_new_tokens=max_new_tokens, max_batch_size=max_batch_size)
+                                                     max_new_tokens=max_new_tokens, max_batch_size=max_batch_size,
+                                                     prompt_padding=prompt_padding)
             except BaseException:
                 lease.release()
                 raise
