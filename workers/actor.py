@@ -99,8 +99,8 @@ class ActorSettings:
     kl_clamp: float | None
     max_new_tokens: int | None
     # What each decoder layer's forward keeps for the backward (workers.models.decoder.REMAT_POLICIES): memory and
-    # time only, never a result (the backward recomputes the same values), hence the one default here
-    remat: str = "layers"
+    # time only, never a result (the backward recomputes the same values)
+    remat: str
 
 
 class TrainState(NamedTuple):
