@@ -57,7 +57,13 @@ from typing import Any
 from rlsched.base.errors import RoleDied, TaskError
 from rlsched.cluster import pinning as pin
 from rlsched.cluster.exits import death_cause
-from rlsched.cluster.rolegroup import HANG_TIMEOUT_S, JobMember, RoleGroup, join_job
+from rlsched.cluster.rolegroup import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, JobMember, RoleGroup, join_job
+
+# A role's drop (its arrays freed, the heap trimmed, the programs of an emptied process dropped) takes a second or
+# two; a process that does not answer in this long hangs (a call of another task holding it?).
+DROP_TIMEOUT_S = 60.0
+# A device group's new process answers where it runs once Ray started it (it imports no JAX before it joins).
+START_TIMEOUT_S = 180.0
 
 
 class GroupProcess(JobMember):
@@ -339,12 +345,16 @@ class GroupProcessRole:
 
         return Target(self.kind, self._process, self.key, pid=self.pid)
 
-    def terminate(self) -> None:
-        """Free the role's arrays in the process (it goes on for the other tasks)."""
+    def terminate(self, timeout_s: float = DROP_TIMEOUT_S) -> None:
+        """Free the role's arrays in the process (it goes on for the other tasks), within `timeout_s`."""
         import ray
 
+        from rlsched.base.waits import answer
+
         with contextlib.suppress(ray.exceptions.RayActorError):  # a dead process: the role's memory went with it
-            ray.get(self._process.drop.remote(self.key))
+            answer(self._process.drop.remote(self.key), timeout_s=timeout_s,
+                   what=f"{self.key}'s drop() in the device group's process (pid {self.pid})",
+                   check="that process may hang; `rlsched status` shows the roles it holds and its device bytes")
 
 
 class GroupProcesses:
@@ -373,7 +383,7 @@ def start_group_across_hosts(sites, *, num_devices: int, max_tasks: int, take_po
     members = [start_group_process(sites, "actor", num_devices=num_devices, max_tasks=max_tasks, bundle=b)
                for b in sites.host_bundles]
     probe = GroupProcessesRole(GroupProcesses(members, [{} for _ in members], ""), "", "device group",
-                            hang_timeout_s=hang_timeout_s)
+                               hang_timeout_s=hang_timeout_s, call_timeout_s=JOIN_TIMEOUT_S + START_TIMEOUT_S)
     try:
         nodes, coordinator = join_job(members, "device-group", take_port, probe._gather)
     except BaseException:
@@ -387,13 +397,15 @@ class GroupProcessesRole(RoleGroup):
     called SPMD on every host (member 0's value), a host's death or hang ending the group as a RoleGroup's does,
     except that the hosts are the device group's: every task there fails with it (`RoleDied(shared=True)`)."""
 
-    def __init__(self, group: GroupProcesses, key: str, kind: str, *, hang_timeout_s: float = HANG_TIMEOUT_S):
-        super().__init__(list(group.members), kind, list(group.nodes), hang_timeout_s=hang_timeout_s)
+    def __init__(self, group: GroupProcesses, key: str, kind: str, *, hang_timeout_s: float = HANG_TIMEOUT_S,
+                 call_timeout_s: float):
+        super().__init__(list(group.members), kind, list(group.nodes), hang_timeout_s=hang_timeout_s,
+                         call_timeout_s=call_timeout_s)
         self.key, self.coordinator = key, group.coordinator
 
     @classmethod
     def launch(cls, group: GroupProcesses, role_cls, spec, channel) -> GroupProcessesRole:
-        role = cls(group, f"{spec.name}/{role_cls.kind}", role_cls.kind)
+        role = cls(group, f"{spec.name}/{role_cls.kind}", role_cls.kind, call_timeout_s=spec.call_timeout_s)
         turn = role._ticket("__init__")
         role.guarded = role._gather([m.in_turn.remote(turn, "start", role.key, role_cls, spec, channel)
                                      for m in role.members], "__init__")
@@ -417,10 +429,23 @@ class GroupProcessesRole(RoleGroup):
 
         return [Target(f"{self.kind}[{i}]", m, self.key) for i, m in enumerate(self.members)]
 
-    def terminate(self) -> None:
-        """Free the role's arrays in every host (the hosts go on for the other tasks)."""
+    def terminate(self, timeout_s: float = DROP_TIMEOUT_S) -> None:
+        """Free the role's arrays in every host (the hosts go on for the other tasks), within `timeout_s`: every
+        host is asked at once, and those that did not answer are named."""
         import ray
 
-        for m in self.members:
-            with contextlib.suppress(ray.exceptions.RayActorError):  # a dead process: the role's memory went with it
-                ray.get(m.drop.remote(self.key))
+        from rlsched.base.waits import no_answer
+
+        refs = [m.drop.remote(self.key) for m in self.members]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        silent = []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                pass  # a dead process: the role's memory went with it
+            except ray.exceptions.GetTimeoutError:
+                silent.append(self._member(i))
+        if silent:
+            raise no_answer(f"{self.key}'s drop() in the device group's {', '.join(silent)}", timeout_s,
+                            "those processes may hang; `rlsched status` shows the roles each holds")
