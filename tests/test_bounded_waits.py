@@ -37,6 +37,12 @@ class Prompt:
     def run(self):
         raise RuntimeError("a role raised")
 
+    def ticket(self):
+        return 0
+
+    def in_turn(self, turn, method, key, name, args, kwargs):
+        return f"{key} {name}() ran as turn {turn}"
+
 
 @pytest.fixture(scope="module")
 def silent(ray_session):
@@ -81,9 +87,12 @@ def test_a_role_drop_across_hosts_names_only_the_host_that_never_answers(silent,
     assert "member 1 of 2 (host 10.0.0.2, pid 22" in message and "member 0" not in message, message
 
 
-def test_a_call_across_hosts_that_no_host_answers_fails_naming_it(silent):
+def test_a_call_across_hosts_that_no_host_answers_fails_naming_it(silent, prompt):
     from rlsched.cluster.group_process import GroupProcesses, GroupProcessesRole
 
+    well = GroupProcessesRole(GroupProcesses([prompt], [{"host": "10.0.0.1", "pid": 11}], "10.0.0.1:1234"),
+                              "t0/actor", "actor", call_timeout_s=60.0)
+    assert well.train() == "t0/actor train() ran as turn 0"  # a host that answers: its value, as before
     role = GroupProcessesRole(GroupProcesses([silent], [{"host": "10.0.0.1", "pid": 11}], "10.0.0.1:1234"),
                               "t0/actor", "actor", call_timeout_s=BOUND_S)
     message = _fails_in_time(lambda: role.train(), r"its actor group's train\(\)")
