@@ -72,7 +72,7 @@ class HeapProbe:
 def test_a_host_buffer_of_a_leaving_task_goes_back_to_the_os_not_into_the_heap(ray_session):
     """The device group's process fixes malloc's mmap threshold (1 MiB): a 2 MiB host buffer is mapped on its own
     (and unmapped when freed) even after a larger one was freed, where glibc's own rule would have raised the threshold
-    and carved it from a heap arena, whose freed space the process keeps (the soak's ~2 MiB per task)."""
+    and carved it from a heap arena, whose freed space the process keeps while other tasks' memory lies above it."""
     ray = ray_session
     process = ray.remote(num_cpus=0)(GroupProcess).remote()
     ray.get(process.start.remote("t0/actor", HeapProbe, types.SimpleNamespace(hosts=1), None), timeout=120)
