@@ -82,3 +82,44 @@ def test_a_role_dropped_while_it_is_being_built_is_dropped_when_its_start_return
         held = ray.get(process.held.remote())
         assert held["roles"] == [] and held["device_bytes"] == 0, held
     ray.kill(process)
+
+
+class HeapProbe:
+    """A role that frees an 8 MiB host buffer, then holds a 2 MiB one, and says where malloc put it."""
+
+    def __init__(self, spec, channel=None):
+        pass
+
+    def device_ids(self) -> list[int]:
+        return [0]
+
+    def where_a_buffer_goes(self) -> dict[str, int]:
+        import ctypes
+
+        import numpy as np
+
+        class Info(ctypes.Structure):  # glibc's struct mallinfo2
+            _fields_ = [(k, ctypes.c_size_t) for k in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        info = ctypes.CDLL(None).mallinfo2
+        info.restype = Info
+        big = np.ones(8 << 20, np.uint8)  # mapped on its own: above any threshold
+        del big  # glibc's own rule would now raise its threshold to 8 MiB
+        before = info()
+        held = np.ones(2 << 20, np.uint8)
+        after = info()
+        assert held.sum() == 2 << 20
+        return {"mapped": after.hblkhd - before.hblkhd, "heap": after.uordblks - before.uordblks}
+
+
+def test_a_host_buffer_of_a_leaving_task_goes_back_to_the_os_not_into_the_heap(ray_session):
+    """The device group's process fixes malloc's mmap threshold (1 MiB): a 2 MiB host buffer is mapped on its own
+    (and unmapped when freed) even after a larger one was freed, where glibc's own rule would have raised the threshold
+    and carved it from a heap arena, whose freed space the process keeps while other tasks' memory lies above it."""
+    ray = ray_session
+    process = ray.remote(num_cpus=0)(GroupProcess).remote()
+    ray.get(process.start.remote("t0/actor", HeapProbe, types.SimpleNamespace(hosts=1), None), timeout=120)
+    placed = ray.get(process.call.remote("t0/actor", "where_a_buffer_goes", (), {}), timeout=60)
+    assert placed["mapped"] >= 2 << 20 and placed["heap"] < 1 << 20, placed
+    ray.kill(process)

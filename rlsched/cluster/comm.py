@@ -44,6 +44,10 @@ import numpy as np
 
 Flat = Mapping[str, np.ndarray]
 
+# The longest an engine waits for the weights of a message from the object store: they were put before the message
+# left their sender, so on one node the read is a copy from shared memory (~1 s per GB); from another node, a transfer.
+RECEIVE_TIMEOUT_S = 600.0
+
 
 class ChannelError(RuntimeError):
     """A message reached the wrong channel or its payload is gone."""
@@ -208,9 +212,16 @@ class ObjectStoreChannel(_Channel):
     def receive(self, message: WeightMessage) -> Flat:
         import ray
 
+        from rlsched.base.waits import no_answer
+
         self._check(message)
         try:
-            return ray.get(message.payload)
+            return ray.get(message.payload, timeout=RECEIVE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise no_answer(f"{self.name}: the object store's read of the weights of v{message.version} "
+                            f"({message.nbytes / 2**20:.0f} MiB)", RECEIVE_TIMEOUT_S,
+                            "their sender's node may be lost or its object store full (`ray memory` shows the "
+                            "object; `ray status`, the nodes)") from None
         except ray.exceptions.ObjectLostError as err:
             raise ChannelError(f"{self.name}: the weights of v{message.version} are gone from the object store "
                                f"(their sender died?): {err}") from err

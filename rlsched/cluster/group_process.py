@@ -57,7 +57,16 @@ from typing import Any
 from rlsched.base.errors import RoleDied, TaskError
 from rlsched.cluster import pinning as pin
 from rlsched.cluster.exits import death_cause
-from rlsched.cluster.rolegroup import HANG_TIMEOUT_S, JobMember, RoleGroup, join_job
+from rlsched.cluster.rolegroup import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, JobMember, RoleGroup, join_job
+
+# A role's drop (its arrays freed, the heap trimmed, the programs of an emptied process dropped) takes a second or
+# two; a process that does not answer in this long hangs (a call of another task holding it?).
+DROP_TIMEOUT_S = 60.0
+# Host buffers this large or larger are mapped on their own and go back to the OS when freed (`_fix_mmap_threshold`)
+MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+# A device group's new process answers where it runs once Ray started it (it imports no JAX before it joins).
+START_TIMEOUT_S = 180.0
 
 
 class GroupProcess(JobMember):
@@ -69,6 +78,7 @@ class GroupProcess(JobMember):
         from rlsched.cluster import exits
         from rlsched.cluster.ray_cluster import enter_role_env
 
+        _fix_mmap_threshold()  # before the first large buffer: the heap then stays as small as what lives in it
         enter_role_env(env)  # before anything reads it: JAX, and exits.watch
         exits.watch()  # a death is told by how it happened (rlsched.cluster.exits)
         if cores:
@@ -250,6 +260,27 @@ class GroupProcess(JobMember):
                 "roles": {key: role.device_ids() for key, role in roles.items()}}
 
 
+def _fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> None:
+    """Host buffers of `nbytes` or more get pages of their own (mmap), which go back to the OS when they are freed;
+    nothing where the C library is not glibc.
+
+    Why: glibc starts at 128 KiB, but each time it frees such a buffer it raises its threshold to that buffer's size
+    (up to 32 MiB), so after the first large host array of a task is freed, the next tasks' host arrays up to 32 MiB
+    (a real model's weights loaded or offloaded layer by layer, its batches) are carved from the heap, whose freed
+    space the process keeps: malloc_trim gives back only free pages at the heap's top. A threshold that is set
+    stays where it is (tests/test_group_process_threads.py).
+
+    What it does not change, measured on the soak's tiny model (benchmarks/soak.py: a resident task and tasks that
+    come and go; its buffers are all below 1 MiB): malloc's bytes in use stay flat (161 -> 167 MiB over 14 tasks)
+    while the free bytes it keeps between live ones grow (299 -> 374 MiB), and the RSS with them, ever more slowly
+    (~2 MiB a task at first): the heap's fragmentation, not memory that is held. Fewer arenas (mallopt M_ARENA_MAX
+    2) did not change it either."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, nbytes)
+
+
 def _trim_heap() -> None:
     """Give the heap's free pages back to the OS (glibc's malloc_trim); nothing where the C library has none. The
     symbol is looked up in this process (CDLL(None)), not by ctypes.util.find_library, which runs ldconfig in a
@@ -356,12 +387,16 @@ class GroupProcessRole:
 
         return Target(self.kind, self._process, self.key, pid=self.pid)
 
-    def terminate(self) -> None:
-        """Free the role's arrays in the process (it goes on for the other tasks)."""
+    def terminate(self, timeout_s: float = DROP_TIMEOUT_S) -> None:
+        """Free the role's arrays in the process (it goes on for the other tasks), within `timeout_s`."""
         import ray
 
+        from rlsched.base.waits import answer
+
         with contextlib.suppress(ray.exceptions.RayActorError):  # a dead process: the role's memory went with it
-            ray.get(self._process.drop.remote(self.key))
+            answer(self._process.drop.remote(self.key), timeout_s=timeout_s,
+                   what=f"{self.key}'s drop() in the device group's process (pid {self.pid})",
+                   check="that process may hang; `rlsched status` shows the roles it holds and its device bytes")
 
 
 class GroupProcesses:
@@ -390,7 +425,7 @@ def start_group_across_hosts(sites, *, num_devices: int, max_tasks: int, take_po
     members = [start_group_process(sites, "actor", num_devices=num_devices, max_tasks=max_tasks, bundle=b)
                for b in sites.host_bundles]
     probe = GroupProcessesRole(GroupProcesses(members, [{} for _ in members], ""), "", "device group",
-                            hang_timeout_s=hang_timeout_s)
+                               hang_timeout_s=hang_timeout_s, call_timeout_s=JOIN_TIMEOUT_S + START_TIMEOUT_S)
     try:
         nodes, coordinator = join_job(members, "device-group", take_port, probe._gather)
     except BaseException:
@@ -404,13 +439,15 @@ class GroupProcessesRole(RoleGroup):
     called SPMD on every host (member 0's value), a host's death or hang ending the group as a RoleGroup's does,
     except that the hosts are the device group's: every task there fails with it (`RoleDied(shared=True)`)."""
 
-    def __init__(self, group: GroupProcesses, key: str, kind: str, *, hang_timeout_s: float = HANG_TIMEOUT_S):
-        super().__init__(list(group.members), kind, list(group.nodes), hang_timeout_s=hang_timeout_s)
+    def __init__(self, group: GroupProcesses, key: str, kind: str, *, hang_timeout_s: float = HANG_TIMEOUT_S,
+                 call_timeout_s: float):
+        super().__init__(list(group.members), kind, list(group.nodes), hang_timeout_s=hang_timeout_s,
+                         call_timeout_s=call_timeout_s)
         self.key, self.coordinator = key, group.coordinator
 
     @classmethod
     def launch(cls, group: GroupProcesses, role_cls, spec, channel) -> GroupProcessesRole:
-        role = cls(group, f"{spec.name}/{role_cls.kind}", role_cls.kind)
+        role = cls(group, f"{spec.name}/{role_cls.kind}", role_cls.kind, call_timeout_s=spec.call_timeout_s)
         turn = role._ticket("__init__")
         role.guarded = role._gather([m.in_turn.remote(turn, "start", role.key, role_cls, spec, channel)
                                      for m in role.members], "__init__")
@@ -434,10 +471,23 @@ class GroupProcessesRole(RoleGroup):
 
         return [Target(f"{self.kind}[{i}]", m, self.key) for i, m in enumerate(self.members)]
 
-    def terminate(self) -> None:
-        """Free the role's arrays in every host (the hosts go on for the other tasks)."""
+    def terminate(self, timeout_s: float = DROP_TIMEOUT_S) -> None:
+        """Free the role's arrays in every host (the hosts go on for the other tasks), within `timeout_s`: every
+        host is asked at once, and those that did not answer are named."""
         import ray
 
-        for m in self.members:
-            with contextlib.suppress(ray.exceptions.RayActorError):  # a dead process: the role's memory went with it
-                ray.get(m.drop.remote(self.key))
+        from rlsched.base.waits import no_answer
+
+        refs = [m.drop.remote(self.key) for m in self.members]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        silent = []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                pass  # a dead process: the role's memory went with it
+            except ray.exceptions.GetTimeoutError:
+                silent.append(self._member(i))
+        if silent:
+            raise no_answer(f"{self.key}'s drop() in the device group's {', '.join(silent)}", timeout_s,
+                            "those processes may hang; `rlsched status` shows the roles each holds")

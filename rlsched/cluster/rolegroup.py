@@ -20,7 +20,9 @@ Design decisions (and why):
 - **A member's failure is the role's.** A member that dies fails the call at once (its peers would block in
   the next collective): every member is killed and the call raises `RoleDied` naming the member, its host and
   the call. A member still running `hang_timeout_s` after another finished the same call is stuck in a
-  collective whose peer is gone or wedged; it is treated the same way. Both end this task only.
+  collective whose peer is gone or wedged; it is treated the same way. Both end this task only. A call that no
+  member answers in `call_timeout_s` (cluster.call_timeout_s) fails naming it, as a role in a process of its own
+  does (rlsched.run.roles.RemoteRole).
 - Ray and JAX are imported inside the functions: the control plane imports this module for free.
 """
 
@@ -33,11 +35,13 @@ import time
 from typing import Any
 
 from rlsched.base.errors import RoleDied, TaskError
+from rlsched.base.waits import answer, no_answer
 from rlsched.cluster import exits
 from rlsched.cluster import pinning as pin
 
 HANG_TIMEOUT_S = 120.0  # a member this long behind a peer on the same call is stuck in a collective
 JOIN_TIMEOUT_S = 120  # jax.distributed.initialize: every member must reach the coordinator within this
+PORT_CHECK_TIMEOUT_S = 30.0  # member 0's answer to whether its host can bind a port (a socket bind: instant)
 
 
 class JobMember:
@@ -104,8 +108,9 @@ class RoleGroup:
     """A role held by one process per host, called like a local one: each method runs on every member."""
 
     def __init__(self, members: list, kind: str, nodes: list[dict[str, Any]], *,
-                 hang_timeout_s: float = HANG_TIMEOUT_S):
+                 hang_timeout_s: float = HANG_TIMEOUT_S, call_timeout_s: float):
         self.members, self.kind, self.nodes, self.hang_timeout_s = members, kind, nodes, hang_timeout_s
+        self.call_timeout_s = call_timeout_s  # the longest wait for the first member's answer to a call
         self.coordinator: str | None = None  # "host:port" of member 0's JAX coordinator, once joined
         self.guarded: list[bool] = []  # per member: whether its run-file guard is on (workers.multihost)
 
@@ -129,7 +134,8 @@ class RoleGroup:
             # Each member sees its own host's devices; the mesh over all of them comes from the JAX job.
             env = role_env(spec.num_devices, resource, shares_devices=spec.shares_devices)
             members.append(ray.remote(RoleMember).options(**options).remote(sites.cores[role_cls.kind], env))
-        group = cls(members, role_cls.kind, [{} for _ in members], hang_timeout_s=hang_timeout_s)
+        group = cls(members, role_cls.kind, [{} for _ in members], hang_timeout_s=hang_timeout_s,
+                    call_timeout_s=spec.call_timeout_s)
         try:
             group.nodes, group.coordinator = join_job(members, role_cls.kind, take_port, group._gather)
             group.guarded = group._gather([m.build.remote(role_cls, spec, channel) for m in members], "__init__")
@@ -177,9 +183,15 @@ class RoleGroup:
         index = {ref: i for i, ref in enumerate(refs)}
         results: dict[int, Any] = {}
         pending, first_done, error = list(refs), None, None
+        sent = time.monotonic()
         while pending:
-            timeout = None if first_done is None else max(0.0, first_done + self.hang_timeout_s - time.monotonic())
+            timeout = max(0.0, (sent + self.call_timeout_s if first_done is None
+                                else first_done + self.hang_timeout_s) - time.monotonic())
             done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not done and first_done is None:  # no member answered: the call hangs everywhere (or is too long)
+                raise no_answer(f"its {self.kind} group's {name}() on {len(refs)} member(s) ({self._member(0)}, ...)",
+                                self.call_timeout_s, "cluster.call_timeout_s: its processes may hang; raise the "
+                                "timeout if the call is a compile of a large model")
             if not done:  # peers finished hang_timeout_s ago: the rest are stuck in a collective
                 stuck = ", ".join(self._member(index[r]) for r in pending)
                 self._end()
@@ -228,13 +240,14 @@ def join_job(members: list, kind: str, take_port, gather) -> tuple[list[dict[str
     take a coordinator port on member 0's host from the scheduler's allocator (`take_port(kind, host, busy)`,
     skipping ports that host finds busy), and have every member initialize. `gather(refs, call)` waits for
     every member (RoleGroup._gather). Returns (each member's node, "host:port" of the coordinator)."""
-    import ray
 
     nodes = gather([m.node.remote() for m in members], "node")
     host = nodes[0]["host"]
     busy: list[int] = []
     port = take_port(kind, host, busy)
-    while not ray.get(members[0].port_free.remote(host, port)):
+    while not answer(members[0].port_free.remote(host, port), timeout_s=PORT_CHECK_TIMEOUT_S,
+                     what=f"port_free({host}:{port}) of {kind}'s first process (pid {nodes[0].get('pid', '?')})",
+                     check="that process may hang; its log is in Ray's worker logs"):
         busy.append(port)
         port = take_port(kind, host, busy)
     coordinator = f"{host}:{port}"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlsched.base.errors import cause_of
+from rlsched.base.waits import answer
 from rlsched.cluster import ray_cluster
 from rlsched.cluster.security import prepare_embedded_cluster
 from rlsched.config.loading import load_configs, select_tasks
@@ -33,6 +34,7 @@ from rlsched.rundir.files import prepare_run_dir, run_summary, write_atomic
 from rlsched.rundir.lock import RunLock
 from rlsched.rundir.log import RunLog
 from rlsched.scheduling.policy import CoBatch, GroupSpec, Phase, Policy
+from rlsched.scheduling.scheduler import ASK_TIMEOUT_S
 from workers.models import sharding
 
 
@@ -264,13 +266,13 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
                 on_started(drivers)
             with ProgressView(echo, live=live) as view:
                 results = _wait_for_tasks(pending, drivers, scheduler, cfg, stop, view)
-            events = list(ray.get(scheduler.events.remote()))
+            events = list(_ask(scheduler, "events"))
             for name, driver in drivers.items():
                 try:
                     events += ray.get(driver.events.remote(), timeout=60)
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                     echo(f"[{name}] its timeline is lost with its process")
-            state = ray.get(scheduler.state.remote())
+            state = _ask(scheduler, "state")
         finally:
             for actor in actors:
                 with contextlib.suppress(Exception):  # one that is gone already must not keep the others
@@ -288,13 +290,11 @@ def _start_group_processes(cfg: ExperimentConfig, where, actors: list, echo, sch
     `actors`; the placement with them. Across hosts (cluster.hosts > 1, colocated): a process per host, joined
     into one JAX job whose coordinator port comes from the scheduler's allocator
     (rlsched.cluster.group_process.GroupProcesses)."""
-    import ray
-
     from rlsched.cluster.group_process import start_group_across_hosts, start_group_processes
 
     if cfg.cluster.hosts > 1:
         def take_port(kind: str, host: str, busy: list[int]) -> int:
-            return ray.get(scheduler.take_port.remote("device group", kind, host, list(busy)))
+            return _ask(scheduler, "take_port", "device group", kind, host, list(busy))
 
         hosts = start_group_across_hosts(where, num_devices=cfg.num_devices, max_tasks=len(cfg.tasks),
                                          take_port=take_port)
@@ -384,12 +384,19 @@ def _result(name: str, ref, scheduler, cfg: ExperimentConfig) -> dict[str, Any]:
         ray.get(ref)
         return {"task": name, "status": "ok", "steps": next(t.steps for t in cfg.tasks if t.name == name)}
     except ray.exceptions.RayTaskError as err:  # the step loop raised: the original error is the cause ...
-        fenced = ray.get(scheduler.fenced.remote()).get(name)  # ... unless the scheduler stopped its roles first
+        fenced = _ask(scheduler, "fenced").get(name)  # ... unless the scheduler stopped its roles first
         error = cause_of(err) if fenced is None else f"{fenced}; its roles were stopped, and then: {cause_of(err)}"
         return {"task": name, "status": "failed", "error": error, "traceback": str(err)}
     except ray.exceptions.RayActorError as err:  # the driver's process died
-        cause = ray.get(scheduler.failed.remote()).get(name, f"its process died ({type(err).__name__})")
+        cause = _ask(scheduler, "failed").get(name, f"its process died ({type(err).__name__})")
         return {"task": name, "status": "failed", "error": cause}
+
+
+def _ask(scheduler, method: str, *args) -> Any:
+    """The scheduler's answer to `method(*args)`, a call that waits for no one, within ASK_TIMEOUT_S."""
+    return answer(getattr(scheduler, method).remote(*args), timeout_s=ASK_TIMEOUT_S, what=f"the scheduler's {method}()",
+                  check="its process may hang or be lost (`ray list actors` shows it; its log is among Ray's "
+                        "worker logs)")
 
 
 def _scheduler_run(cfg: ExperimentConfig, events: list[dict], summary: dict[str, Any], *, ok: bool) -> None:

@@ -46,6 +46,9 @@ from rlsched.rundir.files import write_atomic
 from rlsched.service.server import NAME, NAMESPACE
 
 READY_TIMEOUT_S = 180.0
+SHUTDOWN_GRACE_S = 600.0  # a graceful `down`: running tasks' time to save their step and stop (Service.shutdown)
+SHUTDOWN_ANSWER_S = 60.0  # beyond that (from the start, with --force), the longest wait for the service's answer
+# (`down` itself waits 900 s, longer than both, before it kills the process group)
 
 
 class NoService(RuntimeError):
@@ -215,6 +218,20 @@ def down(*, force: bool = False, echo=print, timeout_s: float = 900.0) -> int:
 # ---- the service process -------------------------------------------------------------------------------------
 
 
+def shut_down(service, force: bool, *, grace_s: float = SHUTDOWN_GRACE_S, answer_s: float = SHUTDOWN_ANSWER_S) -> str:
+    """Ask the service to shut down (`force`: at once; else its running tasks get `grace_s` to save and stop) and
+    wait for its answer, `answer_s` beyond that at most; the line service.log gets: its answer, or what went wrong
+    (the caller ends its processes either way)."""
+    from rlsched.base.waits import answer
+
+    try:
+        return str(answer(service.shutdown.remote(force, grace_s), timeout_s=(0 if force else grace_s) + answer_s,
+                          what="the service's shutdown()", check="its actor may hang (its lines are above in this "
+                          "log); its processes are ended all the same"))
+    except Exception as err:  # noqa: BLE001 - said in service.log; ending the processes must still happen
+        return f"the shutdown did not finish: {type(err).__name__}: {err}"
+
+
 def default_devices() -> int:
     """Devices per group when `up` is given none: a node's accelerators, or one (CPU: host devices per process)."""
     import ray
@@ -282,8 +299,7 @@ def serve(settings: dict[str, Any], address: str | None) -> int:
     if code == 0:
         force = stop["force"]
         print("shutting down" + (" at once (--force)" if force else ": running tasks stop after saving"), flush=True)
-        with contextlib.suppress(Exception):
-            print(ray.get(service.shutdown.remote(force), timeout=30 if force else None), flush=True)
+        print(shut_down(service, force), flush=True)
     _kill(service)
     (where / "service.json").unlink(missing_ok=True)
     ray.shutdown()
