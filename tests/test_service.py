@@ -46,6 +46,7 @@ def _sets(*extra: str) -> list[str]:
 class _Service:
     def __init__(self, home: Path, cwd: Path):
         self.home, self.cwd, self.seen = home, cwd, set()
+        self.report: dict = {}  # the last `status --json` that `tasks` read
 
     def __call__(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return _cli(*args, home=self.home, cwd=self.cwd, **kw)
@@ -61,7 +62,8 @@ class _Service:
         return self.seen
 
     def tasks(self) -> dict[str, dict]:
-        return {t["name"]: t for t in json.loads(self("status", "--json").stdout)["tasks"]}
+        self.report = json.loads(self("status", "--json").stdout)  # all of it, the last one (its group_processes)
+        return {t["name"]: t for t in self.report["tasks"]}
 
     def wait(self, task: str, until, timeout: float = 300) -> dict:
         end = time.monotonic() + timeout
@@ -270,8 +272,7 @@ def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing
     third = [mesh, *sets, "--set", "experiment.name=third", "--set", "tasks.1.name=third", "--set", "tasks.1.steps=2",
              "--tasks", "third"]
     assert svc("submit", *third).stdout.split() == ["third"]
-    report = json.loads(svc("status", "--json").stdout)
-    rows = {t["name"]: t for t in report["tasks"]}
+    rows, report = svc.tasks(), svc.report
     assert [rows[t]["state"] for t in ("addition", "subtraction", "third")] == ["RUNNING", "RUNNING", "PENDING"], rows
     assert report["used_bytes"] == 2 * need and report["budget_bytes"] < 3 * need, report
     assert re.fullmatch(r"needs [1-9]\d*\.\d\d (KiB|MiB) per device, [1-9]\d*\.\d\d \1 free in group g0 \(memory "
@@ -287,8 +288,7 @@ def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing
     checkpoints = out / "runs" / "demo-mesh" / "tasks" / "subtraction" / "checkpoints"
     assert (checkpoints / str(cancelled["step"])).is_dir(), list(checkpoints.iterdir())
     svc.wait("third", lambda r: r["state"] != "PENDING")
-    report = json.loads(svc("status", "--json").stdout)
-    [process] = report["group_processes"]
+    [process] = svc.report["group_processes"]  # of the same moment
     assert not [k for k in process["roles"] if k.startswith("subtraction/")], process
     svc("submit", mesh, *sets, "--tasks", "subtraction", "--resume")  # PENDING until room frees again
 
@@ -298,7 +298,8 @@ def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing
     # The third started in the room subtraction left, while addition still ran; subtraction again once one ended
     assert cancelled["ended_at"] <= rows["third"]["started_at"] < rows["addition"]["ended_at"], rows
     assert rows["subtraction"]["started_at"] >= min(rows["addition"]["ended_at"], rows["third"]["ended_at"]), rows
-    assert f"[subtraction] resumed after step {cancelled['step']}" in svc("logs", "subtraction").stdout
+    run_log = (out / "runs" / "demo-mesh" / "run.log").read_text()
+    assert f"[subtraction] resumed after step {cancelled['step']} (weights v{cancelled['step']})" in run_log, run_log
     pids = {p["pid"] for r in rows.values() for p in r["devices"].values()}
     assert len(pids) == 1, rows  # every role of the three tasks in the device group's one process
     assert {tuple(p["devices"]) for r in rows.values() for p in r["devices"].values()} == {(0, 1, 2, 3), (0, 1)}
