@@ -25,9 +25,9 @@ SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     "rollout.max_batch_size=16", "eval=null")]
 # B's steps (~10 ms each here): enough left, once the test resumes it, for its cancel to land first
 A_STEPS, B_STEPS = 60, 1000
-# The mesh tasks' (0.2-1 s a step in the service): subtraction is cancelled at its step 2 or 3; addition, going on
-# meanwhile (~0.2 s a step), still runs when the third starts in subtraction's room (a first run: 4 s to spare at 10)
-MESH_A_STEPS, MESH_B_STEPS = 20, 5
+# The mesh tasks' (0.2-1 s a step in the service): subtraction is cancelled after its step 1 or 2; addition, going on
+# meanwhile (~0.2 s a step), still runs when the third starts in subtraction's room (at 20 steps, 4-9 s to spare)
+MESH_A_STEPS, MESH_B_STEPS = 30, 5
 
 
 def _cli(*args: str, home: Path, cwd: Path, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
