@@ -25,6 +25,9 @@ SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     "rollout.max_batch_size=16", "eval=null")]
 # B's steps (~10 ms each here): enough left, once the test resumes it, for its cancel to land first
 A_STEPS, B_STEPS = 60, 1000
+# The mesh tasks' (0.2-1 s a step in the service): subtraction is cancelled after its step 1 or 2; addition, going on
+# meanwhile (~0.2 s a step), still runs when the third starts in subtraction's room (at 20 steps, 4-9 s to spare)
+MESH_A_STEPS, MESH_B_STEPS = 30, 5
 
 
 def _cli(*args: str, home: Path, cwd: Path, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -43,6 +46,7 @@ def _sets(*extra: str) -> list[str]:
 class _Service:
     def __init__(self, home: Path, cwd: Path):
         self.home, self.cwd, self.seen = home, cwd, set()
+        self.report: dict = {}  # the last `status --json` that `tasks` read
 
     def __call__(self, *args: str, **kw) -> subprocess.CompletedProcess:
         return _cli(*args, home=self.home, cwd=self.cwd, **kw)
@@ -58,7 +62,8 @@ class _Service:
         return self.seen
 
     def tasks(self) -> dict[str, dict]:
-        return {t["name"]: t for t in json.loads(self("status", "--json").stdout)["tasks"]}
+        self.report = json.loads(self("status", "--json").stdout)  # all of it, the last one (its group_processes)
+        return {t["name"]: t for t in self.report["tasks"]}
 
     def wait(self, task: str, until, timeout: float = 300) -> dict:
         end = time.monotonic() + timeout
@@ -237,28 +242,71 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
 
 @pytest.mark.slow
 def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing_in_it(tmp_path, service):
-    """`rlsched up --num-devices 8` (auto: one process holds the device group, as on a GPU or TPU node): the two
-    demo_mesh tasks (actor fsdp 2 x tp 2, engine tp 2) submitted to it run in that one process, compute what they
-    compute alone, and once they have ended the process holds no role and no byte on its devices."""
-    svc, steps = service, 3
+    """`rlsched up --num-devices 8` (auto: one process holds the device group, as on a GPU or TPU node) with a memory
+    budget for two demo_mesh tasks (actor fsdp 2 x tp 2, engine tp 2), not three: both run in that one process while
+    a third waits PENDING for memory; subtraction, cancelled mid-run, leaves no role in the process and the third
+    starts in its room; resumed, it continues from its checkpoint; both compute what they compute alone, and once
+    every task has ended the process holds no role and no byte on its devices."""
+    from rlsched.config.loading import load_config
+    from rlsched.run.experiment import estimate_bytes
+
+    svc, out = service, service.cwd
     mesh = str(ROOT / "configs" / "demo_mesh.yaml")
-    sets = _sets(f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}",
-                 f"tasks.0.steps={steps}", f"tasks.1.steps={steps}", "tasks.0.checkpoint_every=0")
+    over = [f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}",
+            f"tasks.0.steps={MESH_A_STEPS}", f"tasks.1.steps={MESH_B_STEPS}"]
+    sets = _sets(*over)
     _cli("train", mesh, *sets, "--set", f"experiment.output_dir={tmp_path / 'solo'}", "--in-process",
-         home=svc.home, cwd=svc.cwd, timeout=600)
-    up = svc("up", "--num-devices", "8").stdout
+         home=svc.home, cwd=out, timeout=600)
+    # A memory budget per device for two of these tasks resident at once, not three: colocated, admission counts a
+    # task's engine and actor bytes on its busiest device (Admission.needs), the three tasks' the same
+    engine, actor = estimate_bytes(load_config(mesh, [*SMALL, *over]).tasks[0])
+    need = engine + actor
+    up = svc("up", "--num-devices", "8", "--memory-budget-gb", f"{2.5 * need / 2**30:.6f}").stdout
     assert "8 device(s) colocated" in up and "roles in per_device_group processes" in up, up
     svc("submit", mesh, *sets)
+    # Both held mid-run (SIGSTOP of their drivers, as in the test above) while the third arrives and one is cancelled
+    drivers = {t: svc.driver(t) for t in ("addition", "subtraction")}
+    for task in drivers:
+        svc.steps("demo-mesh", task, 1)
+    _signal(drivers["addition"] + drivers["subtraction"], signal.SIGSTOP)
+    third = [mesh, *sets, "--set", "experiment.name=third", "--set", "tasks.1.name=third", "--set", "tasks.1.steps=2",
+             "--tasks", "third"]
+    assert svc("submit", *third).stdout.split() == ["third"]
+    rows, report = svc.tasks(), svc.report
+    assert [rows[t]["state"] for t in ("addition", "subtraction", "third")] == ["RUNNING", "RUNNING", "PENDING"], rows
+    assert report["used_bytes"] == 2 * need and report["budget_bytes"] < 3 * need, report
+    assert re.fullmatch(r"needs [1-9]\d*\.\d\d (KiB|MiB) per device, [1-9]\d*\.\d\d \1 free in group g0 \(memory "
+                        r"budget [1-9]\d*\.\d\d \1 per device\)", rows["third"]["reason"]), rows["third"]["reason"]
+    [process] = report["group_processes"]
+    assert {k for k in process["roles"] if k.startswith("subtraction/")} == {"subtraction/actor", "subtraction/engine"}
+
+    # Cancelled while its driver is held: it stops after its step in progress, saves it, and its roles go
+    assert "RUNNING" in svc("cancel", "subtraction").stdout
+    _signal(drivers["addition"] + drivers["subtraction"], signal.SIGCONT)
+    cancelled = svc.wait("subtraction", lambda r: r["state"] != "RUNNING")
+    assert cancelled["state"] == "CANCELLED" and 1 <= cancelled["step"] < MESH_B_STEPS, cancelled
+    checkpoints = out / "runs" / "demo-mesh" / "tasks" / "subtraction" / "checkpoints"
+    assert (checkpoints / str(cancelled["step"])).is_dir(), list(checkpoints.iterdir())
+    svc.wait("third", lambda r: r["state"] != "PENDING")
+    [process] = svc.report["group_processes"]  # of the same moment
+    assert not [k for k in process["roles"] if k.startswith("subtraction/")], process
+    svc("submit", mesh, *sets, "--tasks", "subtraction", "--resume")  # PENDING until room frees again
+
     rows = {t: svc.wait(t, lambda r: r["state"] in ("FINISHED", "FAILED", "CANCELLED"), timeout=600)
-            for t in ("addition", "subtraction")}
+            for t in ("addition", "subtraction", "third")}
     assert {r["state"] for r in rows.values()} == {"FINISHED"}, rows
+    # The third started in the room subtraction left, while addition still ran; subtraction again once one ended
+    assert cancelled["ended_at"] <= rows["third"]["started_at"] < rows["addition"]["ended_at"], rows
+    assert rows["subtraction"]["started_at"] >= min(rows["addition"]["ended_at"], rows["third"]["ended_at"]), rows
+    run_log = (out / "runs" / "demo-mesh" / "run.log").read_text()
+    assert f"[subtraction] resumed after step {cancelled['step']} (weights v{cancelled['step']})" in run_log, run_log
     pids = {p["pid"] for r in rows.values() for p in r["devices"].values()}
-    assert len(pids) == 1, rows  # every role of both tasks in the device group's one process
+    assert len(pids) == 1, rows  # every role of the three tasks in the device group's one process
     assert {tuple(p["devices"]) for r in rows.values() for p in r["devices"].values()} == {(0, 1, 2, 3), (0, 1)}
-    for task in ("addition", "subtraction"):
-        _same(_metrics(svc.cwd / "runs", "demo-mesh", task), _metrics(tmp_path / "solo", "demo-mesh", task))
+    for task in ("addition", "subtraction"):  # subtraction's across its cancel and resume too
+        _same(_metrics(out / "runs", "demo-mesh", task), _metrics(tmp_path / "solo", "demo-mesh", task))
     report = json.loads(svc("status", "--json").stdout)
-    assert report["settings"]["processes"] == "per_device_group"
+    assert report["settings"]["processes"] == "per_device_group" and report["used_bytes"] == 0, report
     [host] = report["group_processes"]
     assert host["pid"] in pids and host["roles"] == [] and host["device_bytes"] == 0, host
     assert "device-group process pid" in svc("status").stdout
