@@ -185,7 +185,6 @@ def _sglang_installed() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    _slow_files_first(items)
     if _sglang_installed():
         return
     chosen = [item for item in items if item.get_closest_marker("sglang") is None]
@@ -193,18 +192,6 @@ def pytest_collection_modifyitems(config, items):
     if _SGLANG_DESELECTED:
         config.hook.pytest_deselected(items=list(_SGLANG_DESELECTED))
         items[:] = chosen
-
-
-def _slow_files_first(items) -> None:
-    """Files with more `slow` tests first, each file's tests in their own order: the README's command runs the suite
-    in two workers a file at a time (pytest-xdist's loadfile), and a long file started last would end the run alone.
-    Deterministic (every worker must collect the same order)."""
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + (
-            item.get_closest_marker("slow") is not None)
-    first = {f: i for i, f in enumerate(dict.fromkeys(item.nodeid.split("::")[0] for item in items))}
-    items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], first[item.nodeid.split("::")[0]]))
 
 
 def pytest_terminal_summary(terminalreporter):
