@@ -42,7 +42,7 @@ CONFIG = ROOT / "configs" / "demo_addition.yaml"
 FLAT = 0.10  # at most this much growth after the warm-up
 # The service's bounds (rlsched.service.server.LIMITS), lowered so that a short soak reaches every one of them within
 # its warm-up: flat after it means bounded, not merely not yet grown.
-LIMITS = {"requests": 10, "lines": 50, "finished": 3, "grants": 20, "spool_s": 2.0}
+LIMITS = {"requests": 10, "lines": 50, "finished": 3, "unfinished": 3, "grants": 20, "spool_s": 2.0}
 RESIDENT_EDGE_S = 30.0  # the resident's trace must hold the scheduler's events this close to the soak's start and end
 CANCELLED_STEPS = 1000  # a task to be cancelled has more steps than it can run before the cancel lands
 KEEP_CANCELLED = 5  # the most recent cancelled tasks the soak leaves unforgotten (a service bound below it keeps fewer)
