@@ -58,9 +58,12 @@ def length_bucket(n: int) -> int:
     return math.ceil(n / 256) * 256
 
 
+PROMPT_PADDINGS = ("bucket", "max")  # grpo.prompt_padding: the engine's and the train batch's (module docstring)
+
+
 def prompt_bucket(n: int, max_prompt_len: int) -> int:
     """The padded length of prompts of at most n tokens: a power of two (at least 8), never above max_prompt_len.
-    jax_sampler pads a chunk's prompts to it too (its `_bucket(n, 8, max_prompt_len)`)."""
+    jax_sampler pads a chunk's prompts to it too, so a step's rows have one prompt length on both sides."""
     return min(max(8, 1 << (n - 1).bit_length()), max_prompt_len)
 
 
@@ -81,8 +84,8 @@ def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], 
             raise ValueError("give max_prompt_len with max_new_tokens (the prompt bucket never exceeds it)")
         longest = max(len(p) for p in prompts)
         cap = max(longest, max_prompt_len)
-        if prompt_padding not in ("bucket", "max"):
-            raise ValueError(f"prompt_padding={prompt_padding!r}; choose bucket or max")
+        if prompt_padding not in PROMPT_PADDINGS:
+            raise ValueError(f"prompt_padding={prompt_padding!r}; choose one of {PROMPT_PADDINGS}")
         t = prompt_bucket(cap if prompt_padding == "max" else longest, cap) + max_new_tokens
         if max(len(c) for c in completions) > max_new_tokens:
             raise ValueError(f"a completion of {max(len(c) for c in completions)} tokens is longer than "

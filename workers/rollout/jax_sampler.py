@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from workers.batch import PROMPT_PADDINGS, prompt_bucket
 from workers.compiling import compile_once, find, kept, shared
 from workers.models import params as P
 from workers.models import sharding as S
@@ -77,7 +78,6 @@ from workers.rollout.base import (
 from workers.rollout.sampling import sample_tokens
 from workers.rollout.stamp import StampedWeights
 
-PROMPT_PADDINGS = ("bucket", "max")  # grpo.prompt_padding
 _STOP_SLOTS = 8  # stop-id array size (static); more stop ids -> next multiple of 8
 
 
@@ -463,8 +463,8 @@ class JaxSampler(StampedWeights):
                 batch = -(-_bucket(len(chunk), 1, self.max_batch_size) // self._rows) * self._rows  # rows over dp
                 longest = max(len(checked[m][0][i]) for m, i, _ in chunk)
                 # "max": every chunk one prompt shape (left padding is masked: the same tokens either way)
-                plen = _bucket(self.max_prompt_len if self.prompt_padding == "max" else longest, 8,
-                               self.max_prompt_len)
+                plen = prompt_bucket(self.max_prompt_len if self.prompt_padding == "max" else longest,
+                                     self.max_prompt_len)
                 tokens = np.zeros((batch, plen), np.int32)
                 mask = np.zeros((batch, plen), bool)
                 seed, prompt_idx, sample_idx = (np.zeros(batch, d) for d in (np.uint32, np.int32, np.int32))
