@@ -212,16 +212,15 @@ class ObjectStoreChannel(_Channel):
     def receive(self, message: WeightMessage) -> Flat:
         import ray
 
-        from rlsched.base.waits import no_answer
+        from rlsched.base.waits import answer
 
         self._check(message)
         try:
-            return ray.get(message.payload, timeout=RECEIVE_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise no_answer(f"{self.name}: the object store's read of the weights of v{message.version} "
-                            f"({message.nbytes / 2**20:.0f} MiB)", RECEIVE_TIMEOUT_S,
-                            "their sender's node may be lost or its object store full (`ray memory` shows the "
-                            "object; `ray status`, the nodes)") from None
+            return answer(message.payload, timeout_s=RECEIVE_TIMEOUT_S,
+                          what=f"{self.name}: the object store's read of the weights of v{message.version} "
+                               f"({message.nbytes / 2**20:.0f} MiB)",
+                          check="their sender's node may be lost or its object store full (`ray memory` shows the "
+                                "object; `ray status`, the nodes)")
         except ray.exceptions.ObjectLostError as err:
             raise ChannelError(f"{self.name}: the weights of v{message.version} are gone from the object store "
                                f"(their sender died?): {err}") from err
