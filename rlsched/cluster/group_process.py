@@ -47,6 +47,7 @@ Design decisions (and why):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import itertools
 import os
@@ -243,7 +244,7 @@ class GroupProcess(JobMember):
 
         with self._calls_lock:
             roles = sorted(self.roles)
-        kept = {"programs": compiling.programs(), "memory_maps": _memory_maps()}
+        kept = {"programs": compiling.programs(), "memory_maps": _memory_maps(), "heap_bytes": _heap_in_use()}
         if not roles and "jax" not in sys.modules:  # nothing started JAX here yet
             return {"pid": os.getpid(), "roles": roles, "device_bytes": 0, **kept}
         from workers.offload import device_bytes
@@ -289,6 +290,26 @@ def _trim_heap() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (malloc.h, glibc >= 2.33): every field a size_t."""
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_in_use() -> int | None:
+    """The bytes this process's C heap holds for live allocations, over all of malloc's arenas: glibc's mallinfo2
+    `uordblks` (in use in the arenas) + `hblkhd` (mmapped blocks); None where the C library has no mallinfo2.
+    Unlike the RSS, it does not count the free space a fragmented heap keeps between live blocks (_lower_mmap_
+    threshold's notes), so a leak shows in it and fragmentation does not (benchmarks/soak.py judges it)."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def _memory_maps() -> int | None:
@@ -341,14 +362,17 @@ def start_group_processes(sites, *, colocated: bool, **sizes) -> dict[str, Any]:
 class GroupProcessRole:
     """A role held by a device-group process, called like a local one: each method is one blocking round trip."""
 
-    def __init__(self, process, key: str, kind: str, timeout_s: float | None = None):
+    def __init__(self, process, key: str, kind: str, timeout_s: float | None = None,
+                 group: GroupProcesses | None = None):
         self._process, self.key, self.kind = process, key, kind
         self.pid: int | None = None  # the process's pid when the role was built there
         self._timeout_s = timeout_s  # cluster.call_timeout_s: no call waits longer
+        self._group = group  # the device group across hosts whose first host holds this role, if any
 
     @classmethod
-    def launch(cls, process, role_cls, spec, channel) -> GroupProcessRole:
-        role = cls(process, f"{spec.name}/{role_cls.kind}", role_cls.kind, timeout_s=spec.call_timeout_s)
+    def launch(cls, process, role_cls, spec, channel, group: GroupProcesses | None = None) -> GroupProcessRole:
+        role = cls(process, f"{spec.name}/{role_cls.kind}", role_cls.kind, timeout_s=spec.call_timeout_s,
+                   group=group)
         role._get(process.start.remote(role.key, role_cls, spec, channel), "__init__")
         role.pid = role._get(process.where.remote(), "__init__")["pid"]  # the process a fence would end
         return role
@@ -366,6 +390,34 @@ class GroupProcessRole:
             cause = death_cause(err)
             raise RoleDied(f"the device group's process holding its {self.kind} died during {name}(): "
                            f"{cause}", self.kind, shared=True) from err
+        except ray.exceptions.RayTaskError as err:
+            dead = self._dead_host()
+            if dead is not None:  # what failed here was the broken JAX job's doing, not this role's
+                member, cause = dead
+                raise RoleDied(f"{member} of its device group's processes died ({cause}), breaking their JAX job, "
+                               f"while its {self.kind} ran {name}() on the first host "
+                               f"({type(getattr(err, 'cause', err)).__name__} there)", self.kind, shared=True) from err
+            raise
+
+    def _dead_host(self, timeout_s: float = 10.0) -> tuple[str, str] | None:
+        """After a call failed in a device group across hosts: the first other host found dead ("member i of n
+        (host, pid, node)", how it died), else None. A host's death breaks the job's collectives and frees what the
+        job shared, so a call on the first host may fail with any error (an XLA one, a deleted buffer) before the
+        group is stopped; the death is the cause its task reports, as its peers' tasks do (GroupProcessesRole)."""
+        import ray
+
+        if self._group is None:
+            return None
+        for i, member in enumerate(self._group.members[1:], start=1):
+            try:
+                ray.get(member.where.remote(), timeout=timeout_s)
+            except ray.exceptions.RayActorError as err:
+                node = self._group.nodes[i] if i < len(self._group.nodes) else {}
+                return (f"member {i} of {len(self._group.members)} (host {node.get('host', '?')}, pid "
+                        f"{node.get('pid', '?')}, node {str(node.get('node_id', '?'))[:8]})", death_cause(err))
+            except ray.exceptions.GetTimeoutError:
+                continue  # busy, not known dead
+        return None
 
     def __getattr__(self, name: str):
         if name.startswith("_"):

@@ -584,7 +584,8 @@ def spawn(cls, spec: TaskSpec, *, channel: WeightChannel, sites: RoleSites | Non
         if isinstance(host, GroupProcesses):  # a device group across hosts: a role spanning them is built in each
             if spans_hosts(spec, cls.kind):
                 return GroupProcessesRole.launch(host, cls, spec, channel)
-            host = host.first  # a role within one host: the first host's devices
+            # a role within one host: the first host's devices (a death of another host breaks it too)
+            return GroupProcessRole.launch(host.first, cls, spec, channel, group=host)
         return GroupProcessRole.launch(host, cls, spec, channel)
     if spans_hosts(spec, cls.kind):
         if sites is None or take_port is None:

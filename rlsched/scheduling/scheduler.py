@@ -370,10 +370,16 @@ class Scheduler:
         """Drop timeline events that ended before `t` (no live run will ask for them); returns how many are kept."""
         return self.timeline.forget_before(t)
 
-    def sizes(self) -> dict[str, int]:
-        """How much the scheduler keeps (a service's soak checks these stay flat)."""
-        return {"scheduler events": len(self.timeline.events()), "grant log": len(self.grant_log),
-                "policy tasks": len(self.policy.tasks()), "failed": len(self._failed), "targets": len(self._targets)}
+    def sizes(self) -> dict[str, float]:
+        """How much the scheduler keeps (a service's soak checks these stay flat). Its timeline events are kept for
+        a time (a service moves them to disk every few seconds), so their count follows the event rate; what is
+        bounded is their age: `scheduler events age s`, seconds since the oldest one held ended (0: none)."""
+        events = self.timeline.events()
+        oldest = min((e.get("end", e.get("ts", 0.0)) for e in events), default=None)
+        return {"scheduler events": len(events),
+                "scheduler events age s": 0.0 if oldest is None else round(max(0.0, time.time() - oldest), 1),
+                "grant log": len(self.grant_log), "policy tasks": len(self.policy.tasks()),
+                "failed": len(self._failed), "targets": len(self._targets)}
 
     def failed(self) -> dict[str, str]:
         return dict(self._failed)

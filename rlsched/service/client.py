@@ -183,7 +183,9 @@ def _service_lines(report: dict[str, Any]) -> list[str]:
                      f"device-group process pid {process['pid']}: {len(process['roles'])} role(s), "
                      f"{format_bytes(process['device_bytes'])} on its devices, {process['programs']} compiled "
                      f"program(s) kept" + (f", {process['memory_maps']} memory maps"
-                                           if process.get("memory_maps") is not None else ""))
+                                           if process.get("memory_maps") is not None else "")
+                     + (f", {format_bytes(process['heap_bytes'])} in its C heap"
+                        if process.get("heap_bytes") is not None else ""))
     return lines
 
 
