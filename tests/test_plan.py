@@ -340,8 +340,8 @@ def test_qwen2p5_7b_recipe_plan_by_hand(tmp_path):
 
 
 def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
-    """configs/gsm8k_qwen3_30b_a3b.yaml from Qwen3-30B-A3B's config.json alone: it fits a 141 GB H200 one
-    role at a time, and no 8-device actor mesh fits the 64 GiB an 80 GB device has (the header's numbers).
+    """configs/gsm8k_qwen3_30b_a3b.yaml from Qwen3-30B-A3B's config.json alone: it fits a 141 GB H200 with every
+    role resident, and no 8-device actor mesh fits the 64 GiB an 80 GB device has (the header's numbers).
 
     Parameters: embed and lm_head 2 x 151,936 x 2,048 = 622,329,856; per layer q 2,048 x 4,096, k and v
     2,048 x 512, o 4,096 x 2,048 (18,874,368), norms 2 x 2,048 + 2 x 128 = 4,352, router 2,048 x 128 =
@@ -367,14 +367,22 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    assert (actor.total, engine.total) == (119_607_205_896, 10_814_910_464)  # 111.4 GiB, 10.1 GiB
+    # actor: 10 x 7,831,580,672 + 8 = 78,315,806,728 of state (72.9 GiB) + activations 570,499,072 + 7,831,580,672
+    # = 8,402,079,744 (7.8 GiB, the cast 7.3 of it): 86,717,886,472 (80.8 GiB; 111.4 GiB when every MoE layer's
+    # (B, T, E, I) intermediates were counted at once, before remat layers)
+    assert activations == 8_402_079_744
+    assert (actor.total, engine.total) == (86_717_886_472, 10_814_910_464)  # 80.8 GiB, 10.1 GiB
     (group,) = plan.groups
-    assert (group.resident, group.largest_role, group.fits) == (130_422_116_360, actor.total, "with offload")
-    assert actor.total <= 112 * 2**30 < group.resident and plan.runnable
+    # 86,717,886,472 + 10,814,910,464 = 97,532,796,936 (90.8 GiB) <= 112 GiB: no role need offload
+    assert (group.resident, group.largest_role, group.fits) == (97_532_796_936, actor.total, "yes")
+    assert group.resident <= 112 * 2**30 and plan.runnable
 
-    # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal).
-    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 356.7), ("{fsdp: 2, ep: 2, tp: 2}", 4, 214.5),
-                             ("{ep: 2, tp: 4}", 2, 147.1), ("{tp: 8}", 1, 111.4)):
+    # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal). Each is
+    # over 64 GiB by its state alone; e.g. fsdp 2 x ep 4: params (experts / 8 + rest / fsdp 2 + routers / 2 + norms
+    # 210,944) x 2 B = 8,789,061,632 -> 10 x that + 8 = 87,890,616,328, activations 1 row x (48 x 3 x 1,280 x 2,048
+    # + 21 x 32 heads x 1,280^2 + 10 x 1,280 x 2,048 + 128 x 12 x 151,936) + the cast = 10,527,141,888: 91.7 GiB.
+    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 91.7), ("{fsdp: 2, ep: 2, tp: 2}", 4, 83.2),
+                             ("{ep: 2, tp: 4}", 2, 83.0), ("{tp: 8}", 1, 80.8)):
         cfg = load_config(CONFIGS / "gsm8k_qwen3_30b_a3b.yaml", [
             f"tasks.0.model.path={tmp_path}", f"tasks.0.actor.mesh={mesh}", f"tasks.0.grpo.micro_batch_size={micro}",
             "cluster.memory_budget_gb=64"])
@@ -402,15 +410,21 @@ def test_moe_activations_count_experts_only_in_moe_layers():
 def test_budget_verdicts(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_1P7B))
     recipe = [str(CONFIGS / "gsm8k_qwen3_1p7b_mesh.yaml"), "--set", f"tasks.0.model.path={tmp_path}"]
-    # 16 GiB: the actor (12.9 GiB) and the engine (6.0 GiB) do not fit at once, each alone does.
-    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=16"]) == 0
+    # Device 0 holds the actor, 6,010,673,160 B (5.6 GiB), and the engine, 6,418,319,360 B (6.0 GiB): 12,428,992,520 B
+    # (11.6 GiB) resident (test_qwen3_1p7b_recipe_plan_by_hand's bytes). 12 GiB: both at once.
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=12"]) == 0
     out = capsys.readouterr().out
-    assert "group shared (devices 0-7): 18.9 GiB on device 0 with every role resident; largest role 12.9 GiB; " \
-           "fits one role at a time (idle roles offload)" in out
+    assert "group shared (devices 0-7): 11.6 GiB on device 0 with every role resident; largest role 6.0 GiB; " \
+           "fits\n" in out
     assert "gsm8k  actor   fsdp 4 x tp 2  0-7" in out and "gsm8k  engine  tp 2           0-1" in out
-    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=8"]) == 1
+    # 8 GiB: not both at once, each alone.
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=8"]) == 0
+    assert "11.6 GiB on device 0 with every role resident; largest role 6.0 GiB; fits one role at a time (idle roles " \
+           "offload)" in capsys.readouterr().out
+    # 5.8 GiB (6,227,702,579 B): the actor alone fits, the engine alone does not.
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=5.8"]) == 1
     out = capsys.readouterr()
-    assert "does NOT fit: a role alone is over the budget" in out.out
+    assert "largest role 6.0 GiB; does NOT fit: a role alone is over the budget" in out.out
     assert out.err == "error: a role does not fit cluster.memory_budget_gb even alone (see the group lines)\n"
 
 
@@ -533,11 +547,12 @@ def test_the_moe_recipe_plans_through_the_cli(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[1] == (f"task gsm8k: Qwen3-MoE (128 experts, top 8) of 30.53B params in bfloat16, 48 layers, 4 KV "
                         f"heads ({tmp_path / 'config.json'})")
-    assert [" ".join(line.split()) for line in lines[4:6]] == [  # columns padded to their widths
-        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 38.5 GiB 111.4 GiB",
+    # columns padded to their widths; the bytes test_qwen3_30b_a3b_recipe_plan_by_hand counts
+    assert [" ".join(line.split()) for line in lines[4:6]] == [
+        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 7.8 GiB 80.8 GiB",
         "gsm8k engine ep 4 x tp 2 0-7 8.2 GiB - - - 1.9 GiB - 10.1 GiB"]
-    assert lines[6] == ("group shared (devices 0-7): 121.5 GiB on device 0 with every role resident; largest role "
-                        "111.4 GiB; fits one role at a time (idle roles offload)")
+    assert lines[6] == ("group shared (devices 0-7): 90.8 GiB on device 0 with every role resident; largest role "
+                        "80.8 GiB; fits")
 
 
 def test_the_memory_line_puts_each_measured_kind_beside_the_plans():
