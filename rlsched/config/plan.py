@@ -48,8 +48,12 @@ so instead of the MLP's share it keeps (B, T, E, I) intermediates: the ep group'
 experts x I / tp, which per device is the device's own rows x E x I / tp; MOE_VALUES_PER_EXPERT float32 values of
 them per token. That count is XLA's, not the block's three (gate, up, their product): the compiled train step of
 a 2- and a 4-layer model of Qwen3-30B-A3B's shapes on 8 CPU devices (`memory_analysis()`, float32, remat off)
-holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x tp 2, ep 4 x tp 2 and fsdp 2 x ep 4 (not measured again
-since). The KV cache is jax_sampler's, the most it can hold.
+holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x tp 2, ep 4 x tp 2 and fsdp 2 x ep 4. The MoE share is not
+fitted to the remat-aware program yet: on one device, 16 experts 256 wide (hidden 256, 2-4 layers, 2-8 rows of 256
+positions), XLA's temporaries were 1.4-1.9 x grads + activations with remat layers (one layer's recompute of its
+(B, T, E, I) values, which the bfloat16 share counts as none, and per further layer 0.3-0.4 x its float32 gradient
+more in bfloat16, the same at 2 and 8 rows, 1.6 x in float32) and 0.5-0.8 x with remat off (float32: about 8 values
+per expert and token, not 12). The KV cache is jax_sampler's, the most it can hold.
 
 LoRA tasks of one base group (the same base, dtype and role mesh) in a device group's process share one copy of
 the base (workers.shared_base): their rows show the adapter, and one row `base` holds the base, resident for the
