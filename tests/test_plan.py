@@ -17,7 +17,7 @@ import pytest
 from rlsched.cli import main
 from rlsched.config.loading import load_config, select_tasks
 from rlsched.config.meshes import check_meshes, check_platform, read_model_config, role_devices, task_devices
-from rlsched.config.plan import activation_values, actor_bytes, device_plan, engine_bytes
+from rlsched.config.plan import LAYER_BYTES, actor_bytes, device_plan, engine_bytes, layer_width_bytes
 from rlsched.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,9 +188,11 @@ def test_tiny_plan_by_hand(tmp_path):
     assert actor_bytes(task, model) == {
         "params": params, "grads": params,
         "optimizer": 2 * params + 8,  # two moments + Adam's and the schedule's int32 counts
-        # micro-batch 64 / (dp 1 x fsdp 2) = 32 rows x [(16 + 4) tokens x 2 layers x (10 x 64 + 2 x 192 = 16 x 64)
-        # + 19 log-prob positions (one chunk: fewer than 128) x 2 x 384 / tp 2]
-        "activations": 32 * (20 * 2 * 16 * 64 + 19 * 2 * 192) * 4,
+        # micro-batch 64 / (dp 1 x fsdp 2) = 32 rows x [remat layers: 2 layers' inputs (4 B x 20 tokens x 64) + one
+        # layer recomputed: half its per-token bytes (20 tokens x (19 x 64 + 16 x 2 x 128 / tp 2 + 25 x 128, the one
+        # KV head whole + 19 x 192 / 2) = 20 x 8,288) + 18 B x 1 head per tp x 20^2 scores; the rest 18 B x 20 x 64;
+        # 19 log-prob positions (one chunk: fewer than 128) x 12 B x 384 / tp 2]
+        "activations": 32 * (2 * 4 * 20 * 64 + 20 * 8_288 // 2 + 18 * 1 * 20 * 20 + 18 * 20 * 64 + 19 * 12 * 192),
     }
     # engine tp 2: embed 192 x 64 = 12,288; per layer q 64 x 128, k, v 64 x 128 (replicated), o 128 x 64 ->
     # 4 x 8,192; gate/up 64 x 96, down 96 x 64 -> 3 x 6,144; norms 384: 12,288 + 64 + 2 x 51,584 = 115,520.
@@ -273,8 +275,11 @@ def test_qwen3_1p7b_recipe_plan_by_hand(tmp_path, capsys):
         "actor", {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}, list(range(8)))
     assert (engine["role"], engine["mesh"], engine["devices"]) == (
         "engine", {"dp": 1, "fsdp": 1, "ep": 1, "tp": 2}, [0, 1])
-    # 2 rows x [1,280 tokens x 28 layers x 16 x 2,048 + one chunk of 128 positions x 2 x 151,936 / tp 2]
-    activations = (8 // 4) * ((256 + 1024) * 28 * 16 * 2048 + 128 * 2 * 151_936 // 2) * 4
+    # 2 rows x [remat layers, bfloat16: 28 layers' inputs (3 B x 1,280 x 2,048) + one layer's scores (21 B x 16 / tp 2
+    # heads x 1,280^2) + the rest (10 B x 1,280 x 2,048) + one chunk of 128 positions x 12 B x 151,936 / tp 2], and the
+    # master cast to bfloat16 inside the step (the actor's params shard)
+    activations = (8 // 4) * (28 * 3 * 1280 * 2048 + 21 * 8 * 1280**2 + 10 * 1280 * 2048 + 128 * 12 * 75_968) \
+        + actor_params
     # bfloat16: the actor trains float32 master weights (2 x the bfloat16 bytes) and serves the bfloat16 params;
     # its gradients and both moments are float32; the reference (beta 0.08) is bfloat16
     assert actor["bytes"] == {
@@ -319,24 +324,24 @@ def test_qwen2p5_7b_recipe_plan_by_hand(tmp_path):
     actor_params = ((total - replicated - biases) // 8 + biases // 2 + replicated) * 2  # fsdp 4 x tp 2
     engine_params = ((total - replicated) // 4 + replicated) * 2  # tp 4: 4 KV heads, one per device
     assert actor_params == 1_904_358_400 and engine_params == 3_808_114_688
-    # micro-batch 4 / fsdp 4 = 1 row x [1,280 tokens x 28 x (10 x 3,584 + 2 x 18,944) + 128 positions (a chunk)
-    # x 2 x 152,064 / 2] x 4 B
-    activations = 1 * (1280 * 28 * 73_728 + 128 * 152_064) * 4
+    # micro-batch 4 / fsdp 4 = 1 row x [28 layers' inputs (3 B x 1,280 x 3,584) + one layer's scores (21 B x 28 / tp 2
+    # heads x 1,280^2) + the rest (10 B x 1,280 x 3,584) + 128 positions (a chunk) x 12 B x 152,064 / 2] + the cast
+    activations = 1 * (28 * 3 * 1280 * 3584 + 21 * 14 * 1280**2 + 10 * 1280 * 3584 + 128 * 12 * 76_032) + actor_params
     kv = 128 * 1280 * 28 * 2 * 1 * 128 * 2  # 128 rows x 1,280 slots x 28 layers x (k, v) x 1 head x 128 x bf16
     actor, engine = plan.roles
     assert (actor.devices, engine.devices) == (list(range(8)), [0, 1, 2, 3])
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    assert (actor.total, engine.total) == (29_691_086_856, 6_156_924_928)  # 27.7 GiB, 5.7 GiB
+    assert (actor.total, engine.total) == (21_977_644_040, 6_156_924_928)  # 20.5 GiB, 5.7 GiB
     assert plan.per_device == [actor.total + engine.total] * 4 + [actor.total] * 4
     (group,) = plan.groups
-    assert group.fits == "yes" and group.resident == 35_848_011_784 < 64 * 2**30  # 33.4 GiB
+    assert group.fits == "yes" and group.resident == 28_134_568_968 < 64 * 2**30  # 26.2 GiB
 
 
 def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
-    """configs/gsm8k_qwen3_30b_a3b.yaml from Qwen3-30B-A3B's config.json alone: it fits a 141 GB H200 one
-    role at a time, and no 8-device actor mesh fits the 64 GiB an 80 GB device has (the header's numbers).
+    """configs/gsm8k_qwen3_30b_a3b.yaml from Qwen3-30B-A3B's config.json alone: it fits a 141 GB H200 with every
+    role resident, and no 8-device actor mesh fits the 64 GiB an 80 GB device has (the header's numbers).
 
     Parameters: embed and lm_head 2 x 151,936 x 2,048 = 622,329,856; per layer q 2,048 x 4,096, k and v
     2,048 x 512, o 4,096 x 2,048 (18,874,368), norms 2 x 2,048 + 2 x 128 = 4,352, router 2,048 x 128 =
@@ -352,23 +357,32 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
     actor_params = (experts // 8 + (rest - kv_proj) // 8 + kv_proj + whole) * 2  # tp 8
     engine_params = (experts // 8 + rest // 2 + whole) * 2  # ep 4 x tp 2
     assert actor_params == 7_831_580_672 and engine_params == 8_801_644_544
-    # micro-batch 1 = 1 row x [1,280 tokens x 48 MoE layers x (10 x 2,048 + 12 x 128 experts x 768 / tp 8)
-    # + 128 positions (a chunk) x 2 x 151,936 / 8] x 4 bytes: the experts' intermediates are 88% of it.
-    activations = 1 * (1280 * 48 * (20_480 + 147_456) + 128 * 37_984) * 4
+    # micro-batch 1 = 1 row x [48 layers' inputs (3 B x 1,280 x 2,048) + one layer's scores (21 B x 32 / tp 8 heads x
+    # 1,280^2; a bfloat16 layer recomputed keeps next to nothing per token beside them) + the rest (10 B x 1,280 x
+    # 2,048) + 128 positions (a chunk) x 12 B x 151,936 / 8] + the cast of the master (the params' shard)
+    activations = 1 * (48 * 3 * 1280 * 2048 + 21 * 4 * 1280**2 + 10 * 1280 * 2048 + 128 * 12 * 18_992) + actor_params
     kv = 32 * 1280 * 48 * 2 * 2 * 128 * 2  # 128 rows / ep 4 x 1,280 slots x 48 layers x (k, v) x 4 / tp 2 heads
     actor, engine = plan.roles
     assert (actor.mesh, engine.mesh) == ({"dp": 1, "fsdp": 1, "ep": 1, "tp": 8}, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 2})
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    assert (actor.total, engine.total) == (119_607_205_896, 10_814_910_464)  # 111.4 GiB, 10.1 GiB
+    # actor: 10 x 7,831,580,672 + 8 = 78,315,806,728 of state (72.9 GiB) + activations 570,499,072 + 7,831,580,672
+    # = 8,402,079,744 (7.8 GiB, the cast 7.3 of it): 86,717,886,472 (80.8 GiB; 111.4 GiB when every MoE layer's
+    # (B, T, E, I) intermediates were counted at once, before remat layers)
+    assert activations == 8_402_079_744
+    assert (actor.total, engine.total) == (86_717_886_472, 10_814_910_464)  # 80.8 GiB, 10.1 GiB
     (group,) = plan.groups
-    assert (group.resident, group.largest_role, group.fits) == (130_422_116_360, actor.total, "with offload")
-    assert actor.total <= 112 * 2**30 < group.resident and plan.runnable
+    # 86,717,886,472 + 10,814,910,464 = 97,532,796,936 (90.8 GiB) <= 112 GiB: no role need offload
+    assert (group.resident, group.largest_role, group.fits) == (97_532_796_936, actor.total, "yes")
+    assert group.resident <= 112 * 2**30 and plan.runnable
 
-    # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal).
-    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 356.7), ("{fsdp: 2, ep: 2, tp: 2}", 4, 214.5),
-                             ("{ep: 2, tp: 4}", 2, 147.1), ("{tp: 8}", 1, 111.4)):
+    # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal). Each is
+    # over 64 GiB by its state alone; e.g. fsdp 2 x ep 4: params (experts / 8 + rest / fsdp 2 + routers / 2 + norms
+    # 210,944) x 2 B = 8,789,061,632 -> 10 x that + 8 = 87,890,616,328, activations 1 row x (48 x 3 x 1,280 x 2,048
+    # + 21 x 32 heads x 1,280^2 + 10 x 1,280 x 2,048 + 128 x 12 x 151,936) + the cast = 10,527,141,888: 91.7 GiB.
+    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 91.7), ("{fsdp: 2, ep: 2, tp: 2}", 4, 83.2),
+                             ("{ep: 2, tp: 4}", 2, 83.0), ("{tp: 8}", 1, 80.8)):
         cfg = load_config(CONFIGS / "gsm8k_qwen3_30b_a3b.yaml", [
             f"tasks.0.model.path={tmp_path}", f"tasks.0.actor.mesh={mesh}", f"tasks.0.grpo.micro_batch_size={micro}",
             "cluster.memory_budget_gb=64"])
@@ -377,30 +391,40 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
 
 
 def test_moe_activations_count_experts_only_in_moe_layers():
-    """tiny-qwen3moe: hidden 64, dense MLP 192 in layer 0, 4 experts of width 48 in layer 1, vocab 384. On
-    ep 2 x tp 2, per token: layer 0 10 x 64 + 2 x 192 = 1,024; layer 1 10 x 64 + 12 x 4 x 48 / tp 2 = 1,792
-    (ep splits the experts but gathers its rows: each device's rows meet every expert). The output head's chunk is
-    counted apart (actor_bytes), not per token."""
+    """tiny-qwen3moe: hidden 64, dense MLP 192 in layer 0, 4 experts of width 48 in layer 1, 2 heads, 1 KV head of 128,
+    float32. Per token, the tp-split widths: q 16 B x 2 x 128 / tp, kv 25 B x 128 (one KV head: whole), and the MLP:
+    dense 19 B x 192 / tp, MoE 4 B x 12 x 4 experts x 48 / tp (ep splits the experts but gathers its rows: each
+    device's rows meet every expert)."""
     from workers.models.presets import preset_config
 
     model = preset_config("tiny-qwen3moe", vocab_size=384)
     assert [model.moe_layer(i) for i in range(2)] == [False, True]
-    assert activation_values(model, {"dp": 1, "fsdp": 1, "ep": 2, "tp": 2}) == 1_024 + 1_792
-    assert activation_values(model, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 1}) == 1_024 + (640 + 2_304)
+    per = LAYER_BYTES["float32"]
+    ep2_tp2 = {"dp": 1, "fsdp": 1, "ep": 2, "tp": 2}
+    assert [layer_width_bytes(model, ep2_tp2, per, i) for i in range(2)] == [2_048 + 3_200 + 1_824,
+                                                                            2_048 + 3_200 + 4_608]
+    ep4 = {"dp": 1, "fsdp": 1, "ep": 4, "tp": 1}
+    assert [layer_width_bytes(model, ep4, per, i) for i in range(2)] == [4_096 + 3_200 + 3_648, 4_096 + 3_200 + 9_216]
 
 
 def test_budget_verdicts(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_1P7B))
     recipe = [str(CONFIGS / "gsm8k_qwen3_1p7b_mesh.yaml"), "--set", f"tasks.0.model.path={tmp_path}"]
-    # 16 GiB: the actor (12.9 GiB) and the engine (6.0 GiB) do not fit at once, each alone does.
-    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=16"]) == 0
+    # Device 0 holds the actor, 6,010,673,160 B (5.6 GiB), and the engine, 6,418,319,360 B (6.0 GiB): 12,428,992,520 B
+    # (11.6 GiB) resident (test_qwen3_1p7b_recipe_plan_by_hand's bytes). 12 GiB: both at once.
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=12"]) == 0
     out = capsys.readouterr().out
-    assert "group shared (devices 0-7): 18.9 GiB on device 0 with every role resident; largest role 12.9 GiB; " \
-           "fits one role at a time (idle roles offload)" in out
+    assert "group shared (devices 0-7): 11.6 GiB on device 0 with every role resident; largest role 6.0 GiB; " \
+           "fits\n" in out
     assert "gsm8k  actor   fsdp 4 x tp 2  0-7" in out and "gsm8k  engine  tp 2           0-1" in out
-    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=8"]) == 1
+    # 8 GiB: not both at once, each alone.
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=8"]) == 0
+    assert "11.6 GiB on device 0 with every role resident; largest role 6.0 GiB; fits one role at a time (idle roles " \
+           "offload)" in capsys.readouterr().out
+    # 5.8 GiB (6,227,702,579 B): the actor alone fits, the engine alone does not.
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=5.8"]) == 1
     out = capsys.readouterr()
-    assert "does NOT fit: a role alone is over the budget" in out.out
+    assert "largest role 6.0 GiB; does NOT fit: a role alone is over the budget" in out.out
     assert out.err == "error: a role does not fit cluster.memory_budget_gb even alone (see the group lines)\n"
 
 
@@ -523,11 +547,12 @@ def test_the_moe_recipe_plans_through_the_cli(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[1] == (f"task gsm8k: Qwen3-MoE (128 experts, top 8) of 30.53B params in bfloat16, 48 layers, 4 KV "
                         f"heads ({tmp_path / 'config.json'})")
-    assert [" ".join(line.split()) for line in lines[4:6]] == [  # columns padded to their widths
-        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 38.5 GiB 111.4 GiB",
+    # columns padded to their widths; the bytes test_qwen3_30b_a3b_recipe_plan_by_hand counts
+    assert [" ".join(line.split()) for line in lines[4:6]] == [
+        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 7.8 GiB 80.8 GiB",
         "gsm8k engine ep 4 x tp 2 0-7 8.2 GiB - - - 1.9 GiB - 10.1 GiB"]
-    assert lines[6] == ("group shared (devices 0-7): 121.5 GiB on device 0 with every role resident; largest role "
-                        "111.4 GiB; fits one role at a time (idle roles offload)")
+    assert lines[6] == ("group shared (devices 0-7): 90.8 GiB on device 0 with every role resident; largest role "
+                        "80.8 GiB; fits")
 
 
 def test_the_memory_line_puts_each_measured_kind_beside_the_plans():

@@ -16,22 +16,44 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp x ep) x (max_prompt_len +
                  max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule:
                  the cache of every step under grpo.prompt_padding max, the largest one under bucket
-    activations  actor, an ESTIMATE: rows per device (micro-batch / (dp x fsdp x ep)) x [(max_prompt_len +
-                 max_new_tokens) tokens x per-layer values, summed over the layers, + the positions of one chunk of
-                 the output head (workers.token_logprobs, at most 128) x 2 x vocab / tp] x 4 bytes
-The activation estimate counts what a layer's backward keeps per token: 10 x hidden (the inputs of the norms,
-q/k/v/o and the residual stream; not divided by tp) plus, for a dense MLP, 2 x its intermediate width (gate and
-up outputs), and one chunk of positions' float32 logits and their gradient over the vocab shard (the head runs
-chunk by chunk, rematerialised: never the whole [rows, positions, vocab]; a LoRA adapter on the head adds its own
-float32 term over the vocab shard). A mixture-of-experts layer
-(workers.models.moe) runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I)
-intermediates: the ep group's rows (gathered over ep) x E / ep experts x I / tp, which per device is the
-device's own rows x E x I / tp; MOE_VALUES_PER_EXPERT of them per token. That count is XLA's, not the block's
-three (gate, up, their product): the compiled train step of a 2- and a 4-layer model of Qwen3-30B-A3B's
-shapes on 8 CPU devices (`memory_analysis()`, float32) holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x
-tp 2, ep 4 x tp 2 and fsdp 2 x ep 4. The same measurement holds about 3 x the dense count at 1,024 tokens
-(attention's T x T scores are not counted). So it is an order of magnitude, not a bound; measure with
-`rlsched train` (summary.json has the measured peaks). The KV cache is jax_sampler's, the most it can hold.
+    activations  actor: what the train program allocates beside its arguments for one micro-batch, the count
+                 below (XLA's own memory analysis of the compiled program, matched within 10 %)
+The activations follow the actor's real train program (workers.actor.train_step: the GRPO loss over one
+micro-batch, the output head by chunks of workers.token_logprobs, each decoder layer rematerialised or not as
+`actor.remat` says), fitted to XLA's `memory_analysis().temp_size_in_bytes` of that compiled program on CPU. Per
+device: rows = micro-batch / (dp x fsdp x ep), T = max_prompt_len + max_new_tokens positions, L layers, H hidden,
+Q = heads x head_dim and KV = KV heads x head_dim and I the MLP's width (each / tp where tp splits it), N heads / tp:
+    a layer, per row      T x (h H + q Q + k KV + m I) + s N T^2 bytes (LAYER_BYTES by the model's dtype: the
+                          values its backward reads, q/k/v, the norms, the MLP's gate, up and product, attention's
+                          float32 scores and probabilities of every (head, query, key))
+    remat off             L layers kept at once
+    remat layers          each layer's input (REMAT_INPUT_BYTES x T x H a row) kept, and one layer recomputed at a
+                          time: REMAT_WORK_SHARE of a layer's per-token bytes + REMAT_SCORE_BYTES x N T^2
+    output head           HEAD_BYTES x one chunk of positions (at most 128) x vocab / tp: three float32 arrays of
+                          that chunk's logits (never the whole [rows, positions, vocab])
+    the rest              REST_BYTES x T x H (the embedding's output, the final norm and their gradients)
+    (a bfloat16 model's forward reads the master cast to bfloat16 inside the step: a copy of the params' shard in
+    the model's dtype; a LoRA adapter on the head adds its float32 delta over the vocab shard)
+What the compiled program allocates beside those is the gradient of the master (the `grads` kind): XLA's
+temporaries are grads + activations. Measured on CPU (jax 0.7, XLA:CPU), a 4.5M-parameter model of the `small`
+preset's shapes (hidden 256, MLP 768, 4 heads, 2 KV heads, head_dim 128, vocab 4,096), float32 and bfloat16,
+remat layers and off, 2 and 4 layers, micro-batches of 4 and 8 rows of 256 and 512 positions, and variants of
+every width (MLP 1,536, hidden 128, 8 heads, 4 KV heads, head_dim 64), an accumulation of 2 micro-batches and 384
+positions: 55 programs, grads + activations within 7.1 % of the temporaries of every one (mean +0.7 %).
+Examples (temporaries, float32, 4 layers, 8 x 512): remat off 997 MiB, layers 316 MiB; the count 984 and 302 MiB.
+What it leaves out: another backend's fusions (a GPU's XLA fuses more, and keeps bfloat16 where XLA:CPU keeps
+float32: the count errs high there), the fsdp all-gathered weights of the layer in flight, and a LoRA adapter's
+own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe) runs every expert on every token,
+so instead of the MLP's share it keeps (B, T, E, I) intermediates: the ep group's rows (gathered over ep) x E / ep
+experts x I / tp, which per device is the device's own rows x E x I / tp; MOE_VALUES_PER_EXPERT float32 values of
+them per token. That count is XLA's, not the block's three (gate, up, their product): the compiled train step of
+a 2- and a 4-layer model of Qwen3-30B-A3B's shapes on 8 CPU devices (`memory_analysis()`, float32, remat off)
+holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x tp 2, ep 4 x tp 2 and fsdp 2 x ep 4. The MoE share is not
+fitted to the remat-aware program yet: on one device, 16 experts 256 wide (hidden 256, 2-4 layers, 2-8 rows of 256
+positions), XLA's temporaries were 1.4-1.9 x grads + activations with remat layers (one layer's recompute of its
+(B, T, E, I) values, which the bfloat16 share counts as none, and per further layer 0.3-0.4 x its float32 gradient
+more in bfloat16, the same at 2 and 8 rows, 1.6 x in float32) and 0.5-0.8 x with remat off (float32: about 8 values
+per expert and token, not 12). The KV cache is jax_sampler's, the most it can hold.
 
 LoRA tasks of one base group (the same base, dtype and role mesh) in a device group's process share one copy of
 the base (workers.shared_base): their rows show the adapter, and one row `base` holds the base, resident for the
@@ -52,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlsched.base.units import format_bytes
 from rlsched.config.meshes import ModelConfigs, check_meshes, read_model_config, role_devices
@@ -65,9 +87,33 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2}
 LOGPROB_CHUNK = 128  # positions per chunk of the output head: workers.token_logprobs.DEFAULT_CHUNK (no JAX here)
 MASTER_DTYPE = "float32"  # an actor's trained weights, moments and gradients, whatever the model's dtype
 ADAM_COUNTS = 2 * 4  # int32 step counts of optax's scale_by_adam and of the learning-rate schedule, replicated
-ACTIVATION_VALUES_PER_HIDDEN = 10  # per token and layer, x hidden: see the module docstring
-ACTIVATION_VALUES_PER_MLP = 2  # per token and dense-MLP layer, x intermediate_size
 MOE_VALUES_PER_EXPERT = 12  # per token and MoE layer, x experts x expert width / tp (measured; module docstring)
+
+
+class LayerBytes(NamedTuple):
+    """Bytes a decoder layer's backward keeps per token, by width (a row's layer: T x (hidden H + q Q + kv KV +
+    mlp I) + scores x N T^2): XLA's temporaries of the compiled train step, fitted (module docstring)."""
+
+    hidden: int  # x H: the residual stream, both norms' inputs and outputs
+    q: int  # x heads x head_dim / tp: the query before and after its norm and rotary embedding, attention's output
+    kv: int  # x KV heads x head_dim / tp: keys (normed, rotated) and values
+    mlp: int  # x intermediate_size / tp: the gate, its silu, the up projection and their product
+    scores: int  # per (head, query, key): float32 scores and probabilities (the (B, N, T, T) arrays)
+
+
+# Fitted to XLA:CPU's memory analysis (module docstring), by the model's dtype: a bfloat16 model keeps its scores and
+# its norms' statistics in float32, its projections in bfloat16.
+LAYER_BYTES = {"float32": LayerBytes(hidden=19, q=16, kv=25, mlp=19, scores=12),
+               "bfloat16": LayerBytes(hidden=27, q=12, kv=16, mlp=11, scores=12)}
+# remat layers: each layer's input kept, per token x hidden (XLA:CPU keeps a bfloat16 input near float32's width)
+REMAT_INPUT_BYTES = {"float32": 4, "bfloat16": 3}
+# remat layers: the layer being recomputed, its per-token bytes x this share (its recompute is freed as its backward
+# goes: half of them at once in float32, next to none beside the scores in bfloat16) plus its (B, N, T, T) arrays:
+# the scores, the probabilities and both their gradients, about five float32 values per (head, query, key)
+REMAT_WORK_SHARE = {"float32": 0.5, "bfloat16": 0.0}
+REMAT_SCORE_BYTES = {"float32": 18, "bfloat16": 21}
+HEAD_BYTES = 12  # per (row, chunk position, vocab entry / tp): a chunk's float32 logits, softmax and gradient
+REST_BYTES = {"float32": 18, "bfloat16": 10}  # per token x hidden: embedding output, final norm, their gradients
 GiB = 2**30
 
 
@@ -93,13 +139,14 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
         out["reference"] = params
     rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
     positions = task.grpo.max_prompt_len + task.grpo.max_new_tokens
-    # the output head runs on chunks of positions (workers.token_logprobs): one chunk's float32 logits and their
-    # gradient are alive at a time, over the vocab shard (a LoRA adapter on the head adds its float32 delta)
-    head = 2 * -(-model.vocab_size // mesh["tp"])
-    if task.lora is not None and "lm_head" in task.lora.targets:
-        head += -(-model.vocab_size // mesh["tp"])
-    out["activations"] = (rows * positions * activation_values(model, mesh)
-                          + rows * min(LOGPROB_CHUNK, positions - 1) * head) * 4
+    # the output head runs on chunks of positions (workers.token_logprobs): one chunk's float32 logits are alive at a
+    # time, over the vocab shard (a LoRA adapter on the head adds its float32 delta)
+    vocab = -(-model.vocab_size // mesh["tp"])
+    head = HEAD_BYTES * vocab + (4 * vocab if task.lora is not None and "lm_head" in task.lora.targets else 0)
+    # a bfloat16 model's forward reads the float32 master cast to its dtype inside the step (workers.actor)
+    cast = params if task.lora is None and item != ITEMSIZE[MASTER_DTYPE] else 0
+    out["activations"] = (rows * (activation_bytes(model, mesh, positions, task.model.dtype, task.actor.remat)
+                                  + min(LOGPROB_CHUNK, positions - 1) * head) + cast)
     return out
 
 
@@ -111,16 +158,35 @@ def lora_bytes(task: TaskConfig, model: ModelConfig) -> int:
     return adapter_bytes(model, spec, itemsize=4)
 
 
-def activation_values(model: ModelConfig, mesh: dict[str, int]) -> int:
-    """Values the actor's backward keeps per token of a device's rows (see the module docstring)."""
-    tp, per_layer = mesh["tp"], []
+def activation_bytes(model: ModelConfig, mesh: dict[str, int], positions: int, dtype: str, remat: str) -> int:
+    """Bytes the actor's train step allocates for one row of `positions` tokens besides its output head's chunk
+    (see the module docstring): the layers' activations as `remat` keeps them, and the rest."""
+    per = LAYER_BYTES[dtype]
+    tokens, scores = [], []  # per layer: bytes a token keeps, bytes of one row's (heads, T, T) arrays
     for layer in range(model.num_hidden_layers):
-        if model.moe_layer(layer):  # experts split over ep, but the ep group's rows gather: E x I / tp per token
-            mlp = MOE_VALUES_PER_EXPERT * model.num_experts * model.moe_intermediate_size // tp
-        else:
-            mlp = ACTIVATION_VALUES_PER_MLP * model.intermediate_size
-        per_layer.append(ACTIVATION_VALUES_PER_HIDDEN * model.hidden_size + mlp)
-    return sum(per_layer)
+        tokens.append(per.hidden * model.hidden_size + layer_width_bytes(model, mesh, per, layer))
+        scores.append(model.num_attention_heads // mesh["tp"] * positions * positions)
+    rest = REST_BYTES[dtype] * positions * model.hidden_size
+    if remat == "off":  # every layer's internals, kept until the backward reaches it
+        return sum(positions * t + per.scores * s for t, s in zip(tokens, scores, strict=True)) + rest
+    # each layer's input kept; the backward recomputes one layer at a time: the largest one's working set
+    kept = model.num_hidden_layers * REMAT_INPUT_BYTES[dtype] * positions * model.hidden_size
+    work = max(int(REMAT_WORK_SHARE[dtype] * positions * t) + REMAT_SCORE_BYTES[dtype] * s
+               for t, s in zip(tokens, scores, strict=True))
+    return kept + work + rest
+
+
+def layer_width_bytes(model: ModelConfig, mesh: dict[str, int], per: LayerBytes, layer: int) -> int:
+    """Per token of `layer`, the bytes its tp-split widths keep: attention's q and kv, and its MLP (dense: the
+    intermediate width; MoE: MOE_VALUES_PER_EXPERT float32 values per expert and expert width, ep gathering its
+    rows: E x I / tp per token of the device's own rows)."""
+    tp, kv = mesh["tp"], model.num_key_value_heads * model.head_dim
+    kv = kv // tp if model.num_key_value_heads % tp == 0 else kv  # KV heads that do not split are whole (sharding)
+    if model.moe_layer(layer):
+        mlp = 4 * MOE_VALUES_PER_EXPERT * model.num_experts * model.moe_intermediate_size // tp
+    else:
+        mlp = per.mlp * model.intermediate_size // tp
+    return per.q * model.num_attention_heads * model.head_dim // tp + per.kv * kv + mlp
 
 
 def engine_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
