@@ -510,3 +510,12 @@ def test_a_mesh_across_hosts_takes_whole_hosts_and_keeps_tp_inside_one(tmp_path)
                                                 f"tasks.0.actor.mesh={mesh}"])
     msg = load_error(tmp_path, ADDITION, ["cluster.hosts=2"])
     assert "cluster.num_devices: cluster.hosts is 2: say how many devices each host has" in msg
+
+
+def test_a_bare_off_in_yaml_is_the_settings_off():
+    """YAML 1.1 reads `off` as false: `--set tasks.0.actor.remat=off` (and `remat: off` in a file) mean the setting's
+    "off", while a true (`on`) is still refused by name."""
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "demo_addition.yaml")
+    assert load_config(config, ["tasks.0.actor.remat=off"]).tasks[0].actor.remat == "off"
+    with pytest.raises(ConfigError, match=r"tasks\.0\.actor\.remat: Input should be 'layers' or 'off' \(got True\)"):
+        load_config(config, ["tasks.0.actor.remat=on"])
