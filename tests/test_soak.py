@@ -13,6 +13,8 @@ and last quarters, docs/performance.md); its heap in use, judged at 10 %, is wha
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -43,4 +45,5 @@ def test_two_minutes_of_submit_cancel_finish_cycles_leave_the_service_flat(tmp_p
     # and the service lists limits["unfinished"] of them at most (older ones go to its history.jsonl)
     assert max(s["cancelled_listed"] for s in samples) == min(soak.KEEP_CANCELLED, soak.LIMITS["unfinished"], sum(
         s["state"] == "CANCELLED" for s in samples)), [s["cancelled_listed"] for s in samples]
-    assert (tmp_path / "soak.png").is_file() and (tmp_path / "report.md").is_file()
+    assert (tmp_path / "soak.png").is_file() and "verdict: " in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["flat"] == results["flat"]
