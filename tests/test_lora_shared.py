@@ -183,8 +183,12 @@ def _cli(*args, timeout=900):
                           timeout=timeout)
 
 
-def _lora_run(out, model_dir, tasks: str):
+def _lora_run(out, model_dir, tasks: str, in_process=False):
+    """The two tasks through `rlsched train`; in_process: as `rlsched train --in-process` runs them, each alone
+    in this process one after the other (no base shared, no hold shared), without a CLI and a Ray of its own."""
     from pathlib import Path
+
+    from rlsched.run.experiment import train
 
     config = Path(__file__).parent.parent / "configs" / "demo_multitask.yaml"
     sets = [f"experiment.output_dir={out}", "cluster.processes=per_device_group", "cluster.placement=colocated"]
@@ -193,6 +197,10 @@ def _lora_run(out, model_dir, tasks: str):
                                             "lora.targets=[q,v,down]", "steps=3", "checkpoint_every=0",
                                             "grpo.prompts_per_step=4", "grpo.num_generations=4",
                                             "grpo.mini_batch_size=8", "rollout.max_batch_size=16", "eval=null")]
+    if in_process:
+        results = train(config, overrides=sets, tasks=tasks.split(","), in_process=True, echo=lambda *_: None)
+        assert {r["status"] for r in results.values()} == {"ok"}, results
+        return "", next(out.glob("demo-*"))
     done = _cli("train", str(config), "--tasks", tasks, *[a for s in sets for a in ("--set", s)])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout, next(out.glob("demo-*"))
@@ -208,8 +216,8 @@ def test_two_lora_tasks_on_one_base_compute_what_each_computes_alone_with_the_ba
     both, run = _lora_run(tmp_path / "both", tiny_model_dir, "addition,subtraction")
     assert "roles held by 1 device-group process(es)" in both
     metrics = {t: read_metrics(run / "tasks" / t / "metrics.jsonl") for t in ("addition", "subtraction")}
+    _, alone_run = _lora_run(tmp_path / "alone", tiny_model_dir, "addition,subtraction", in_process=True)
     for task in ("addition", "subtraction"):
-        _, alone_run = _lora_run(tmp_path / task, tiny_model_dir, task)
         alone = read_metrics(alone_run / "tasks" / task / "metrics.jsonl")
         assert [m["step"] for m in metrics[task]] == [m["step"] for m in alone] == [1, 2, 3]
         for got, want in zip(metrics[task], alone, strict=True):
@@ -292,16 +300,23 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
 
 
 def _demo_lora(out, tasks=None, steps=3):
+    """configs/demo_lora.yaml through `rlsched train`; tasks: one task as `rlsched train --tasks T --in-process`
+    runs it, alone in this process (without a CLI and a Ray of its own: the reference to compare against)."""
     import subprocess
     import sys
     from pathlib import Path
+
+    from rlsched.run.experiment import train
 
     base = out.parent / "models" / "base"  # one preset base for every run of the test
     sets = [f"experiment.output_dir={out}"] + [f"tasks.{i}.{k}" for i in range(8)
                                                for k in (f"model.path={base}", f"steps={steps}")]
     demo = Path(__file__).parent.parent / "configs" / "demo_lora.yaml"
-    only = ["--tasks", tasks] if tasks else []
-    done = subprocess.run([sys.executable, "-m", "rlsched.cli", "train", str(demo), *only,
+    if tasks:
+        results = train(demo, overrides=sets, tasks=[tasks], in_process=True, echo=lambda *_: None)
+        assert results[tasks]["status"] == "ok", results
+        return base, out / "demo-lora" / "tasks", ""
+    done = subprocess.run([sys.executable, "-m", "rlsched.cli", "train", str(demo),
                            *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return base, out / "demo-lora" / "tasks", done.stdout
