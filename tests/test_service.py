@@ -23,8 +23,9 @@ CONFIG = str(ROOT / "configs" / "demo_multitask.yaml")
 SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     "checkpoint_every=0", "grpo.prompts_per_step=4", "grpo.num_generations=4", "grpo.mini_batch_size=8",
     "rollout.max_batch_size=16", "eval=null")]
-# B's steps (~10 ms each here): enough left, once the test resumes it, for its cancel to land first
-A_STEPS, B_STEPS = 60, 1000
+# B's steps (~10-50 ms each here; held from its first step on): enough left, once the test resumes it, for its
+# cancel to land first
+A_STEPS, B_STEPS = 60, 200
 # The mesh tasks' (0.2-1 s a step in the service): subtraction is cancelled after its step 1 or 2; addition, going on
 # meanwhile (~0.2 s a step), still runs when the third starts in subtraction's room (at 20 steps, 4-9 s to spare)
 MESH_A_STEPS, MESH_B_STEPS = 30, 5
@@ -80,6 +81,19 @@ class _Service:
         while its roles live in the device group's process with the other tasks')."""
         row = self.wait(task, lambda r: r["driver_pid"], timeout=120)
         return [row["driver_pid"]]
+
+    def started_driver(self, *known: int, timeout: float = 120) -> list[int]:
+        """The pid of the task driver that started last (a `ray::TaskDriver` process of the service's other than
+        `known`), within milliseconds of its start: `status` names it seconds later on a loaded machine, time enough
+        for a tiny task to run hundreds of steps before the test holds it (compare its `driver_pid` after)."""
+        end = time.monotonic() + timeout
+        while True:
+            for p in self.processes():
+                with contextlib.suppress(psutil.Error):
+                    if p.pid not in known and p.is_running() and "ray::TaskDriver" in " ".join(p.cmdline()):
+                        return [p.pid]
+            assert time.monotonic() < end, "no new task driver"
+            time.sleep(0.02)
 
     def steps(self, experiment: str, task: str, steps: int) -> None:
         """Wait until the task has done `steps` steps (its metrics file, read directly: a command takes seconds)."""
@@ -170,11 +184,11 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
         "addition"]
     # SIGSTOP / SIGCONT of a task's driver process, as a user may: a step of these tiny tasks takes milliseconds and
     # a command seconds, so the test holds a task mid-run while it sends the next commands.
-    a_driver = svc.driver("addition")
+    a_driver = svc.started_driver()
     svc.steps("demo-multitask", "addition", 2)
     _signal(a_driver, signal.SIGSTOP)  # A stays RUNNING, mid-run, while B and the third arrive
     svc("submit", *common, "--set", f"tasks.1.steps={B_STEPS}", "--tasks", "subtraction")
-    b_driver = svc.driver("subtraction")
+    b_driver = svc.started_driver(*a_driver)
     _signal(b_driver, signal.SIGSTOP)  # B too, in its first steps at most
     third = [*common, "--set", "experiment.name=third", "--set", "tasks.1.name=third", "--set", "tasks.1.steps=4000",
              "--tasks", "third", "--request-id", "third-1"]
@@ -199,6 +213,7 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     _signal(b_driver, signal.SIGCONT)
     cancelled = svc.wait("subtraction", lambda r: r["state"] != "RUNNING")
     assert cancelled["state"] == "CANCELLED" and cancelled["step"] < B_STEPS, cancelled
+    assert cancelled["driver_pid"] == b_driver[0], cancelled  # the process the test held is the one status names
     checkpoints = out / "runs" / "demo-multitask" / "tasks" / "subtraction" / "checkpoints"
     assert (checkpoints / str(cancelled["step"])).is_dir(), list(checkpoints.iterdir())
     svc.wait("third", lambda r: r["state"] == "RUNNING")  # the room subtraction left
@@ -207,7 +222,9 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     svc("submit", *common, "--set", f"tasks.1.steps={B_STEPS}", "--tasks", "subtraction", "--resume")
 
     for task in ("addition", "subtraction"):
-        assert svc.wait(task, lambda r: r["state"] in ("FINISHED", "FAILED", "CANCELLED"))["state"] == "FINISHED"
+        row = svc.wait(task, lambda r: r["state"] in ("FINISHED", "FAILED", "CANCELLED"))
+        assert row["state"] == "FINISHED", row
+        assert task != "addition" or row["driver_pid"] == a_driver[0], row
         _same(_metrics(out / "runs", "demo-multitask", task), _metrics(tmp_path / "solo", "demo-multitask", task))
     logs = svc("logs", "addition").stdout
     assert f"[addition] step {A_STEPS:4d}/{A_STEPS}" in logs and "[addition] FINISHED" in logs, logs

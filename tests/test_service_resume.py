@@ -53,7 +53,7 @@ def test_a_cancelled_task_resumes_by_name_from_anywhere_and_computes_what_it_com
     svc.processes()
 
     svc("submit", CONFIG, *sets)  # from svc.cwd: its outputs go to svc.cwd/runs/demo-addition
-    driver = svc.driver("addition")
+    driver = svc.started_driver()  # held from its start: `status` would name it seconds and maybe all STEPS later
     svc.steps("demo-addition", "addition", 2)
     _signal(driver, signal.SIGSTOP)  # held mid-run (a step takes ms, a command seconds) while the commands below run
     # A second task waits PENDING behind it (no room) and is cancelled before it starts: it has no checkpoint.
