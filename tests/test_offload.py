@@ -54,6 +54,33 @@ def test_an_array_deleted_by_another_thread_while_bytes_are_counted_holds_nothin
     assert sum(memprobe._live_bytes_by_device(jax).values()) == 64 * 8 * 4
 
 
+class _Donating:
+    """An array in the window of its donation to another thread's program: its buffers are taken (reading them
+    raises XLA's error) while `is_deleted()` does not say so yet."""
+
+    def is_deleted(self) -> bool:
+        return False
+
+    @property
+    def addressable_shards(self):
+        raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: Buffer has been deleted or donated.")
+
+
+def test_an_array_being_donated_by_another_thread_while_bytes_are_counted_holds_nothing():
+    """The donation's window (seen in an engine's memory probe at the end of its rollout, beside another task's
+    train step in one device group's process): the array counts 0 bytes, the probing phase goes on; any other error
+    reading an array still raises."""
+    assert O.device_shards(_Donating()) == []
+
+    class _Broken(_Donating):
+        @property
+        def addressable_shards(self):
+            raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):
+        O.device_shards(_Broken())
+
+
 class _Device:
     """A device as `room_for` reads it: its platform and its allocator's statistics (None: it keeps none)."""
 

@@ -125,13 +125,19 @@ def bytes_by_device(arrays=None) -> dict[Any, int]:
 def device_shards(x: jax.Array) -> list[tuple[Any, int, int]]:
     """(device, buffer pointer, bytes) of each of `x`'s shards in this process; [] when `x` was deleted. Another
     thread may delete an array at any moment (a donated train state in a device group's process, where roles of
-    several tasks run at once): one deleted between `jax.live_arrays()` and the read of its shards holds nothing."""
+    several tasks run at once): one deleted between `jax.live_arrays()` and the read of its shards holds nothing.
+    So does one being donated: while another thread's program takes its buffers, reading them raises "Buffer has
+    been deleted or donated" before `is_deleted()` says so (an engine's memory probe at the end of its rollout
+    failed the rollout that way, beside another task's train step)."""
     try:
         return [(s.device, s.data.unsafe_buffer_pointer(), s.data.nbytes) for s in x.addressable_shards]
-    except RuntimeError:
-        if x.is_deleted():  # deleted meanwhile ("Array has been deleted")
+    except RuntimeError as err:
+        if x.is_deleted() or DONATED in str(err):  # deleted meanwhile ("Array has been deleted"), or being donated
             return []
         raise
+
+
+DONATED = "has been deleted or donated"  # XLA's INVALID_ARGUMENT for a buffer a program has taken (or freed)
 
 
 def shard_bytes(x: jax.Array) -> int:
