@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from rlsched.config.spec import BatchPlan, TaskSpec
 from workers.models import sharding
@@ -297,11 +297,6 @@ class RolloutMeshSection(_Section):
         return {"dp": self.dp, "fsdp": 1, "ep": self.ep, "tp": self.tp}
 
 
-def _yaml_off(value: Any) -> Any:
-    """YAML 1.1 reads a bare `off` as false (`--set tasks.0.actor.remat=off` too): the setting's `off`."""
-    return "off" if value is False else value
-
-
 class ActorSection(_Section):
     mesh: MeshSection = Field(default_factory=MeshSection)
     """The actor's mesh (one device by default)."""
@@ -318,11 +313,17 @@ class ActorSection(_Section):
     max_cobatch_rows: int = Field(512, ge=1)
     """Most rows one co-batched TRAIN runs at once: each task adds its grpo.micro_batch_size, and the tasks of a hold
     are padded to a power of two (activation memory grows with it)."""
-    remat: Annotated[Literal["layers", "off"], BeforeValidator(_yaml_off)] = "layers"
+    remat: Literal["layers", "off"] = "layers"
     """What the update's forward keeps for its backward: `layers` each decoder layer's input only, the backward
     recomputing one layer at a time (about a third more FLOPs in the update; activation memory ~1/L of `off`'s, L the
     layers: workers.models.decoder); `off` every layer's internals, attention's float32 scores the largest. The
     results are the same either way (the same computation, recomputed)."""
+
+    @field_validator("remat", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare `off` as false (`--set tasks.0.actor.remat=off` too): the setting's `off`."""
+        return "off" if value is False else value
 
 
 class RolloutSection(_Section):
