@@ -283,7 +283,8 @@ def test_a_dead_host_of_a_device_group_across_hosts_ends_every_task_there_naming
     out = "".join(lines)
     assert pids and killed_at and proc.returncode != 0, out[-3000:]
     assert set(failed) == {"addition", "subtraction"}, out[-3000:]  # the group's tasks, both
-    assert all(after <= 30 and why.startswith("RoleDied: ") for after, why in failed.values()), failed
+    assert all(after <= 30 and why.startswith("RoleDied: ") for after, why in failed.values()), "\n".join(
+        f"{task} after {after:.1f} s: {why}" for task, (after, why) in failed.items())  # whole: a dict's repr is cut
     named = [why for _, why in failed.values() if re.match(
         rf"RoleDied: member 1 of 2 \(host [\d.]+, pid {pids[1]}, node \w+\) of its device group's processes "
         r"\(holding its actor\) died during \w+\(\): killed by signal 9", why)]
