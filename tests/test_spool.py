@@ -3,7 +3,8 @@ line cut short by a killed service is left out, and the file goes when asked. Re
 
 from __future__ import annotations
 
-from rlsched.service.spool import EventSpool, event_end
+from rlsched.observe.timeline import event_end
+from rlsched.service.spool import EventSpool
 
 
 def test_events_read_back_in_order_and_a_cut_line_is_left_out(tmp_path):

@@ -58,7 +58,7 @@ from typing import Any
 from rlsched.base.errors import RoleDied, TaskError
 from rlsched.cluster import pinning as pin
 from rlsched.cluster.exits import death_cause
-from rlsched.cluster.rolegroup import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, JobMember, RoleGroup, join_job
+from rlsched.cluster.rolegroup import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, JobMember, RoleGroup, describe_member, join_job
 
 # A role's drop (its arrays freed, the heap trimmed, the programs of an emptied process dropped) takes a second or
 # two; a process that does not answer in this long hangs (a call of another task holding it?).
@@ -412,9 +412,7 @@ class GroupProcessRole:
             try:
                 ray.get(member.where.remote(), timeout=timeout_s)
             except ray.exceptions.RayActorError as err:
-                node = self._group.nodes[i] if i < len(self._group.nodes) else {}
-                return (f"member {i} of {len(self._group.members)} (host {node.get('host', '?')}, pid "
-                        f"{node.get('pid', '?')}, node {str(node.get('node_id', '?'))[:8]})", death_cause(err))
+                return describe_member(i, self._group.members, self._group.nodes), death_cause(err)
             except ray.exceptions.GetTimeoutError:
                 continue  # busy, not known dead
         return None

@@ -172,9 +172,7 @@ class RoleGroup:
         return RoleDied(message, self.kind)
 
     def _member(self, i: int) -> str:
-        node = self.nodes[i] if i < len(self.nodes) else {}
-        return (f"member {i} of {len(self.members)} (host {node.get('host', '?')}, pid {node.get('pid', '?')}, "
-                f"node {str(node.get('node_id', '?'))[:8]})")
+        return describe_member(i, self.members, self.nodes)
 
     def _gather(self, refs: list, name: str) -> list[Any]:
         """Every member's result of one call, in member order; a death or a hang ends the group (see module)."""
@@ -234,6 +232,13 @@ class RoleGroup:
         """End every member's process now."""
         self._end()
 
+
+
+def describe_member(i: int, members: list, nodes: list[dict[str, Any]]) -> str:
+    """"member i of n (host, pid, node)": how errors name a member of a group across hosts."""
+    node = nodes[i] if i < len(nodes) else {}
+    return (f"member {i} of {len(members)} (host {node.get('host', '?')}, pid {node.get('pid', '?')}, "
+            f"node {str(node.get('node_id', '?'))[:8]})")
 
 def join_job(members: list, kind: str, take_port, gather) -> tuple[list[dict[str, Any]], str]:
     """Join `members` (JobMember actors, one per host, in host order) into one JAX job: find where each runs,

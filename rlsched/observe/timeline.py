@@ -41,6 +41,11 @@ LOCKS = ("ROLLOUT", "TRAIN")  # the names of lock-hold spans
 SWITCH = ("onload", "offload", "sync_weights", "verify")  # what multiplexing costs a task
 
 
+
+def event_end(event: dict[str, Any]) -> float:
+    """When an event ended (a counter: when it was taken), as the timeline orders and forgets them."""
+    return event.get("end", event.get("ts", 0.0))
+
 class TimelineError(ValueError):
     """A file is not a timeline this module wrote."""
 
@@ -92,12 +97,12 @@ class Timeline:
         """The events recorded, or those that end at or after `since` (wall-clock seconds)."""
         if since is None:
             return list(self._events)
-        return [e for e in self._events if e.get("end", e.get("ts", 0.0)) >= since]
+        return [e for e in self._events if event_end(e) >= since]
 
     def forget_before(self, t: float) -> int:
         """Drop the events that ended before `t` (a long-lived process keeps only what a live run may still ask
         for); returns how many are kept."""
-        self._events = [e for e in self._events if e.get("end", e.get("ts", 0.0)) >= t]
+        self._events = [e for e in self._events if event_end(e) >= t]
         return len(self._events)
 
     def drain(self) -> list[dict[str, Any]]:

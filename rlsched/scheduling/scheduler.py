@@ -374,8 +374,10 @@ class Scheduler:
         """How much the scheduler keeps (a service's soak checks these stay flat). Its timeline events are kept for
         a time (a service moves them to disk every few seconds), so their count follows the event rate; what is
         bounded is their age: `scheduler events age s`, seconds since the oldest one held ended (0: none)."""
+        from rlsched.observe.timeline import event_end
+
         events = self.timeline.events()
-        oldest = min((e.get("end", e.get("ts", 0.0)) for e in events), default=None)
+        oldest = min(map(event_end, events), default=None)
         return {"scheduler events": len(events),
                 "scheduler events age s": 0.0 if oldest is None else round(max(0.0, time.time() - oldest), 1),
                 "grant log": len(self.grant_log), "policy tasks": len(self.policy.tasks()),

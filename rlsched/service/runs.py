@@ -25,8 +25,9 @@ from typing import Any
 from rlsched.base.units import format_bytes
 from rlsched.cluster import ray_cluster
 from rlsched.config.schema import ExperimentConfig
+from rlsched.observe.timeline import event_end
 from rlsched.service.records import CANCELLED, FAILED, FINISHED, RUNNING, TERMINAL, TaskBook
-from rlsched.service.spool import SPOOL_MARGIN_S, EventSpool, event_end
+from rlsched.service.spool import SPOOL_MARGIN_S, EventSpool
 
 
 @dataclasses.dataclass

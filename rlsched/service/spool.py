@@ -29,11 +29,6 @@ SPOOL_EVERY_S = 10.0  # how often the service moves events to the spools
 SPOOL_MARGIN_S = 5.0  # events that ended this recently stay in the scheduler until the next pass
 
 
-def event_end(event: dict[str, Any]) -> float:
-    """When an event ended (a counter: when it was taken), as the scheduler's timeline orders them."""
-    return event.get("end", event.get("ts", 0.0))
-
-
 class EventSpool:
     """One submission's spooled scheduler events: a JSON-lines file."""
 
