@@ -390,10 +390,10 @@ class ActorWorker:
             # function; keys (WINDOW,): the head on the completion windows only
             rows, window = S.batch_sharding(self.mesh, 2), keys == (WINDOW,)
             fn = partial(window_token_logprobs, width=self.settings.max_new_tokens) if window else token_logprobs
+            starts = (S.batch_sharding(self.mesh, 1),) if window else ()
             fn = jax.jit(partial(fn, self.graphdef, temperature=self.settings.temperature, lora=self.lora,
                                  dtype=self.dtype),
-                         in_shardings=(param_sh, rows, rows, *(S.batch_sharding(self.mesh, 1),) * window, *base_sh),
-                         out_shardings=rows)
+                         in_shardings=(param_sh, rows, rows, *starts, *base_sh), out_shardings=rows)
         self._programs[kind, keys] = fn
         return fn
 
