@@ -233,7 +233,7 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
     gradients, their sum over micro-batches and the optimizer's moments are the master's dtype.
     """
     s = settings
-    # a batch with completion windows (workers.batch; ActorWorker.window checks them) runs the head on those alone
+    # a batch with completion windows (workers.batch; ActorWorker.windowed checks them) runs the head on those alone
     width = s.max_new_tokens if WINDOW in batch else None
     denominator = grpo.loss_denominator(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]), s.aggregation,
                                         s.max_new_tokens)

@@ -34,8 +34,8 @@ def target_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, t
     Equal to log_softmax over the whole [B, T, V] logits up to float rounding of the same per-position sums
     (tests/test_token_logprobs.py); its gradient flows into `hidden` and through `head` into its weights."""
     b, t, h = hidden.shape
-    c = max(1, min(chunk, t))
-    n = -(-t // c)
+    n = -(-t // max(1, chunk))  # as few chunks as `chunk` allows, each as short as they can be: padding < n positions
+    c = -(-t // n)  # (a window of 192 positions runs two chunks of 96, not 128 + 64 of padding)
     pad = n * c - t
     if pad:  # the last chunk's tail: zero hidden states and token 0, dropped below
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
