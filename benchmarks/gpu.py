@@ -59,10 +59,12 @@ LORA_TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]  # every projection
 DENSE_BF16_PEAK = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
                    ("A100", 312e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v6 lite", 918e12),
                    ("TPU v4", 275e12))
-FLOPS_FORMULA = ("train FLOPs per step = (update 6 + old-policy forward 2 + reference forward 2 if beta > 0) x N x "
-                 "tokens; N the model's parameters, tokens = train/padded_tokens (rows x padded length, what the "
-                 "programs compute); a LoRA task's update counts 4 (forward and input gradients: the frozen base "
-                 "has no weight gradients)")
+FLOPS_FORMULA = ("train FLOPs per step = (update 6 + old-policy forward 2 + reference forward 2 if beta > 0) x "
+                 "((N - H x V) x tokens + H x V x rows x max_new_tokens); N the model's parameters, tokens = "
+                 "train/padded_tokens (rows x padded length, what the programs compute); the output head (H x V, "
+                 "hidden x vocabulary) runs only on each row's window of max_new_tokens positions where its "
+                 "completion lies (workers.token_logprobs.window_logprobs); a LoRA task's update counts 4 (forward "
+                 "and input gradients: the frozen base has no weight gradients)")
 SWITCH = ("sync_weights", "onload", "offload", "verify")  # what time-sharing costs a task, each step
 SPANS = ("generate", *SWITCH, "logprobs", "update", "publish", "restore_weights")
 COMPILE_SPAN_S = "compile"
@@ -293,9 +295,22 @@ def med(values) -> float | None:
     return statistics.median(values) if values else None
 
 
+def train_flops(factor: int, params: int, head: int, tokens: int, rows: int, window: int) -> float:
+    """FLOPS_FORMULA for one task's step: `factor` FLOPs per parameter and position (update and forwards), the
+    model's `params` at all `tokens` (rows x padded length) but its output head's `head` (hidden x vocabulary) at
+    each of the `rows` rows' `window` completion positions only."""
+    return factor * ((params - head) * tokens + head * rows * window)
+
+
+def head_params(model: Path) -> int:
+    """The output head's matrix (hidden x vocabulary) of the model in directory `model`, from its config.json."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    return int(config["hidden_size"]) * int(config["vocab_size"])
+
+
 def figures(run: Run, cfg, metrics: dict[str, list[dict]], spans: list[dict], launched: float, device: dict,
-            params: int, args) -> tuple[dict, dict[str, str]]:
-    """The run's figures and, for each that is null, why."""
+            params: int, args, head: int) -> tuple[dict, dict[str, str]]:
+    """The run's figures and, for each that is null, why. `params`: the model's; `head`: its output head's."""
     nulls: dict[str, str] = {}
     out: dict = {}
     task = cfg.tasks[0]
@@ -359,16 +374,17 @@ def figures(run: Run, cfg, metrics: dict[str, list[dict]], spans: list[dict], la
             out["decode_over_bound"] = out["decode_ms_per_token_step"] / out["decode_bound_ms"]
     # train MFU over the TRAIN phase
     factor = (4 if run.lora else 6) + 2 + (2 if task.grpo.beta > 0 else 0)
-    flops = [factor * params * m["train/padded_tokens"] for m in pooled if "train/padded_tokens" in m]
+    flops = {id(m): train_flops(factor, params, head, m["train/padded_tokens"], rows_per_task, task.grpo.max_new_tokens)
+             for m in pooled if "train/padded_tokens" in m}
     if flops:
-        out["train_flops_per_step"] = med(flops)
+        out["train_flops_per_step"] = med(flops.values())
     peak, why = dense_peak(device["kind"], device["platform"])
     if peak is None:
         nulls["mfu"] = why
     elif flops:
         # tasks whose updates ran as one program (LoRA, train/cobatched) share the phase: the device did all theirs
-        out["mfu"] = med(factor * params * m["train/padded_tokens"] * m.get("train/cobatched", 1) / m["time/train_s"]
-                         / peak for m in pooled if "train/padded_tokens" in m)
+        out["mfu"] = med(flops[id(m)] * m.get("train/cobatched", 1) / m["time/train_s"] / peak
+                         for m in pooled if "train/padded_tokens" in m)
     # bytes: the allocator's peak, beside what the roles hold and what the plan counts
     held = sum(int(r.get(f"mem/{role}/held/{k}", 0)) for r in last.values()
                for role, kinds in (("actor", ("params", "opt", "ref")), ("engine", ("params",))) for k in kinds)
@@ -478,13 +494,14 @@ def main(argv=None) -> dict:
     device["dense_bf16_peak_flops"], why = dense_peak(device["kind"], device["platform"])
     device["nulls"] = {"dense_bf16_peak_flops": why} if why else {}
     out = args.out or ROOT / "benchmarks" / "results" / f"gpu-{device['slug']}"
-    params = count_params(model)
+    params, head = count_params(model), head_params(model)
     print(f"device: {device['kind']} ({device['platform']}), copy bandwidth "
           f"{device['copy']['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, probe {clock['probe_s']:.1f} s; model: "
           f"{args.preset} ({params / 1e6:.1f}M params, {dtype}), {clock['model_s']:.1f} s", flush=True)
     runs = plan_runs(args)
     results = dict(args={k: str(v) for k, v in vars(args).items() if k != "probe"}, env=env, device=device,
-                   model=dict(preset=args.preset, dtype=dtype, params=params), flops_formula=FLOPS_FORMULA,
+                   model=dict(preset=args.preset, dtype=dtype, params=params, head_params=head),
+                   flops_formula=FLOPS_FORMULA,
                    planned=[r.name for r in runs], runs=[], skipped=[], time=clock)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -504,7 +521,8 @@ def main(argv=None) -> dict:
                   flush=True)
             deadline = None if args.budget_s is None else t_start + args.budget_s
             results["runs"].append(measure(run, args, model=model, dtype=dtype, work=work, device=device,
-                                           params=params, deadline=deadline, log=logs / f"{run.slug}.log"))
+                                           params=params, head=head, deadline=deadline,
+                                           log=logs / f"{run.slug}.log"))
             clock["runs_s"] += results["runs"][-1]["wall_s"]
             print(progress(i, len(runs), results["runs"][-1]), flush=True)
             save(out, results, t_start)
@@ -517,7 +535,7 @@ def main(argv=None) -> dict:
     return results
 
 
-def measure(run: Run, args, *, model: Path, dtype: str, work: Path, device: dict, params: int,
+def measure(run: Run, args, *, model: Path, dtype: str, work: Path, device: dict, params: int, head: int,
             deadline: float | None, log: Path) -> dict:
     import yaml
 
@@ -536,7 +554,7 @@ def measure(run: Run, args, *, model: Path, dtype: str, work: Path, device: dict
                cache=cache, status=status, wall_s=wall, steps_done={t: len(r) for t, r in metrics.items()},
                log=str(log))
     try:
-        found, nulls = figures(run, cfg, metrics, spans, launched, device, params, args)
+        found, nulls = figures(run, cfg, metrics, spans, launched, device, params, args, head)
     except Exception as err:  # noqa: BLE001 - a bug in one run's reading must not lose the runs after it
         found, nulls = {}, {}
         row["figures_error"] = f"{type(err).__name__}: {err}"

@@ -38,7 +38,7 @@ def _batch(seed: int = 0):
 
 def _mini() -> dict[str, np.ndarray]:
     """`_batch()` as one mini-batch of 4 micro-batches of 4 (A, M, ...)."""
-    return {k: v.reshape(4, 4, *v.shape[1:]) for k, v in dataclasses.asdict(_batch()).items()}
+    return {k: v.reshape(4, 4, *v.shape[1:]) for k, v in _batch().arrays().items()}
 
 
 def _host(flat) -> dict[str, np.ndarray]:

@@ -4,12 +4,14 @@ vocabulary] float32 array (XLA's own memory analysis of the compiled program).""
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from workers.token_logprobs import target_logprobs
+from workers.token_logprobs import target_logprobs, window_logprobs
 
 
 def _whole(w, hidden, targets, temperature):
@@ -50,6 +52,37 @@ def test_chunks_compute_the_whole_vocabulary_values_and_gradients(chunk):
     # the entropy is a metric: no gradient flows from it
     grad_h = jax.grad(lambda h: _chunked(w, h, targets, 0.7, chunk)[1].sum())(hidden)
     assert float(jnp.abs(grad_h).max()) == 0.0
+
+
+def test_the_head_on_windows_gives_the_whole_heads_values_and_gradients_there_and_zeros_elsewhere():
+    """Rows whose windows of 6 positions start anywhere, up to the last that fits (start 31 of 37 positions): inside
+    them the log-probabilities, entropies and gradients of the head on every position (chunks of 4: windows across
+    chunk bounds); outside, zeros that carry no gradient, so a loss read inside the windows differentiates alike."""
+    kw, kh, kt = jax.random.split(jax.random.key(1), 3)
+    w = jax.random.normal(kw, (16, 300)) * 0.5
+    hidden = jax.random.normal(kh, (4, 37, 16))
+    targets = jax.random.randint(kt, (4, 37), 0, 300)
+    start = jnp.array([0, 5, 31, 13], jnp.int32)
+    inside = (np.arange(37) >= np.asarray(start)[:, None]) & (np.arange(37) < np.asarray(start)[:, None] + 6)
+    head = lambda w: lambda h: jnp.einsum("bch,hv->bcv", h, w, preferred_element_type=jnp.float32)  # noqa: E731
+    whole_fn = partial(target_logprobs, temperature=0.7, chunk=4)
+    window_fn = lambda f, h, y: window_logprobs(f, h, y, start, 6, temperature=0.7, chunk=4)  # noqa: E731
+    weights = jax.random.normal(kt, (4, 37)) * inside  # a loss that reads the windows only
+
+    @partial(jax.jit, static_argnums=0)  # one program a path (op by op, the scan's pieces compile one by one)
+    def values_and_grads(fn, w, h):
+        loss = lambda w, h: (fn(head(w), h, targets)[0] * weights).sum()  # noqa: E731
+        return fn(head(w), h, targets), jax.grad(loss, argnums=(0, 1))(w, h)
+
+    (whole, want), (window, got) = values_and_grads(whole_fn, w, hidden), values_and_grads(window_fn, w, hidden)
+    for g, e in zip(window, whole, strict=True):
+        np.testing.assert_allclose(g[inside], e[inside], rtol=1e-6, atol=1e-6)
+        assert not np.any(np.asarray(g)[~inside])
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    assert not np.any(np.asarray(got[1])[~inside])  # no gradient reaches a hidden state outside the windows
+    with pytest.raises(ValueError, match="window width 38"):
+        window_logprobs(head(w), hidden, targets, start, 38, temperature=0.7)
 
 
 def test_the_gradient_program_never_holds_the_whole_logits():

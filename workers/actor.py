@@ -13,6 +13,14 @@ Design decisions:
 - Logprobs are of logits / temperature: the distribution the rollout engine sampled from.
 - Sequences arrive right-padded [prompt, completion, pad] to a length bucket (workers.batch, host
   work in the task's driver) so a run compiles a few programs, not one per step.
+- The output head runs only where completions can be: a run's batch carries each row's `completion_start`, and its
+  completion lies in the static window [start, start + max_new_tokens) of log-prob positions, so every program that
+  computes logprobs for training (`train`, `logprobs`, `reference_logprobs`, the co-batched step) gathers those
+  positions' hidden states, runs the head there (workers.token_logprobs.window_logprobs) and scatters the results
+  back to (N, T-1), zeros elsewhere (nothing reads them: the loss reads where loss_mask is 1). The same values at
+  completion positions as the head on every position, to float rounding (tests/test_window.py); a batch without
+  windows, or with completions outside them, runs the head everywhere (`windowed`). Programs of the two paths differ
+  by their batch keys.
 - `prepare(size, length)` compiles a batch's programs ahead of time from the state's shapes and shardings
   only (the state may be on host): the task does it before asking for the train lock, so no task compiles
   while it holds one. `train` runs those executables; a shape nobody prepared compiles on first use.
@@ -68,7 +76,7 @@ from workers.models import sharding as S
 from workers.models.decoder import CausalLM
 from workers.multihost import global_array, host_value
 from workers.offload import offload, onload, per_device_bytes
-from workers.token_logprobs import target_logprobs
+from workers.token_logprobs import target_logprobs, window_logprobs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,6 +138,10 @@ def make_optimizer(s: ActorSettings) -> optax.GradientTransformation:
                        optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay))
 
 
+# The batch key of each row's completion window start (workers.batch), and the keys with one value per row
+WINDOW = "completion_start"
+ROW_KEYS = ("advantages", WINDOW)
+
 MASTER_DTYPE = jnp.float32  # what the optimizer updates, whatever the model's dtype
 
 
@@ -161,16 +173,24 @@ def policy_model(graphdef, params, base, lora, rows: int, *, row=0, dtype=None):
 
 
 def policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, *, temperature, router_loss: bool = False,
-                    row=0, dtype=None, remat: str = "off") -> tuple[jax.Array, jax.Array, jax.Array]:
+                    row=0, dtype=None, remat: str = "off", start=None,
+                    width: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`policy_model`'s log p(tokens[:, 1:]) (B, T-1), its entropy there (B, T-1, no gradient) and the MoE
     load-balancing loss (0 without `router_loss`), all float32, for tokens, attention_mask (B, T): the output head
     runs on chunks of positions (workers.token_logprobs), so no [B, T, V] float32 logits are ever alive, in the
-    forward or the backward. `remat`: what each decoder layer keeps for a backward (the update's: `layers`)."""
+    forward or the backward. `remat`: what each decoder layer keeps for a backward (the update's: `layers`).
+    `start` int (B,) and a static `width`: the head runs on logprob positions [start_i, start_i + width) of each row
+    only (a train batch's completion windows: workers.batch), log p and entropy are 0 elsewhere."""
+    if (start is None) != (width is None):
+        raise ValueError(f"give a completion window's start and width together, got start {start!r}, width {width!r}")
     model, adapters = policy_model(graphdef, params, base, lora, tokens.shape[0], row=row, dtype=dtype)
     hidden, aux = model.hidden_states(tokens, attention_mask=attention_mask, adapters=adapters,
                                       router_loss=router_loss, remat=remat)
-    logp, entropy = target_logprobs(lambda h: model.logits(h, adapters), hidden[:, :-1], tokens[:, 1:],
-                                    temperature=temperature)
+    head = lambda h: model.logits(h, adapters)  # noqa: E731
+    if start is None:
+        logp, entropy = target_logprobs(head, hidden[:, :-1], tokens[:, 1:], temperature=temperature)
+    else:
+        logp, entropy = window_logprobs(head, hidden[:, :-1], tokens[:, 1:], start, width, temperature=temperature)
     return logp, entropy, aux
 
 
@@ -182,6 +202,14 @@ def token_logprobs(graphdef, params, tokens, attention_mask, base=None, row=0, *
     otherwise, about 1e-6 away)."""
     return policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, temperature=temperature, row=row,
                            dtype=dtype)[0]
+
+
+def window_token_logprobs(graphdef, params, tokens, attention_mask, start, base=None, row=0, *, width: int,
+                          temperature, lora=None, dtype=None) -> jax.Array:
+    """`token_logprobs` in each row's completion window only: start int (B,), positions [start_i, start_i + width)
+    of the (B, T-1) result; 0 elsewhere (`policy_logprobs`)."""
+    return policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, temperature=temperature, row=row,
+                           dtype=dtype, start=start, width=width)[0]
 
 
 def router_aux_coef(settings: ActorSettings, config) -> float:
@@ -198,11 +226,15 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
     """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics).
 
     batch keys: tokens, attention_mask (A, M, T); loss_mask (A, M, T-1); advantages (A, M);
-    optional old_logp, ref_logp (A, M, T-1). `base`: a LoRA actor's frozen model (state.params its adapter).
+    optional old_logp, ref_logp (A, M, T-1); optional completion_start (A, M): the output head then runs on each
+    row's window of settings.max_new_tokens positions from it, where every loss-mask position lies.
+    `base`: a LoRA actor's frozen model (state.params its adapter).
     `dtype`: the model's, which the forward and backward compute in (state.params are the float32 master); the
     gradients, their sum over micro-batches and the optimizer's moments are the master's dtype.
     """
     s = settings
+    # a batch with completion windows (workers.batch; ActorWorker.windowed checks them) runs the head on those alone
+    width = s.max_new_tokens if WINDOW in batch else None
     denominator = grpo.loss_denominator(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]), s.aggregation,
                                         s.max_new_tokens)
     aux_coef = s.router_aux_loss_coef or 0.0  # resolved against the model by ActorWorker (router_aux_coef)
@@ -212,7 +244,7 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
         # with aux_coef, the router's load-balancing loss too, averaged over the mini-batch's micro-batches
         logp, entropy, aux = policy_logprobs(graphdef, params, base, lora, mb["tokens"], mb["attention_mask"],
                                              temperature=s.temperature, router_loss=bool(aux_coef), dtype=dtype,
-                                             remat=s.remat)
+                                             remat=s.remat, start=mb.get(WINDOW), width=width)
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
         loss, m = grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
                                    epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,
@@ -347,18 +379,21 @@ class ActorWorker:
         # A LoRA actor's frozen base (and the logprobs' adapter row): arguments, never constants
         base_sh = () if self.lora is None else (self.base_shardings, repl)
         if kind == "train":  # batch arrays (A, M, ...): rows (M) over dp x fsdp x ep
-            batch_sh = {k: S.batch_sharding(self.mesh, 2 if k == "advantages" else 3, leading=1) for k in keys}
+            batch_sh = {k: S.batch_sharding(self.mesh, 2 if k in ROW_KEYS else 3, leading=1) for k in keys}
             fn = jax.jit(self.step_function(),
                          in_shardings=(self.shardings, batch_sh, *base_sh[:1]), out_shardings=(self.shardings, repl),
                          donate_argnums=0)
         elif kind == "served":  # the master's params -> the model's dtype, laid out alike
             fn = jax.jit(partial(compute_params, dtype=self.dtype), in_shardings=(param_sh,), out_shardings=param_sh)
-        else:  # (params, tokens, mask[, base, row]) -> logprobs (B, T-1), rows over dp x fsdp x ep; `logprobs` and
-            # `reference_logprobs` (a master's reference, in the model's dtype) are one function
-            rows = S.batch_sharding(self.mesh, 2)
-            fn = jax.jit(partial(token_logprobs, self.graphdef, temperature=self.settings.temperature, lora=self.lora,
+        else:  # (params, tokens, mask[, completion_start][, base, row]) -> logprobs (B, T-1), rows over
+            # dp x fsdp x ep; `logprobs` and `reference_logprobs` (a master's reference, in the model's dtype) are one
+            # function; keys (WINDOW,): the head on the completion windows only
+            rows, window = S.batch_sharding(self.mesh, 2), keys == (WINDOW,)
+            fn = partial(window_token_logprobs, width=self.settings.max_new_tokens) if window else token_logprobs
+            starts = (S.batch_sharding(self.mesh, 1),) if window else ()
+            fn = jax.jit(partial(fn, self.graphdef, temperature=self.settings.temperature, lora=self.lora,
                                  dtype=self.dtype),
-                         in_shardings=(param_sh, rows, rows, *base_sh), out_shardings=rows)
+                         in_shardings=(param_sh, rows, rows, *starts, *base_sh), out_shardings=rows)
         self._programs[kind, keys] = fn
         return fn
 
@@ -367,16 +402,20 @@ class ActorWorker:
         without the state on the devices; returns how many were compiled now (0: all were ready)."""
         s, compiled = self.settings, 0
         m, off_policy = s.micro_batch_size, self._off_policy(size)
+        # a run's batches carry completion windows (workers.batch, built with this max_new_tokens): their programs
+        window = (WINDOW,) if s.max_new_tokens is not None and length - 1 >= s.max_new_tokens else ()
         shapes = {"tokens": ((m, length), np.int32), "attention_mask": ((m, length), np.bool_)}
+        shapes |= {WINDOW: ((m,), np.int32)} if window else {}
         wanted = {"logprobs": off_policy or (s.beta > 0 and self._abstract_ref is None),
                   "reference_logprobs": s.beta > 0 and self._abstract_ref is not None}
         for kind, params in (("logprobs", self._abstract.params), ("reference_logprobs", self._abstract_ref)):
-            key = (kind, (), shapes_key(shapes))
+            key = (kind, window, shapes_key(shapes))
             if wanted[kind] and key not in self._prepared:
-                rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask")]
+                rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask", *window)]
                 args = (params, *rows, *self._abstract_base)
                 self._prepared[key], built = shared(
-                    (self._signature, key), lambda kind=kind, args=args: compile_once(self._program(kind).lower(*args)))
+                    (self._signature, key),
+                    lambda kind=kind, args=args: compile_once(self._program(kind, window).lower(*args)))
                 compiled += built
         acc = s.mini_batch_size // m
         mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
@@ -385,6 +424,8 @@ class ActorWorker:
         for extra, wanted in (("old_logp", off_policy), ("ref_logp", s.beta > 0)):
             if wanted:
                 mini[extra] = ((acc, m, length - 1), np.float32)
+        if window:
+            mini[WINDOW] = ((acc, m), np.int32)
         keys = tuple(sorted(mini))
         key = ("train", keys, shapes_key(mini))
         if key not in self._prepared:
@@ -412,8 +453,22 @@ class ActorWorker:
 
     # ---- logprobs -------------------------------------------------------------------------------
 
+    def windowed(self, batch: TrainBatch) -> bool:
+        """Whether the output head runs on `batch`'s completion windows only (workers.token_logprobs.window_logprobs):
+        the batch carries them (a run's do: workers.batch), each settings.max_new_tokens wide lies inside its row and
+        holds every position of the row's loss mask. Else (a batch built without max_new_tokens, or for longer
+        completions than this actor's) the head runs on every position: the same values where the loss reads them."""
+        w, start = self.settings.max_new_tokens, batch.completion_start
+        if w is None or start is None:
+            return False
+        pos = np.arange(batch.loss_mask.shape[1])
+        inside = (pos >= start[:, None]) & (pos < start[:, None] + w)
+        return bool((start >= 0).all() and (start + w <= len(pos)).all()
+                    and not (batch.loss_mask.astype(bool) & ~inside).any())
+
     def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> np.ndarray:
-        """Per-token logprobs (N, T-1) under the current (or reference) params, micro-batched."""
+        """Per-token logprobs (N, T-1) under the current (or reference) params, micro-batched: at every position,
+        or where `windowed(batch)`, in the completion windows only (0 elsewhere)."""
         params = self.ref_params if reference else self.state.params
         if params is None:
             raise ValueError("no reference params: this actor was built with beta == 0")
@@ -421,11 +476,14 @@ class ActorWorker:
         base = () if self.lora is None else (self.base, np.int32(-1 if reference else 0))
         params = self.state.params if self.lora is not None else params
         kind = "reference_logprobs" if reference and self._abstract_ref is not None else "logprobs"
+        window = (WINDOW,) if self.windowed(batch) else ()
         m, out = self.settings.micro_batch_size, []
         for i in range(0, batch.size, m):
             rows = {"tokens": batch.tokens[i : i + m], "attention_mask": batch.attention_mask[i : i + m]}
-            on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, 2)) for k, v in rows.items()}
-            out.append(self._run(kind, (), rows, params, on_mesh["tokens"], on_mesh["attention_mask"], *base))
+            rows |= {WINDOW: batch.completion_start[i : i + m]} if window else {}
+            on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, v.ndim)) for k, v in rows.items()}
+            out.append(self._run(kind, window, rows, params,
+                                 *(on_mesh[k] for k in ("tokens", "attention_mask", *window)), *base))
         return np.concatenate([host_value(x) for x in out])
 
     # ---- update ---------------------------------------------------------------------------------
@@ -448,6 +506,8 @@ class ActorWorker:
             if batch.size % s.mini_batch_size:
                 raise ValueError(f"{batch.size} samples do not split into mini-batches of {s.mini_batch_size}")
             arrays = batch.arrays()
+            if not self.windowed(batch):  # the head on every position (the batch's windows, if any, unread)
+                arrays.pop(WINDOW, None)
             off_policy = self._off_policy(batch.size)
             with span("logprobs", samples=batch.size):
                 if off_policy:  # the policy moves between optimizer steps: freeze the rollout-time logprobs

@@ -8,6 +8,11 @@ plus max_new_tokens, so completions that end early never change the shape (the p
 to step; a new shape mid-run was a new compile: 16 s at Qwen3-0.6B's shape on an H100). With
 prompt_padding="max" (grpo.prompt_padding) the prompts take max_prompt_len whatever their length: a step whose
 longest prompt falls in another bucket (128 vs 256) compiled the update again (74 s at that shape, GSM8K prompts).
+
+Such a batch also says where its completions can be: row i's completion tokens are targets of log-prob positions
+[len(p_i) - 1, len(p_i) - 1 + len(c_i)), inside the window of max_new_tokens positions from `completion_start` =
+len(p_i) - 1, and that window always fits (T - 1 >= the prompt bucket - 1 + max_new_tokens). The actor runs its
+output head on those windows only (workers.actor: half of the head's positions at 256 prompt + 256 new positions).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class TrainBatch:
     # float32 (N, T-1), aligned with loss_mask: the rollout engine's log-prob of target token t+1 where it is a
     # completion token; NaN where the engine gave none (sglang_jax) and at every other position
     sampler_logp: np.ndarray
+    # int32 (N,) or None: where each row's completion window of max_new_tokens log-prob positions starts (len(prompt)
+    # - 1), set when the batch was built with max_new_tokens (module docstring); None: the completions may be anywhere
+    completion_start: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -42,12 +50,14 @@ class TrainBatch:
         return dataclasses.replace(self, advantages=advantages)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """What the actor's update reads, by its batch keys; a batch without advantages is refused."""
+        """What the actor's update reads, by its batch keys (completion_start where the batch has it); a batch without
+        advantages is refused."""
         if self.advantages is None:
             raise ValueError("this TrainBatch has no advantages: compute them from the rewards "
                              "(workers.grpo.group_advantages) and set them with batch.with_advantages(...)")
+        window = {} if self.completion_start is None else {"completion_start": self.completion_start}
         return {"tokens": self.tokens, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask,
-                "advantages": self.advantages, "sampler_logp": self.sampler_logp}
+                "advantages": self.advantages, "sampler_logp": self.sampler_logp, **window}
 
 
 def length_bucket(n: int) -> int:
@@ -73,9 +83,9 @@ def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], 
     """Right-pad [prompt + completion] rows: to `prompt_bucket` of the longest prompt + max_new_tokens when
     max_new_tokens is given (a run's batches: the completions' lengths never change the shape), or to
     max_prompt_len + max_new_tokens with prompt_padding="max" (the prompts' lengths do not either), else to
-    `length_bucket` of the longest row. `advantages` (N,) may come later (`TrainBatch.with_advantages`): the actor
-    computes them from the rewards. `logprobs`: the engine's log-prob of each completion token (Sample.logprobs, one
-    array per row), compared with the actor's."""
+    `length_bucket` of the longest row; with max_new_tokens, each row's `completion_start` too. `advantages` (N,)
+    may come later (`TrainBatch.with_advantages`): the actor computes them from the rewards. `logprobs`: the engine's
+    log-prob of each completion token (Sample.logprobs, one array per row), compared with the actor's."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     if max_new_tokens is None:
         t = length_bucket(max(lengths))
@@ -101,5 +111,7 @@ def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], 
         loss_mask[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0  # position k predicts token k+1
         if logprobs is not None:
             sampler_logp[i, len(p) - 1 : len(p) + len(c) - 1] = logprobs[i]
-    batch = TrainBatch(tokens, attn, loss_mask, None, sampler_logp)
+    # with max_new_tokens every completion lies in its row's window of max_new_tokens positions from len(p) - 1
+    start = None if max_new_tokens is None else np.array([len(p) - 1 for p in prompts], np.int32)
+    batch = TrainBatch(tokens, attn, loss_mask, None, sampler_logp, start)
     return batch if advantages is None else batch.with_advantages(advantages)

@@ -6,8 +6,14 @@ backward. Here the output head runs on `chunk` positions at a time inside a scan
 (jax.checkpoint): the forward keeps, per chunk, only the hidden states it read; the backward recomputes that
 chunk's logits. The largest logits array alive is [rows, chunk, vocabulary], whatever the sequence length.
 
-Shapes: B rows, T positions, H hidden, V vocabulary, C the chunk. Pure jnp; no model class: `head` is any
-function hidden (B, C, H) -> float32 logits (B, C, V) (a CausalLM's `logits`, with its head adapters).
+A train batch reads log-probabilities at its completion positions only (the loss mask), and a run's batches put
+each row's completion in a window of max_new_tokens positions known before the step (workers.batch:
+`completion_start`). `window_logprobs` runs the head on those W positions of each row, not all T: at Qwen3-0.6B's
+shape (hidden 1,024, vocabulary 151,936, 256 prompt + 256 new positions) the head is ~26 % of a forward's FLOPs, and
+half of it went to prompt positions whose log-probabilities nobody reads.
+
+Shapes: B rows, T positions, H hidden, V vocabulary, C the chunk, W the window. Pure jnp; no model class: `head` is
+any function hidden (B, C, H) -> float32 logits (B, C, V) (a CausalLM's `logits`, with its head adapters).
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ def target_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, t
     Equal to log_softmax over the whole [B, T, V] logits up to float rounding of the same per-position sums
     (tests/test_token_logprobs.py); its gradient flows into `hidden` and through `head` into its weights."""
     b, t, h = hidden.shape
-    c = max(1, min(chunk, t))
-    n = -(-t // c)
+    n = -(-t // max(1, chunk))  # as few chunks as `chunk` allows, each as short as they can be: padding < n positions
+    c = -(-t // n)  # (a window of 192 positions runs two chunks of 96, not 128 + 64 of padding)
     pad = n * c - t
     if pad:  # the last chunk's tail: zero hidden states and token 0, dropped below
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
@@ -51,3 +57,25 @@ def target_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, t
     logp, entropy = jax.lax.map(lambda xs: one(*xs), (hs, ts))  # (n, B, C) each
     unchunk = lambda a: a.swapaxes(0, 1).reshape(b, n * c)[:, :t]  # noqa: E731
     return unchunk(logp), unchunk(entropy)
+
+
+def window_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array, start: jax.Array,
+                    width: int, *, temperature: float, chunk: int = DEFAULT_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """`target_logprobs` at positions [start_i, start_i + width) of each row i only, zeros elsewhere: hidden (B, T, H),
+    targets int (B, T), start int (B,), width static -> (log p(targets) (B, T), entropy (B, T)), float32.
+
+    The head runs on the gathered (B, width, H) hidden states (B x width positions, not B x T); what it gives is
+    scattered back to its positions, so every caller reads (B, T) as before, and must read it only inside the
+    windows (a GRPO loss reads it where the loss mask is 1). The caller keeps every window inside the row:
+    0 <= start_i and start_i + width <= T (workers.actor checks a batch's on the host; an index outside would read
+    NaN here). The gradient flows back into `hidden` at the window's positions only."""
+    b, t, _ = hidden.shape
+    if not 1 <= width <= t:
+        raise ValueError(f"window width {width} must be within 1..{t}, the positions of the rows")
+    idx = start.astype(jnp.int32)[:, None] + jnp.arange(width, dtype=jnp.int32)  # (B, W)
+    logp, entropy = target_logprobs(head, jnp.take_along_axis(hidden, idx[..., None], axis=1, mode="fill"),
+                                    jnp.take_along_axis(targets, idx, axis=1, mode="fill"), temperature=temperature,
+                                    chunk=chunk)  # (B, W) each
+    rows = jnp.arange(b)[:, None]
+    scatter = lambda a: jnp.zeros((b, t), a.dtype).at[rows, idx].set(a, mode="drop")  # noqa: E731
+    return scatter(logp), scatter(entropy)
