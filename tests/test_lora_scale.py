@@ -39,12 +39,20 @@ def _cli(*args, timeout=900):
                           timeout=timeout)
 
 
+def _cli_started(*args):
+    """`rlsched ARGS` started, not awaited: `.communicate(timeout=...)` gives (stdout, stderr)."""
+    return subprocess.Popen([sys.executable, "-m", "rlsched.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.slow
 def test_thirty_two_lora_tasks_run_on_one_base_holding_what_the_plan_says(tmp_path):
     from rlsched.observe.tracking import read_metrics
 
     config = tmp_path / "lora_scale.yaml"
     config.write_text(yaml.safe_dump(_config(tmp_path, tmp_path / "models" / "base"), sort_keys=False))
+    # The plan reads the config alone: it is worked out while the run runs (its process is mostly imports)
+    planning = _cli_started("plan", str(config), "--json")
     done = _cli("train", str(config))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     tasks = tmp_path / "runs" / "lora-scale" / "tasks"
@@ -54,9 +62,9 @@ def test_thirty_two_lora_tasks_run_on_one_base_holding_what_the_plan_says(tmp_pa
     assert max(m["train/cobatched"] for ms in metrics.values() for m in ms) > 1  # updates ran together
     assert re.search(r"train \d+\.\d+ \((\d+) tasks\)\)", done.stdout), done.stdout[-3000:]  # the user sees it
 
-    planned = _cli("plan", str(config), "--json")
-    assert planned.returncode == 0, planned.stderr
-    plan = json.loads(planned.stdout)
+    planned, planning_err = planning.communicate(timeout=300)
+    assert planning.returncode == 0, planning_err
+    plan = json.loads(planned)
     bases = [r for r in plan["roles"] if r["role"] == "base"]
     assert len(bases) == 1 and bases[0]["task"] == f"{TASKS} tasks"  # the base once, for every task's two roles
     resident = ("params", "optimizer", "reference")  # what a role holds between its phases

@@ -5,10 +5,11 @@ from a fresh clone, as shipped but on a tiny random model of the recipe's family
 real Qwen3 tokenizer and small batches: the shipped GSM8K, its chat template and system prompt, the gsm8k reward, a
 reference model (beta 0.08), bfloat16 parameters at the recipe's learning rate, and the recipe's meshes on 8 CPU
 devices (fsdp 4 x tp 2 actors, tp 2 and tp 4 engines; the MoE recipe's tp 8 actor and ep 4 x tp 2 engine).
-Lengths are the one other change: prompts padded to max_prompt_len 128, not the recipe's 256, with the longer ones
-skipped (data.too_long=skip; 92 % of GSM8K's prompts fit 128 with the system prompt and chat template): the actor
-computes 151,936-token logits at every padded position, forward and backward, so a step's work on CPU grows with the
-padded length. The recipes' own 256 (every prompt fits it) is checked by test_check, their plans at it by test_plan."""
+Lengths are the one other change: prompts padded to max_prompt_len 96, not the recipe's 256, with the longer ones
+skipped (data.too_long=skip; 4,441 of GSM8K's 7,473 prompts fit 96 with the system prompt and chat template, as
+`rlsched check` counts them; 6,862 fit 128): the actor computes 151,936-token logits at every padded position, forward
+and backward, so a step's work on CPU grows with the padded length (104 positions a row, not 136 at 128). The
+recipes' own 256 (every prompt fits it) is checked by test_check, their plans at it by test_plan."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 SMALL = ["grpo.prompts_per_step=4", "grpo.num_generations=2", "grpo.max_new_tokens=8", "grpo.mini_batch_size=8",
          "grpo.micro_batch_size=4", "rollout.max_batch_size=8", "steps=2", "checkpoint_every=2",
-         "grpo.max_prompt_len=128", "data.too_long=skip"]
+         "grpo.max_prompt_len=96", "data.too_long=skip"]
 
 
 @pytest.fixture(scope="module")
