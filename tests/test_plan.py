@@ -558,10 +558,10 @@ def test_the_moe_recipe_plans_through_the_cli(tmp_path):
                         f"heads ({tmp_path / 'config.json'})")
     # columns padded to their widths; the bytes test_qwen3_30b_a3b_recipe_plan_by_hand counts
     assert [" ".join(line.split()) for line in lines[4:6]] == [
-        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 7.8 GiB 80.8 GiB",
+        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 11.7 GiB 84.6 GiB",
         "gsm8k engine ep 4 x tp 2 0-7 8.2 GiB - - - 1.9 GiB - 10.1 GiB"]
-    assert lines[6] == ("group shared (devices 0-7): 90.8 GiB on device 0 with every role resident; largest role "
-                        "80.8 GiB; fits")
+    assert lines[6] == ("group shared (devices 0-7): 94.7 GiB on device 0 with every role resident; largest role "
+                        "84.6 GiB; fits")
 
 
 def test_the_memory_line_puts_each_measured_kind_beside_the_plans():
