@@ -23,8 +23,9 @@ from workers.models import load_pretrained
 from workers.models import params as P
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-SETTINGS = ActorSettings(remat="layers", lr=1e-4, total_steps=1000, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0,
-                         grad_clip=1.0, b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0,
+SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32", lr=1e-4, total_steps=1000, warmup_steps=0,
+                         min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.999, epsilon=0.2,
+                         epsilon_high=None, beta=0.0,
                          aggregation="token-mean", temperature=1.0, micro_batch_size=4, mini_batch_size=16, epochs=1,
                          router_aux_loss_coef=None, kl_clamp=None, max_new_tokens=None)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

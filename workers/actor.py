@@ -105,9 +105,8 @@ class ActorSettings:
     # What each decoder layer's forward keeps for the backward (workers.models.decoder.REMAT_POLICIES): memory and
     # time only, never a result (the backward recomputes the same values)
     remat: str
-    # The dtype AdamW stores its first moment in ("float32" or "bfloat16": optax.adamw's mu_dtype). The one default
-    # here, the float32 every run had before the setting: the control plane always passes it (actor.adam_mu_dtype)
-    adam_mu_dtype: str = "float32"
+    # The dtype AdamW stores its first moment in ("float32" or "bfloat16": optax.adamw's mu_dtype)
+    adam_mu_dtype: str
 
 
 class TrainState(NamedTuple):
