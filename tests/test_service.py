@@ -300,10 +300,11 @@ def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing
     up = svc("up", "--num-devices", "8", "--memory-budget-gb", f"{2.5 * need / 2**30:.6f}").stdout
     assert "8 device(s) colocated" in up and "roles in per_device_group processes" in up, up
     svc("submit", mesh, *sets)
-    # Both held mid-run (SIGSTOP of their drivers, as in the test above) while the third arrives and one is cancelled
+    # Both held mid-run (SIGSTOP of their drivers, as in the test above) while the third arrives and one is cancelled;
+    # held and let go together, so which driver is which needs no `status`
     first = svc.started_driver()
-    drivers = first + svc.started_driver(*first)  # the two tasks' (held and let go together: which is which needs no
-    for task in ("addition", "subtraction"):      # `status`)
+    drivers = first + svc.started_driver(*first)
+    for task in ("addition", "subtraction"):
         svc.steps("demo-mesh", task, 1)
     _signal(drivers, signal.SIGSTOP)
     third = [mesh, *sets, "--set", "experiment.name=third", "--set", "tasks.1.name=third", "--set", "tasks.1.steps=2",
