@@ -264,11 +264,13 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     assert row["state"] == "FAILED" and "service stopped" in row["reason"], row
     assert "rlsched resume third" in row["reason"], row
     # What the dead service kept of it outlives it: `rlsched resume` (from another directory) continues it by name
-    # from its last checkpoint (the graceful down's: checkpoint_every is 0, and a SIGKILL saves nothing).
+    # from its last checkpoint.
+    saved = out / "runs" / "third" / "tasks" / "third" / "checkpoints"
+    last = max(int(p.name) for p in saved.iterdir() if p.name.isdigit())
     resumed = _cli("resume", "third", home=home, cwd=tmp_path)
-    assert f"continues after step {stopped['step']} of 4000" in resumed.stdout, resumed.stdout
-    svc.steps("third", "third", stopped["step"] + 1)  # (its metrics file: the steps before the kill are in it)
-    svc.wait("third", lambda r: r["state"] == "RUNNING" and r["step"] > stopped["step"], timeout=300)
+    assert f"continues after step {last} of 4000" in resumed.stdout, resumed.stdout
+    svc.steps("third", "third", last + 1)
+    svc.wait("third", lambda r: r["state"] == "RUNNING" and r["step"] > last, timeout=300)
     svc.processes()
     svc("down", "--force", timeout=120)
     svc.assert_all_gone()
