@@ -54,6 +54,21 @@ def test_an_array_deleted_by_another_thread_while_bytes_are_counted_holds_nothin
     assert sum(memprobe._live_bytes_by_device(jax).values()) == 64 * 8 * 4
 
 
+def test_an_array_deleted_inside_jaxs_own_read_of_its_shards_holds_nothing(monkeypatch):
+    """The same race one step later: the array is deleted after `addressable_shards` checked it was not, while it
+    walks the buffer list (None once deleted): TypeError, not RuntimeError (a resumed task's rollout failed with
+    "'NoneType' object is not iterable" in a device group's process as another task's roles left it)."""
+    from jax._src import array as jax_array
+
+    gone = jnp.ones((3,), jnp.int32)
+    gone.delete()
+    # the race, made certain: JAX's check passes, as it did just before the deletion
+    monkeypatch.setattr(jax_array.ArrayImpl, "_check_if_deleted", lambda self: None)
+    with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
+        gone.addressable_shards  # noqa: B018 - what the probe meets
+    assert O.device_shards(gone) == []
+
+
 class _Donating:
     """An array in the window of its donation to another thread's program: its buffers are taken (reading them
     raises XLA's error) while `is_deleted()` does not say so yet."""

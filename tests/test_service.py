@@ -23,9 +23,9 @@ CONFIG = str(ROOT / "configs" / "demo_multitask.yaml")
 SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     "checkpoint_every=0", "grpo.prompts_per_step=4", "grpo.num_generations=4", "grpo.mini_batch_size=8",
     "rollout.max_batch_size=16", "eval=null")]
-# B's steps (~10-50 ms each here; held from its first step on): enough left, once the test resumes it, for its
-# cancel to land first
-A_STEPS, B_STEPS = 60, 200
+# B's steps (~10-200 ms each here; held from its start, then from its first step on, while commands run): enough left,
+# once the test resumes it, for its cancel to land first (it lands after step 2 or 3)
+A_STEPS, B_STEPS = 60, 60
 # The mesh tasks' (0.2-1 s a step in the service): subtraction is cancelled after its step 1 or 2; addition, going on
 # meanwhile (~0.2 s a step), still runs when the third starts in subtraction's room (at 20 steps, 4-9 s to spare)
 MESH_A_STEPS, MESH_B_STEPS = 30, 5
@@ -42,6 +42,15 @@ def _cli(*args: str, home: Path, cwd: Path, check: bool = True, timeout: float =
 
 def _sets(*extra: str) -> list[str]:
     return [w for s in [*SMALL, *extra] for w in ("--set", s)]
+
+
+def _solo(config: str, overrides: list[str], out: Path) -> None:
+    """The reference run: the tasks alone, one after the other, `rlsched train --in-process` as a function in this
+    process (a process of its own would add seconds of imports); it also creates the models."""
+    from rlsched.run.experiment import train
+
+    results = train(config, overrides=[*overrides, f"experiment.output_dir={out}"], in_process=True)
+    assert {r["status"] for r in results.values()} == {"ok"}, results
 
 
 class _Service:
@@ -67,20 +76,26 @@ class _Service:
         return {t["name"]: t for t in self.report["tasks"]}
 
     def wait(self, task: str, until, timeout: float = 300) -> dict:
-        end = time.monotonic() + timeout
+        """The task's `status` row once `until(row)` holds. `status` (a command: seconds) is asked again as soon as
+        the service has saved a change (tasks.json, rewritten at every change of a task's state: read directly),
+        and every 5 s besides, for what `until` reads that is not saved at once (a step)."""
+        end, asked, seen = time.monotonic() + timeout, -float("inf"), None
         while True:
-            self.processes()
-            row = self.tasks().get(task)
-            if row is not None and until(row):
-                return row
+            saved = self.saved()
+            if saved != seen or time.monotonic() - asked >= 5:
+                seen, asked = saved, time.monotonic()
+                self.processes()
+                row = self.tasks().get(task)
+                if row is not None and until(row):
+                    return row
             assert time.monotonic() < end, f"{task}: {row}"
-            time.sleep(1)
+            time.sleep(0.1)
 
-    def driver(self, task: str) -> list[int]:
-        """The pid of the task's driver, as soon as the service knows it (its step loop: stopping it holds the task,
-        while its roles live in the device group's process with the other tasks')."""
-        row = self.wait(task, lambda r: r["driver_pid"], timeout=120)
-        return [row["driver_pid"]]
+    def saved(self) -> str | None:
+        """tasks.json as the service last wrote it (atomically), None before it did."""
+        with contextlib.suppress(FileNotFoundError):
+            return (self.home / "tasks.json").read_text()
+        return None
 
     def started_driver(self, *known: int, timeout: float = 120) -> list[int]:
         """The pid of the task driver that started last (a `ray::TaskDriver` process of the service's other than
@@ -153,19 +168,15 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     """Up (twice); a bad config refused with nothing sent; A alone, then B and C arrive while A runs; C waits
     PENDING for memory (a retried submit with its request id changes nothing); B cancelled mid-run keeps a
     checkpoint and `--resume` continues it; A and B equal their solo runs; a graceful `down` checkpoints the
-    task still running and ends every process; a service that dies leaves its task FAILED for the next `up`,
-    and `down --force` ends everything at once."""
+    task still running and ends every process; a service that dies leaves its task FAILED for the next `up`, which
+    `rlsched resume` continues from its last checkpoint, and `down --force` ends everything at once."""
     from rlsched.config.loading import load_config
     from rlsched.run.experiment import estimate_bytes
 
     svc = service
     home, out = svc.home, svc.cwd
     models = [f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}"]
-    # The reference: both tasks alone, one after the other in one process (this also creates the models).
-    solo = _cli("train", CONFIG, *_sets(*models, f"tasks.0.steps={A_STEPS}", f"tasks.1.steps={B_STEPS}",
-                                        f"experiment.output_dir={tmp_path / 'solo'}"), "--in-process",
-                home=home, cwd=out, timeout=600)
-    assert "step" in solo.stdout
+    _solo(CONFIG, [*SMALL, *models, f"tasks.0.steps={A_STEPS}", f"tasks.1.steps={B_STEPS}"], tmp_path / "solo")
     # A memory budget for two tasks resident at once, not three.
     engine, actor = estimate_bytes(load_config(CONFIG, [*SMALL, *models]).tasks[0])
     budget_gb = 2.5 * (engine + actor) / 2**30
@@ -243,6 +254,7 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     svc.seen = set()
     svc("up")
     svc("submit", *third[:-2], "--resume")
+    svc.steps("third", "third", stopped["step"] + 1)
     svc.wait("third", lambda r: r["state"] == "RUNNING" and r["step"] > stopped["step"])
     service = next(p for p in svc.processes() if "ray::Service" in " ".join(p.cmdline()))
     service.send_signal(signal.SIGKILL)
@@ -251,6 +263,14 @@ def test_tasks_come_and_go_and_each_computes_what_it_computes_alone(tmp_path, se
     row = svc.tasks()["third"]
     assert row["state"] == "FAILED" and "service stopped" in row["reason"], row
     assert "rlsched resume third" in row["reason"], row
+    # What the dead service kept of it outlives it: `rlsched resume` (from another directory) continues it by name
+    # from its last checkpoint.
+    saved = out / "runs" / "third" / "tasks" / "third" / "checkpoints"
+    last = max(int(p.name) for p in saved.iterdir() if p.name.isdigit())
+    resumed = _cli("resume", "third", home=home, cwd=tmp_path)
+    assert f"continues after step {last} of 4000" in resumed.stdout, resumed.stdout
+    svc.steps("third", "third", last + 1)
+    svc.wait("third", lambda r: r["state"] == "RUNNING" and r["step"] > last, timeout=300)
     svc.processes()
     svc("down", "--force", timeout=120)
     svc.assert_all_gone()
@@ -272,6 +292,7 @@ def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing
     over = [f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}",
             f"tasks.0.steps={MESH_A_STEPS}", f"tasks.1.steps={MESH_B_STEPS}"]
     sets = _sets(*over)
+    # (a process of its own, with the 8 host devices the mesh needs: `rlsched train` sets them before JAX starts)
     _cli("train", mesh, *sets, "--set", f"experiment.output_dir={tmp_path / 'solo'}", "--in-process",
          home=svc.home, cwd=out, timeout=600)
     # A memory budget per device for two of these tasks resident at once, not three: colocated, admission counts a
@@ -281,11 +302,13 @@ def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing
     up = svc("up", "--num-devices", "8", "--memory-budget-gb", f"{2.5 * need / 2**30:.6f}").stdout
     assert "8 device(s) colocated" in up and "roles in per_device_group processes" in up, up
     svc("submit", mesh, *sets)
-    # Both held mid-run (SIGSTOP of their drivers, as in the test above) while the third arrives and one is cancelled
-    drivers = {t: svc.driver(t) for t in ("addition", "subtraction")}
-    for task in drivers:
+    # Both held mid-run (SIGSTOP of their drivers, as in the test above) while the third arrives and one is cancelled;
+    # held and let go together, so which driver is which needs no `status`
+    first = svc.started_driver()
+    drivers = first + svc.started_driver(*first)
+    for task in ("addition", "subtraction"):
         svc.steps("demo-mesh", task, 1)
-    _signal(drivers["addition"] + drivers["subtraction"], signal.SIGSTOP)
+    _signal(drivers, signal.SIGSTOP)
     third = [mesh, *sets, "--set", "experiment.name=third", "--set", "tasks.1.name=third", "--set", "tasks.1.steps=2",
              "--tasks", "third"]
     assert svc("submit", *third).stdout.split() == ["third"]
@@ -299,7 +322,7 @@ def test_sharded_tasks_share_the_services_device_group_process_and_leave_nothing
 
     # Cancelled while its driver is held: it stops after its step in progress, saves it, and its roles go
     assert "RUNNING" in svc("cancel", "subtraction").stdout
-    _signal(drivers["addition"] + drivers["subtraction"], signal.SIGCONT)
+    _signal(drivers, signal.SIGCONT)
     cancelled = svc.wait("subtraction", lambda r: r["state"] != "RUNNING")
     assert cancelled["state"] == "CANCELLED" and 1 <= cancelled["step"] < MESH_B_STEPS, cancelled
     checkpoints = out / "runs" / "demo-mesh" / "tasks" / "subtraction" / "checkpoints"
@@ -390,9 +413,11 @@ def test_locks_shows_free_and_held_locks_as_the_json_says(tmp_path, service):
     assert text == [f"{r}: free; waiting: nobody" for r in idle], text
 
     models = [f"tasks.0.model.path={tmp_path / 'models' / 'a'}", f"tasks.1.model.path={tmp_path / 'models' / 's'}"]
-    svc("submit", CONFIG, *_sets(*models, f"tasks.*.steps={B_STEPS}"))  # `*`: every task
-    assert {t: r["steps"] for t, r in svc.tasks().items()} == {"addition": B_STEPS, "subtraction": B_STEPS}
-    drivers = svc.driver("addition") + svc.driver("subtraction")
+    steps = 200  # more than they run in the tries below (~50 ms each)
+    svc("submit", CONFIG, *_sets(*models, f"tasks.*.steps={steps}"))  # `*`: every task
+    first = svc.started_driver()
+    drivers = first + svc.started_driver(*first)  # the two tasks'
+    assert {t: r["steps"] for t, r in svc.tasks().items()} == {"addition": steps, "subtraction": steps}
     svc.steps("demo-multitask", "addition", 1)
     for _ in range(50):  # until the frozen moment has a lock held and a lock free (a step is mostly in a phase)
         _signal(drivers, signal.SIGSTOP)

@@ -23,11 +23,14 @@ SMALL = [f"tasks.{i}.{k}" for i in (0, 1) for k in (
     "grpo.mini_batch_size=8", "rollout.max_batch_size=16", "eval=null")]
 
 
-def _args(out: Path, models: Path, *extra: str) -> list[str]:
-    sets = [*SMALL, f"experiment.output_dir={out}", f"tasks.0.model.path={models / 'a'}",
+def _overrides(out: Path, models: Path) -> list[str]:
+    return [*SMALL, f"experiment.output_dir={out}", f"tasks.0.model.path={models / 'a'}",
             f"tasks.1.model.path={models / 's'}"]
+
+
+def _args(out: Path, models: Path, *extra: str) -> list[str]:
     args = [sys.executable, "-m", "rlsched.cli", "train", "configs/demo_multitask.yaml"]
-    for s in sets:
+    for s in _overrides(out, models):
         args += ["--set", s]
     return [*args, *extra]
 
@@ -91,9 +94,13 @@ def test_sigterm_stops_after_the_step_in_progress_and_resume_computes_the_uninte
 
     resumed = subprocess.run(_args(out, models, "--resume"), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    whole = subprocess.run(_args(tmp_path / "whole", models, "--overwrite", "--in-process"), cwd=ROOT,
-                           capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    # The uninterrupted run: `rlsched train --in-process` as a function in this process (no process of its own to
+    # start: seconds of imports)
+    from rlsched.run.experiment import train
+
+    whole = train(ROOT / "configs" / "demo_multitask.yaml", overrides=_overrides(tmp_path / "whole", models),
+                  in_process=True)
+    assert {r["status"] for r in whole.values()} == {"ok"}, whole
     for task in ("addition", "subtraction"):
         got, expected = _metrics(out, task), _metrics(tmp_path / "whole", task)
         assert [m["step"] for m in got] == list(range(1, STEPS + 1))  # no step twice, none missing

@@ -128,11 +128,17 @@ def device_shards(x: jax.Array) -> list[tuple[Any, int, int]]:
     several tasks run at once): one deleted between `jax.live_arrays()` and the read of its shards holds nothing.
     So does one being donated: while another thread's program takes its buffers, reading them raises "Buffer has
     been deleted or donated" before `is_deleted()` says so (an engine's memory probe at the end of its rollout
-    failed the rollout that way, beside another task's train step)."""
+    failed the rollout that way, beside another task's train step). One deleted between JAX's own deletion check
+    and its walk of the buffers raises TypeError ("'NoneType' object is not iterable": the buffer list is gone),
+    seen as a resumed task's failed rollout while another task's roles left the process."""
     try:
         return [(s.device, s.data.unsafe_buffer_pointer(), s.data.nbytes) for s in x.addressable_shards]
     except RuntimeError as err:
         if x.is_deleted() or DONATED in str(err):  # deleted meanwhile ("Array has been deleted"), or being donated
+            return []
+        raise
+    except TypeError:
+        if x.is_deleted():
             return []
         raise
 
