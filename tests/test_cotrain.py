@@ -1,7 +1,9 @@
 """Co-batched TRAIN (workers.actor_cobatch): the LoRA actors of one base group that share a train hold (`Together`)
 run their optimizer steps as one vmapped program per step. Each member gets its own update: the same as its twin
 trained alone (to the float rounding of a batched program; measured below), and bit for bit the same whoever its
-partners are. A member that fails before its update does not hold the others up, and nothing is left open."""
+partners are. A member that fails before its update does not hold the others up, and nothing is left open. Both paths
+of the output head (workers.actor): the hold's main tasks carry completion windows (a run's batches; the head on the
+windows alone), the five-member hold's do not (the head on every position)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 from workers import actor_cobatch, shared_base
-from workers.actor import ActorSettings, ActorWorker
+from workers.actor import WINDOW, ActorSettings, ActorWorker
 from workers.batch import build_train_batch
 from workers.models import load_pretrained
 from workers.models import lora as L
@@ -23,6 +25,7 @@ from workers.models import sharding as S
 from workers.rollout.base import Together
 
 SPEC = L.LoraSpec(rank=4, alpha=8.0, targets=("q", "v", "o", "down"))
+W, MAX_PROMPT = 4, 16  # max_new_tokens (every completion here is 4 tokens), the prompts' longest bucket
 # Off-policy: 16 rows, mini-batches of 8, two epochs -> 4 optimizer steps per train, old and ref logprobs (beta > 0).
 # This module's own settings (two epochs, weight decay 0.01): no other test module's programs share their signature, so
 # compile counts here are this module's.
@@ -30,9 +33,12 @@ SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=5e-3, total_steps=12, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.01, grad_clip=1.0,
                          b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.04, aggregation="token-mean",
                          temperature=1.0, micro_batch_size=4, mini_batch_size=8, epochs=2, router_aux_loss_coef=None,
-                         kl_clamp=None, max_new_tokens=None)
+                         kl_clamp=None, max_new_tokens=W)
 STEPS = (1, 2, 3)
-LONG, SHORT = 6, 2  # prompt tokens (+ 4 completion tokens): length buckets 16 and 8
+# Prompt tokens (+ 4 completion tokens). A run's batch (window=True, built with max_new_tokens: its completion windows,
+# the output head on them alone; workers.actor.WINDOW) of LONG prompts is 8 + 4 = 12 positions long; a batch built
+# without (the head on every position) of LONG prompts 16, of SHORT prompts 8.
+LONG, SHORT = 6, 2
 HOLDS = itertools.count(1)
 # Measured on CPU (tiny model, float32): a batched program sums a few row reductions (RMSNorm over the 64-wide hidden
 # size) in another order than one member's program does: a few ulp (<= 4e-6 in logprobs). AdamW magnifies the
@@ -54,11 +60,12 @@ def _actor(path, seed: int, mesh=None, settings: ActorSettings = SETTINGS) -> Ac
                        base=shared_base.acquire(path, dtype=None, mesh=mesh))
 
 
-def _batch(seed: int, prompt: int, rows: int = 16):
+def _batch(seed: int, prompt: int, rows: int = 16, *, window: bool = True):
     rng = np.random.default_rng(seed)
+    windows = dict(max_prompt_len=MAX_PROMPT, max_new_tokens=W) if window else {}
     return build_train_batch([rng.integers(1, 200, prompt) for _ in range(rows)],
                              [rng.integers(1, 200, 4) for _ in range(rows)],
-                             rng.normal(size=rows).astype(np.float32), pad_id=0)
+                             rng.normal(size=rows).astype(np.float32), pad_id=0, **windows)
 
 
 def _together(actors, batches, step: int, together: Together, timeout: float = 300, *, errors: bool = False) -> list:
@@ -71,9 +78,9 @@ def _together(actors, batches, step: int, together: Together, timeout: float = 3
         return [f.result(timeout=timeout) for f in futures]
 
 
-def _task(seed: int, prompt: int):
-    """A task: its actor's seed and its batch at each step."""
-    return {"seed": seed, "batches": {s: _batch(1000 * seed + s, prompt) for s in STEPS}}
+def _task(seed: int, prompt: int, *, window: bool = True):
+    """A task: its actor's seed and its batch at each step (with completion windows or without)."""
+    return {"seed": seed, "batches": {s: _batch(1000 * seed + s, prompt, window=window) for s in STEPS}}
 
 
 def _host(tree):
@@ -93,8 +100,9 @@ def _norm(a, b) -> float:
 
 def _run(path, tasks, *, cobatch: bool, mesh=None, keep: list | None = None):
     """Train `tasks` (a fresh actor each) for STEPS, all in one hold per step or each alone: ({"params", "opt",
-    "metrics": per step}, per task), the actors released (their device arrays freed; `keep` keeps the objects, and
-    with them the programs they hold)."""
+    "metrics": per step, "windowed": whether each step's batch ran the head on its windows alone, "keys": the batch
+    keys of the train programs it ran, alone ("train") and co-batched ("cotrain")}, per task), the actors released
+    (their device arrays freed; `keep` keeps the objects, and with them the programs they hold)."""
     actors = [_actor(path, t["seed"], mesh) for t in tasks]
     if keep is not None:
         keep.extend(actors)
@@ -109,7 +117,10 @@ def _run(path, tasks, *, cobatch: bool, mesh=None, keep: list | None = None):
                 metrics.append([a.train(b, step=step) for a, b in zip(actors, batches, strict=True)])
         return [{"init": init[i], "params": _host(a.state.params), "opt": _host(a.state.opt_state),
                  "step": int(a.state.step), "metrics": [m[i] for m in metrics],
-                 "shardings": jax.tree.map(lambda x: x.sharding, a.state)}
+                 "shardings": jax.tree.map(lambda x: x.sharding, a.state),
+                 "windowed": [a.windowed(tasks[i]["batches"][step]) for step in STEPS],
+                 "keys": {"train": {keys for kind, keys in a._programs if kind == "train"},  # noqa: SLF001
+                          "cotrain": {k[2] for k in a._prepared if k[0] == "cotrain"}}}  # noqa: SLF001
                 for i, a in enumerate(actors)], actors[0].shardings
     finally:
         for a in actors:
@@ -138,10 +149,11 @@ def _compare(got: dict, want: dict, *, cobatched: float) -> dict[str, float]:
     return worst
 
 
-# Four tasks of one hold: three in the long bucket (one vmapped program, K = 3 padded to 4), one in the short (alone)
-TASKS = [_task(0, LONG), _task(1, LONG), _task(2, LONG), _task(3, SHORT)]
+# Four tasks of one hold: three with completion windows (one vmapped program of the head on the windows alone, K = 3
+# padded to 4), one without, in the short bucket (alone: the head on every position)
+TASKS = [_task(0, LONG), _task(1, LONG), _task(2, LONG), _task(3, SHORT, window=False)]
 # Task 0 again, with other partners of the same count and bucket (other seeds and batches)
-OTHERS = [TASKS[0], _task(7, LONG), _task(8, LONG), _task(9, SHORT)]
+OTHERS = [TASKS[0], _task(7, LONG), _task(8, LONG), _task(9, SHORT, window=False)]
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +186,14 @@ def trained(tiny_model_dir):
 
 
 def test_the_members_of_a_hold_each_get_their_alone_update(trained):
+    # The long tasks ran the head on their completion windows alone, co-batched as alone; the short one everywhere,
+    # its plain program in both runs
+    for run in ("alone", "together"):
+        assert [t["windowed"] for t in trained[run]] == [[True] * len(STEPS)] * 3 + [[False] * len(STEPS)]
+        assert [WINDOW in keys for keys in trained[run][3]["keys"]["train"]] == [False]
+    assert [[WINDOW in keys for keys in t["keys"]["train"]] for t in trained["alone"][:3]] == [[True]] * 3
+    assert [[WINDOW in keys for keys in t["keys"]["cotrain"]] for t in trained["together"][:3]] == [[True]] * 3
+    assert [t["keys"]["train"] for t in trained["together"][:3]] == [set()] * 3  # every step in the vmapped program
     worst = {}
     for got, want, cobatched in zip(trained["together"], trained["alone"], [3.0, 3.0, 3.0, 1.0], strict=True):
         for k, v in _compare(got, want, cobatched=cobatched).items():
@@ -213,10 +233,14 @@ def test_the_states_come_back_in_their_own_layout_and_nothing_is_left_open(train
 
 
 def test_five_members_run_padded_to_eight_and_each_gets_its_alone_update(tiny_model_dir):
-    tasks = [_task(20 + i, LONG) for i in range(5)]
+    """... on batches without completion windows: the head on every position, co-batched as alone."""
+    tasks = [_task(20 + i, SHORT, window=False) for i in range(5)]
     together, _ = _run(tiny_model_dir, tasks, cobatch=True)
     alone, _ = _run(tiny_model_dir, tasks, cobatch=False)
     for got, want in zip(together, alone, strict=True):
+        assert got["windowed"] == want["windowed"] == [False] * len(STEPS)
+        assert [WINDOW in keys for keys in got["keys"]["cotrain"]] == [False]
+        assert [WINDOW in keys for keys in want["keys"]["train"]] == [False]
         _compare(got, want, cobatched=5.0)
     assert actor_cobatch.open_holds() == []
 
@@ -298,6 +322,7 @@ def test_a_hold_on_a_dp_fsdp_mesh_gives_each_member_its_alone_update_in_its_own_
     alone, _ = _run(tiny_model_dir, tasks, cobatch=False, mesh=mesh)
     assert any(len(set(sh.spec) - {None}) for sh in jax.tree.leaves(shardings.params))  # the adapter is split
     for got, want in zip(together, alone, strict=True):
+        assert got["windowed"] == want["windowed"] == [True] * len(STEPS)  # the windows' starts split over dp x fsdp
         _compare(got, want, cobatched=3.0)
         assert got["shardings"] == want["shardings"] == shardings
     assert actor_cobatch.open_holds() == []
