@@ -133,7 +133,7 @@ def test_actors_of_like_tasks_in_one_process_share_their_programs(tiny_model_dir
     from workers.models import load_pretrained
     from workers.models import params as P
 
-    settings = ActorSettings(remat="layers",
+    settings = ActorSettings(remat="layers", adam_mu_dtype="float32",
                              lr=7e-4, total_steps=3, warmup_steps=0, min_lr_ratio=0.5, weight_decay=0.03,
                              grad_clip=1.0, b1=0.9, b2=0.99, epsilon=0.2, epsilon_high=None, beta=0.0,
                              aggregation="token-mean", temperature=1.0, micro_batch_size=4, mini_batch_size=8,

@@ -169,7 +169,8 @@ def test_a_bfloat16_actor_exports_bfloat16_tensors_bit_for_bit(family_dirs, tmp_
     model_dir = family_dirs["qwen2_untied"]
     actor = ActorWorker(load_pretrained(model_dir, dtype="bfloat16")[0], SETTINGS)
     _, _, mini = _batch()
-    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)
+    # (a bfloat16 actor's step reads the bfloat16 copy it serves: `_train_args`)
+    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini, *actor._train_args())
     task_dir = _task_dir(tmp_path / "run", model_dir)
     hparams = json.loads((task_dir / "hparams.json").read_text())
     (task_dir / "hparams.json").write_text(json.dumps({**hparams, "model": {**hparams["model"], "dtype": "bfloat16"}}))

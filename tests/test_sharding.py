@@ -80,7 +80,7 @@ def test_a_misfit_names_the_parameter_its_shape_and_the_axis():
 
 # lr 1e-3 (already 100x a typical RL rate): Adam turns float-rounding noise in near-zero gradients into
 # lr-sized steps, so a larger rate measures the optimizer's amplification rather than the sharding.
-SETTINGS = ActorSettings(remat="layers",
+SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=1e-3, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.01, grad_clip=1.0,
                          b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
                          temperature=1.0, micro_batch_size=8, mini_batch_size=16, epochs=1, router_aux_loss_coef=None,

@@ -199,7 +199,7 @@ def test_raising_reward_fails_the_task_or_scores_zero_by_policy(tmp_path, tiny_m
 
 def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model, tmp_path):
     model, _ = tiny_model
-    settings = ActorSettings(remat="layers",
+    settings = ActorSettings(remat="layers", adam_mu_dtype="float32",
                              lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
                              b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
                              temperature=1.0, micro_batch_size=4, mini_batch_size=4, epochs=1,
