@@ -1,12 +1,14 @@
 """The JAX actor worker: a TrainState, per-token logprobs, the GRPO update, weight export.
 
 Design decisions:
-- `train_step(state, batch) -> (state, metrics)` is one pure jitted function per optimizer step:
+- `train_step(state, batch) -> (state, metrics)` is one pure function per optimizer step:
   the mini-batch arrives shaped (accumulation, micro, ...) and a `lax.scan` accumulates micro-batch
   gradients, each micro-batch dividing by the whole mini-batch's denominator, so gradient
-  accumulation gives exactly the mini-batch gradient.
-- A non-finite loss or gradient skips the update inside the jit (state unchanged, `skipped` = 1):
-  one bad batch must never poison the params or a checkpoint.
+  accumulation gives exactly the mini-batch gradient. It is two functions, `gradients` then `update`, which the
+  actor runs as two jitted programs: the update alone in its program keeps no copy of the state beside the new one
+  (`update`), the same arithmetic to the bit; the co-batched step vmaps the two as one.
+- A non-finite loss or gradient skips the update on the device (state unchanged, `skipped` = 1), with no wait
+  on the host: one bad batch must never poison the params or a checkpoint.
 - On-policy with one optimizer step per GRPO step, `old_logp` is the current logp under
   stop_gradient (ratio == 1), saving a full forward pass; otherwise the caller passes the logprobs
   computed before the first update.
@@ -230,7 +232,19 @@ def router_aux_coef(settings: ActorSettings, config) -> float:
 
 def train_step(state: TrainState, batch: dict, base=None, served=None, *, graphdef, tx, settings: ActorSettings,
                lora: L.LoraSpec | None = None, dtype=None):
-    """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics).
+    """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics): `gradients`, then
+    `update` where they are finite, in one function (the co-batched step vmaps it, workers.actor_cobatch).
+    ActorWorker alone runs them as two programs, the same arithmetic (see `update`)."""
+    grads, metrics = gradients(state, batch, base, served, graphdef=graphdef, settings=settings, lora=lora,
+                               dtype=dtype)
+    return update(state, grads, metrics["skipped"] == 0, tx=tx), metrics
+
+
+def gradients(state: TrainState, batch: dict, base=None, served=None, *, graphdef, settings: ActorSettings,
+              lora: L.LoraSpec | None = None, dtype=None):
+    """The gradient of one optimizer step's loss over a mini-batch shaped (A, micro, ...) -> (grads, metrics):
+    grads as state.params (the master's dtype), summed over the micro-batches; metrics["skipped"] 1 where the loss or
+    the gradient is not finite (`update` then leaves the state as it was).
 
     batch keys: tokens, attention_mask (A, M, T); loss_mask (A, M, T-1); advantages (A, M);
     optional old_logp, ref_logp (A, M, T-1); optional completion_start (A, M): the output head then runs on each
@@ -284,18 +298,32 @@ def train_step(state: TrainState, batch: dict, base=None, served=None, *, graphd
                                                      *grpo.MAX_METRICS)}
     (grads, sums), _ = jax.lax.scan(accumulate, (zeros, init), batch)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-    new_state = TrainState(keep(new_params, state.params), keep(opt_state, state.opt_state),
-                           state.step + finite.astype(jnp.int32))
     tokens = jnp.maximum(sums["tokens"], 1.0)
     metrics = {"loss": sums["loss"], "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32),
                **{k: sums[k] / tokens for k in grpo.TOKEN_MEAN_METRICS}, **{k: sums[k] for k in grpo.MAX_METRICS}}
     if aux_coef:
         metrics["router_aux_loss"] = sums["router_aux_loss"]
-    return new_state, metrics
+    return grads, metrics
+
+
+def update(state: TrainState, grads, finite, *, tx) -> TrainState:
+    """The optimizer's step with `grads` (as state.params) where `finite` (a bool scalar), else `state` as it is.
+
+    A branch, not a select of the new state against the old: alone in its program (ActorWorker's `update`), the
+    branch keeps no copy of the state beside the new one. XLA:CPU's temporaries, bfloat16 models of the `small`
+    widths, 2 rows of 72 positions: the gradient and the step in one program with the select, 1.27 x the float32
+    params beside the gradient at 4 layers (1.40 at 2); this program alone, with the gradient its argument, 1.0
+    (optax's clip_by_global_norm, whose clipped gradient is that copy). The same branch inside the gradient's program
+    kept more (1.65), hence two programs. Under vmap (the co-batched step) a batched `finite` makes it that select."""
+
+    def apply(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, apply, lambda params, opt_state, _: (params, opt_state),
+                                     state.params, state.opt_state, grads)
+    return TrainState(params, opt_state, state.step + finite.astype(jnp.int32))
 
 
 @contextlib.contextmanager
@@ -388,6 +416,10 @@ class ActorWorker:
         return partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings, lora=self.lora,
                        dtype=self.dtype)
 
+    def gradient_function(self):
+        """`gradients` with this actor's static parts bound: (state, batch[, base[, served]]) -> (grads, metrics)."""
+        return partial(gradients, graphdef=self.graphdef, settings=self.settings, lora=self.lora, dtype=self.dtype)
+
     def _program(self, kind: str, keys: tuple[str, ...] = ()):
         """The jitted train step (per set of batch keys) or logprobs program, with explicit shardings."""
         if (kind, keys) in self._programs:
@@ -395,11 +427,14 @@ class ActorWorker:
         repl, param_sh = S.replicated(self.mesh), self.shardings.params
         # A LoRA actor's frozen base (and the logprobs' adapter row): arguments, never constants
         base_sh = () if self.lora is None else (self.base_shardings, repl)
-        if kind == "train":  # batch arrays (A, M, ...): rows (M) over dp x fsdp x ep; then `_train_args`
+        if kind == "train":  # the gradient: batch arrays (A, M, ...), rows (M) over dp x fsdp x ep; then `_train_args`
             batch_sh = {k: S.batch_sharding(self.mesh, 2 if k in ROW_KEYS else 3, leading=1) for k in keys}
             frozen_sh = base_sh[:1] if self.dtype is None else (None, param_sh)
-            fn = jax.jit(self.step_function(),
-                         in_shardings=(self.shardings, batch_sh, *frozen_sh), out_shardings=(self.shardings, repl),
+            fn = jax.jit(self.gradient_function(), in_shardings=(self.shardings, batch_sh, *frozen_sh),
+                         out_shardings=(self.shardings.params, repl))
+        elif kind == "update":  # (state, grads, the gradient's metrics["skipped"]) -> state, in place
+            fn = jax.jit(lambda state, grads, skipped: update(state, grads, skipped == 0, tx=self.tx),
+                         in_shardings=(self.shardings, self.shardings.params, repl), out_shardings=self.shardings,
                          donate_argnums=0)
         elif kind == "served":  # the master's params -> the model's dtype, laid out alike
             fn = jax.jit(partial(compute_params, dtype=self.dtype), in_shardings=(param_sh,), out_shardings=param_sh)
@@ -452,6 +487,12 @@ class ActorWorker:
                 (self._signature, key),
                 lambda: compile_once(self._program("train", keys).lower(self._abstract, batch,
                                                                        *self._train_args(abstract=True))))
+            compiled += built
+        if ("update",) not in self._prepared:
+            skipped = jax.ShapeDtypeStruct((), np.float32)
+            self._prepared["update",], built = shared(
+                (self._signature, ("update",)),
+                lambda: compile_once(self._program("update").lower(self._abstract, self._abstract.params, skipped)))
             compiled += built
         return compiled
 
@@ -616,8 +657,11 @@ class ActorWorker:
             on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, v.ndim - 1, leading=1)) for k, v in mini.items()}
             # a bfloat16 actor's forward reads the copy it serves: the one published before the first step (held
             # anyway), a fresh cast of the master before each further step (`served`)
-            self.state, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh,
-                                            *self._train_args())
+            grads, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh, *self._train_args())
+            # the optimizer's step in a program of its own (`update`), on the device's word that the step is finite
+            update = self._prepared.get(("update",)) or self._program("update")
+            self.state = update(self.state, grads, metrics["skipped"])
+            del grads  # freed when the update is done with it, before the next step's are made
             history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
 
