@@ -421,7 +421,8 @@ class ActorWorker:
         return partial(gradients, graphdef=self.graphdef, settings=self.settings, lora=self.lora, dtype=self.dtype)
 
     def _program(self, kind: str, keys: tuple[str, ...] = ()):
-        """The jitted train step (per set of batch keys) or logprobs program, with explicit shardings."""
+        """The jitted train step's gradient program (per set of batch keys), its update program, or a logprobs
+        program, with explicit shardings."""
         if (kind, keys) in self._programs:
             return self._programs[kind, keys]
         repl, param_sh = S.replicated(self.mesh), self.shardings.params
@@ -659,8 +660,8 @@ class ActorWorker:
             # anyway), a fresh cast of the master before each further step (`served`)
             grads, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh, *self._train_args())
             # the optimizer's step in a program of its own (`update`), on the device's word that the step is finite
-            update = self._prepared.get(("update",)) or self._program("update")
-            self.state = update(self.state, grads, metrics["skipped"])
+            step = self._prepared.get(("update",)) or self._program("update")
+            self.state = step(self.state, grads, metrics["skipped"])
             del grads  # freed when the update is done with it, before the next step's are made
             history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
