@@ -71,7 +71,7 @@ def actors(lease, k: int, args) -> list:
     from workers.actor import ActorSettings, ActorWorker
     from workers.models.lora import LAYER_TARGETS, LoraSpec
 
-    settings = ActorSettings(remat="layers",
+    settings = ActorSettings(remat="layers", adam_mu_dtype="float32",
                              lr=1e-3, total_steps=1000, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0,
                              grad_clip=1.0, b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0,
                              aggregation="token-mean", temperature=1.0, micro_batch_size=args.rows,

@@ -29,7 +29,7 @@ W, MAX_PROMPT = 4, 16  # max_new_tokens (every completion here is 4 tokens), the
 # Off-policy: 16 rows, mini-batches of 8, two epochs -> 4 optimizer steps per train, old and ref logprobs (beta > 0).
 # This module's own settings (two epochs, weight decay 0.01): no other test module's programs share their signature, so
 # compile counts here are this module's.
-SETTINGS = ActorSettings(remat="layers",
+SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=5e-3, total_steps=12, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.01, grad_clip=1.0,
                          b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.04, aggregation="token-mean",
                          temperature=1.0, micro_batch_size=4, mini_batch_size=8, epochs=2, router_aux_loss_coef=None,

@@ -58,7 +58,7 @@ def _trained(model_dir: Path, mesh: dict | None = None) -> ActorWorker:
     """An actor (on `mesh`, or one device) after one GRPO update: params the model directory does not hold."""
     actor = ActorWorker(load_pretrained(model_dir)[0], SETTINGS, mesh=_mesh(mesh) if mesh else None)
     _, _, mini = _batch()
-    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)
+    actor._steps([mini], [])
     return actor
 
 
@@ -169,7 +169,7 @@ def test_a_bfloat16_actor_exports_bfloat16_tensors_bit_for_bit(family_dirs, tmp_
     model_dir = family_dirs["qwen2_untied"]
     actor = ActorWorker(load_pretrained(model_dir, dtype="bfloat16")[0], SETTINGS)
     _, _, mini = _batch()
-    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)
+    actor._steps([mini], [])
     task_dir = _task_dir(tmp_path / "run", model_dir)
     hparams = json.loads((task_dir / "hparams.json").read_text())
     (task_dir / "hparams.json").write_text(json.dumps({**hparams, "model": {**hparams["model"], "dtype": "bfloat16"}}))

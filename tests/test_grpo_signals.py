@@ -29,7 +29,7 @@ QWEN3_END = [151645, 151643]  # <|im_end|>, <|endoftext|>: Qwen3's generation_co
 
 
 def _settings(**kw) -> ActorSettings:
-    return ActorSettings(remat="layers",
+    return ActorSettings(remat="layers", adam_mu_dtype="float32",
                          **{**dict(lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0,
                                    grad_clip=1.0, b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0,
                                    aggregation="token-mean", temperature=1.0, micro_batch_size=4, mini_batch_size=8,

@@ -14,7 +14,7 @@ from workers.batch import build_train_batch
 from workers.models import lora as L
 from workers.models import params as P
 
-SETTINGS = ActorSettings(remat="layers",
+SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
                          b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.04, aggregation="token-mean",
                          temperature=1.0, micro_batch_size=4, mini_batch_size=8, epochs=1, router_aux_loss_coef=None,
@@ -102,10 +102,10 @@ def test_offload_and_onload_keep_the_adapter_and_the_base(trained):
 def test_prepare_compiles_what_train_runs(tiny_model_dir):
     actor = ActorWorker(_model(tiny_model_dir), SETTINGS, lora=SPEC)
     batch = _batch()
-    assert actor.prepare(batch.size, batch.tokens.shape[1]) == 2  # the train step and the reference logprobs
+    assert actor.prepare(batch.size, batch.tokens.shape[1]) == 3  # the gradient, the update, the reference's logprobs
     assert actor.prepare(batch.size, batch.tokens.shape[1]) == 0
     actor.train(batch, step=1)
-    assert sorted(k for k, _ in actor._programs) == ["logprobs", "train"]  # the reference and the step: prepared
+    assert sorted(k for k, _ in actor._programs) == ["logprobs", "train", "update"]  # all three: prepared
 
 
 def test_a_lora_checkpoint_exports_as_peft_loads_it_and_merged(trained, tiny_model_dir, tmp_path):

@@ -28,7 +28,7 @@ from workers.models.lora_batch import init_adapter, stack, with_rows
 
 SPEC = L.LoraSpec(rank=4, alpha=8.0, targets=("q", "down", "lm_head"))
 HEAD_ONLY = L.LoraSpec(rank=4, alpha=8.0, targets=("lm_head",))
-SETTINGS = ActorSettings(remat="layers",
+SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
                          b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
                          temperature=1.0, micro_batch_size=4, mini_batch_size=8, epochs=1, router_aux_loss_coef=None,

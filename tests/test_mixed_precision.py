@@ -23,8 +23,9 @@ from workers.models import load_pretrained
 from workers.models import params as P
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-SETTINGS = ActorSettings(remat="layers", lr=1e-4, total_steps=1000, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0,
-                         grad_clip=1.0, b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0,
+SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32", lr=1e-4, total_steps=1000, warmup_steps=0,
+                         min_lr_ratio=1.0, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.999, epsilon=0.2,
+                         epsilon_high=None, beta=0.0,
                          aggregation="token-mean", temperature=1.0, micro_batch_size=4, mini_batch_size=16, epochs=1,
                          router_aux_loss_coef=None, kl_clamp=None, max_new_tokens=None)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -234,3 +235,57 @@ def test_a_step_whose_master_moves_under_a_bfloat16_unit_is_no_error(tmp_path, t
     assert result.message.checksum == published and result.value["grad_norm"] > 0
     assert _moved(before, _host(P.to_flat(actor.worker.state.params))) > 0.9
     driver.close()
+
+
+def test_the_update_reads_the_copy_it_serves_and_is_the_step_that_casts_inside(models):
+    """A bfloat16 actor's train program reads the bfloat16 copy it serves (workers.actor `served`) instead of casting
+    its master inside the step. The gradient with respect to the bfloat16 params, cast to float32, is what the
+    cast's own gradient is (the same operations), so the new state and the metrics are the other step's to the bit;
+    and the program allocates fewer temporaries (XLA's memory analysis), as the cast is not made again."""
+    _, bf16 = models
+    actor = ActorWorker(bf16, SETTINGS)
+    mini, served = _mini(), actor.served()
+    programs = {name: jax.jit(actor.step_function(), donate_argnums=0).lower(actor.state, mini, *extra).compile()
+                for name, extra in (("inside", ()), ("served", (None, served)))}
+    inside = programs["inside"](jax.tree.map(jnp.copy, actor.state), mini)
+    held = programs["served"](jax.tree.map(jnp.copy, actor.state), mini, None, served)
+    for a, b in zip(jax.tree.leaves(inside), jax.tree.leaves(held), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    temp = {name: p.memory_analysis().temp_size_in_bytes for name, p in programs.items()}
+    assert temp["served"] < temp["inside"]
+
+
+def test_a_bfloat16_first_moment_is_adamw_storing_it_rounded(models):
+    """actor.adam_mu_dtype bfloat16 (optax.adamw's mu_dtype): the first moment is stored in bfloat16 (2 bytes a
+    parameter fewer), the second in float32, and three steps are AdamW's in float32 arithmetic with the first moment
+    rounded to bfloat16 (nearest even) as it is stored, written out in numpy. One quirk of optax's: the stored moment
+    is decayed by b1 rounded to its dtype (0.9 -> 0.8984375; XLA:CPU keeps that product in float32). The tolerance,
+    1e-6 on params of |w| < 5 (two float32 units there), is the float32 run's own distance from the same numpy
+    (XLA:CPU's power, square root and divide round apart from numpy's by a unit)."""
+    from workers.actor import make_optimizer
+
+    settings = dataclasses.replace(SETTINGS, adam_mu_dtype="bfloat16", lr=1e-2, weight_decay=0.1, grad_clip=1e6)
+    tx = make_optimizer(settings)
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=(64, 48)).astype(np.float32)
+    grads = [rng.normal(size=(64, 48)).astype(np.float32) for _ in range(3)]
+    step = jax.jit(lambda p, state, g: (lambda u, state: (p + u, state))(*tx.update(g, state, p)))
+    w, state = jnp.asarray(w0), tx.init(jnp.asarray(w0))
+    for g in grads:
+        w, state = step(w, state, g)
+    adam = state[1][0]  # chain(clip, adamw(scale_by_adam, decay, lr))
+    assert (adam.mu.dtype, adam.nu.dtype) == (BF16, np.dtype(np.float32))
+    b1, b2, eps = np.float32(settings.b1), np.float32(settings.b2), np.float32(1e-8)
+    lr, wd = np.float32(settings.lr), np.float32(settings.weight_decay)
+    ref, mu, nu = w0, np.zeros_like(w0, BF16), np.zeros_like(w0)
+    for t, g in enumerate(grads, 1):
+        m = (1 - b1) * g + mu.astype(np.float32) * np.float32(np.asarray(settings.b1, BF16))
+        nu = (1 - b2) * (g * g) + b2 * nu
+        update = (m / (1 - b1 ** np.float32(t))) / (np.sqrt(nu / (1 - b2 ** np.float32(t))) + eps) + wd * ref
+        ref, mu = ref + update * -lr, m.astype(BF16)
+    np.testing.assert_array_equal(np.asarray(adam.mu).view(np.uint16), mu.view(np.uint16))
+    np.testing.assert_allclose(np.asarray(w), ref, rtol=0, atol=1e-6)
+    # the actor holds it so: 4 + 2 bytes of moments a parameter, as `rlsched plan` counts them
+    actor = ActorWorker(models[1], dataclasses.replace(SETTINGS, adam_mu_dtype="bfloat16"))
+    n = sum(x.size for x in jax.tree.leaves(actor.state.params))
+    assert actor.memory_bytes()["opt"] == 6 * n + 8

@@ -192,7 +192,7 @@ def test_presets_build_every_family(tmp_path):
 def _settings(coef):
     from workers.actor import ActorSettings
 
-    return ActorSettings(remat="layers",
+    return ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
                          b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
                          temperature=1.0, micro_batch_size=2, mini_batch_size=4, epochs=1, router_aux_loss_coef=coef,

@@ -80,7 +80,7 @@ def test_a_misfit_names_the_parameter_its_shape_and_the_axis():
 
 # lr 1e-3 (already 100x a typical RL rate): Adam turns float-rounding noise in near-zero gradients into
 # lr-sized steps, so a larger rate measures the optimizer's amplification rather than the sharding.
-SETTINGS = ActorSettings(remat="layers",
+SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=1e-3, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.01, grad_clip=1.0,
                          b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
                          temperature=1.0, micro_batch_size=8, mini_batch_size=16, epochs=1, router_aux_loss_coef=None,
@@ -105,9 +105,9 @@ def _train(model, shape):
     tokens, mask, mini = _batch()
     logits = jax.jit(lambda p: nnx.merge(actor.graphdef, p)(tokens, attention_mask=mask))(actor.state.params)
     before = {k: v.sharding for k, v in P.to_flat(actor.state.params).items()}
-    program = actor._program("train", tuple(sorted(mini)))
+    program = actor._program("train", tuple(sorted(mini)))  # the gradient's (then `update`'s, elementwise)
     for _ in range(3):
-        actor.state, _metrics = program(actor.state, mini)
+        actor._steps([mini], [])
     flat = P.to_flat(actor.state.params)
     after = {k: v.sharding for k, v in flat.items()}
     return np.asarray(logits), {k: np.asarray(v) for k, v in flat.items()}, before, after, actor, program, mini
@@ -187,7 +187,7 @@ def test_a_sharded_actor_prepared_while_offloaded_trains_without_compiling_and_a
         actor = ActorWorker(model, settings, mesh=_mesh(dict(fsdp=2, tp=2)))
         if prepare:
             actor.offload()
-            assert actor.prepare(batch.size, batch.tokens.shape[1]) == 2  # logprobs and the train step
+            assert actor.prepare(batch.size, batch.tokens.shape[1]) == 3  # logprobs, the gradient and the update
             assert actor.prepare(batch.size, batch.tokens.shape[1]) == 0
             actor.onload()
         metrics = actor.train(batch, step=1)
@@ -284,7 +284,7 @@ def test_a_moe_engine_on_ep_decodes_what_one_device_does_and_takes_a_sync(tiny_m
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
     actor = ActorWorker(load_pretrained(tiny_moe_dir)[0], SETTINGS, mesh=_mesh(dict(fsdp=2, ep=4)))
     _, _, mini = _batch()
-    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)
+    actor._steps([mini], [])
     snapshot = actor.export_weights()
     sharded.update_weights(snapshot.flat, 1, checksum=snapshot.checksum)
     assert sharded.weight_checksum == snapshot.checksum
@@ -360,7 +360,7 @@ def test_a_sync_reshards_device_to_device(actor_and_engine, prompt_ids, monkeypa
         monkeypatch.setattr(jax_sampler, "room_for", lambda nbytes: False)
     actor, engine = actor_and_engine
     _, _, mini = _batch()
-    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)  # weights the engine lacks
+    actor._steps([mini], [])  # weights the engine lacks
     snapshot = actor.export_weights()
     layout = {k: v.sharding for k, v in P.to_flat(engine._state).items()}
     version = engine.weight_version + 1
@@ -428,7 +428,7 @@ def test_a_sync_into_a_resumed_engine_lands_in_place_of_weights_still_on_host(ac
     engine.offload()
     engine.onload()
     _, _, mini = _batch()
-    actor.state, _ = actor._program("train", tuple(sorted(mini)))(actor.state, mini)
+    actor._steps([mini], [])
     snapshot = actor.export_weights()
     stats = engine.update_weights(snapshot.flat, version + 1, checksum=snapshot.checksum)
     assert (engine.weight_version, engine.weight_checksum) == (version + 1, snapshot.checksum)

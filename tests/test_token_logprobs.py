@@ -113,7 +113,7 @@ def _settings(remat: str):
     return ActorSettings(lr=1e-3, total_steps=3, warmup_steps=0, min_lr_ratio=0.5, weight_decay=0.0, grad_clip=1.0,
                          b1=0.9, b2=0.99, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
                          temperature=1.0, micro_batch_size=8, mini_batch_size=8, epochs=1, router_aux_loss_coef=None,
-                         kl_clamp=None, max_new_tokens=None, remat=remat)
+                         kl_clamp=None, max_new_tokens=None, remat=remat, adam_mu_dtype="float32")
 
 
 def test_layer_remat_trains_alike_and_its_train_program_holds_one_layer_of_attention():

@@ -199,7 +199,7 @@ def test_raising_reward_fails_the_task_or_scores_zero_by_policy(tmp_path, tiny_m
 
 def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model, tmp_path):
     model, _ = tiny_model
-    settings = ActorSettings(remat="layers",
+    settings = ActorSettings(remat="layers", adam_mu_dtype="float32",
                              lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
                              b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
                              temperature=1.0, micro_batch_size=4, mini_batch_size=4, epochs=1,
@@ -221,6 +221,50 @@ def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model, tmp_pat
         ckpt.save(1, poisoned, {"step": 1})
     assert ckpt.latest_step() is None and not any((tmp_path / "ckpt").glob("1*"))
     json.dumps(metrics)  # metrics stay JSON-serialisable
+
+
+def test_the_update_in_a_program_of_its_own_is_the_one_program_step_to_the_bit(tiny_model):
+    """The actor runs an optimizer step as two programs (workers.actor `gradients`, then `update` on the device's word
+    that the step is finite), which allocate a copy of the params fewer than the one program that selects the new
+    state against the old (tests/test_plan_memory.py). The arithmetic is that program's, written here as it was, with
+    optax's clip and AdamW built from the settings: three steps of a float32 model with the clip at work (grad_clip
+    0.01 under a gradient norm of ~5), the second one's loss not finite, leave the params, the moments, the step
+    counts and every metric equal to the bit."""
+    import optax
+
+    from workers.actor import TrainState, gradients, make_schedule
+
+    model, _ = tiny_model
+    s = ActorSettings(remat="layers", adam_mu_dtype="float32", lr=1e-2, total_steps=4, warmup_steps=0,
+                      min_lr_ratio=0.1, weight_decay=0.1, grad_clip=0.01, b1=0.9, b2=0.999, epsilon=0.2,
+                      epsilon_high=None, beta=0.0, aggregation="token-mean", temperature=1.0, micro_batch_size=2,
+                      mini_batch_size=4, epochs=1, router_aux_loss_coef=None, kl_clamp=None, max_new_tokens=None)
+    actor = ActorWorker(model, s)
+    tx = optax.chain(optax.clip_by_global_norm(s.grad_clip),
+                     optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay))
+
+    def one_program(state, mini):
+        grads, metrics = gradients(state, mini, graphdef=actor.graphdef, settings=actor.settings)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        finite = metrics["skipped"] == 0
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        return TrainState(keep(optax.apply_updates(state.params, updates), state.params),
+                          keep(opt_state, state.opt_state), state.step + finite.astype(jnp.int32)), metrics
+
+    rng, minis = np.random.default_rng(0), []
+    for advantages in (rng.normal(size=4), np.array([np.nan, 1.0, -1.0, 0.0]), rng.normal(size=4)):
+        prompts = [rng.integers(40, 60, size=4).astype(np.int32) for _ in range(4)]
+        completions = [rng.integers(40, 60, size=4).astype(np.int32) for _ in range(4)]  # one length: one compile
+        minis += actor._minis(build_train_batch(prompts, completions, advantages, pad_id=256).arrays(), False, rng)
+    step, state, want = jax.jit(one_program, donate_argnums=0), jax.tree.map(jnp.copy, actor.state), []
+    for mini in minis:
+        state, metrics = step(state, mini)
+        want.append(metrics)
+    got: list = []
+    actor._steps(minis, got)
+    assert [float(m["skipped"]) for m in got] == [0.0, 1.0, 0.0] and float(got[2]["grad_norm"]) > 100 * s.grad_clip
+    for a, b in zip(jax.tree.leaves((state, want)), jax.tree.leaves((actor.state, got)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 GSM8K_RECIPE = DEMO_CONFIG.parent / "gsm8k_qwen3.yaml"

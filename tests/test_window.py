@@ -23,7 +23,8 @@ PROMPTS, COMPLETIONS = [3, 7, 5, 12, 2, 9, 6, 4], [8, 0, 3, 5, 8, 1, 7, 2]  # le
 SETTINGS = ActorSettings(remat="off", lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.1,
                          grad_clip=1.0, b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.1,
                          aggregation="token-mean", temperature=0.9, micro_batch_size=4, mini_batch_size=4, epochs=1,
-                         router_aux_loss_coef=None, kl_clamp=None, max_new_tokens=W)  # 2 optimizer steps: off-policy
+                         router_aux_loss_coef=None, kl_clamp=None, max_new_tokens=W,
+                         adam_mu_dtype="float32")  # 2 optimizer steps: off-policy
 
 
 def _model():

@@ -1,12 +1,14 @@
 """The JAX actor worker: a TrainState, per-token logprobs, the GRPO update, weight export.
 
 Design decisions:
-- `train_step(state, batch) -> (state, metrics)` is one pure jitted function per optimizer step:
+- `train_step(state, batch) -> (state, metrics)` is one pure function per optimizer step:
   the mini-batch arrives shaped (accumulation, micro, ...) and a `lax.scan` accumulates micro-batch
   gradients, each micro-batch dividing by the whole mini-batch's denominator, so gradient
-  accumulation gives exactly the mini-batch gradient.
-- A non-finite loss or gradient skips the update inside the jit (state unchanged, `skipped` = 1):
-  one bad batch must never poison the params or a checkpoint.
+  accumulation gives exactly the mini-batch gradient. It is two functions, `gradients` then `update`, which the
+  actor runs as two jitted programs: the update alone in its program keeps no copy of the state beside the new one
+  (`update`), the same arithmetic to the bit; the co-batched step vmaps the two as one.
+- A non-finite loss or gradient skips the update on the device (state unchanged, `skipped` = 1), with no wait
+  on the host: one bad batch must never poison the params or a checkpoint.
 - On-policy with one optimizer step per GRPO step, `old_logp` is the current logp under
   stop_gradient (ratio == 1), saving a full forward pass; otherwise the caller passes the logprobs
   computed before the first update.
@@ -45,11 +47,15 @@ Design decisions:
   LoRA actor with a base of its own, trains alone whatever the hold.
 - Mixed precision as the field trains (verl's FSDP, MaxText, levanter): a model stored in bfloat16 trains float32
   master weights. The TrainState's params, both Adam moments and the gradient accumulated over micro-batches are
-  float32; the forward and the backward run in the model's dtype (`compute_params` casts the master inside the loss,
-  so the gradient flows back to it in float32); what the engine serves (`export_weights`, `params_flat`) is the
-  master rounded to the model's dtype on the devices. In bfloat16 alone an update under half a unit in the last
-  place is lost (at |w| = 0.02 that is 6e-5, above the field's learning rates) and Adam's second moment at b2 0.999
-  never decays (0.1 % a step is under half an ulp). A float32 model is unchanged: its params are its master, no
+  float32; the forward and the backward run in the model's dtype; what the engine serves (`export_weights`,
+  `params_flat`) is the master rounded to the model's dtype on the devices, once per state (`served`). The update's
+  forward reads that very copy (the train program's `served` argument) rather than casting the master again inside
+  the step: the gradient is taken with respect to the model-dtype params and cast to float32 before it is summed,
+  which is what the cast's own gradient is, so the update is the same to the bit, without the cast beside the copy
+  the actor holds anyway (XLA:CPU kept part of it alive at the step's peak: 3.7 of the params' 8.1 MB of bfloat16
+  on 2 layers of the `small` preset's widths, 2 rows of 512). In bfloat16 alone an update under half a unit in the
+  last place is lost (at |w| = 0.02 that is 6e-5, above the field's learning rates) and Adam's second moment at b2
+  0.999 never decays (0.1 % a step is under half an ulp). A float32 model is unchanged: its params are its master, no
   copy is made. A LoRA actor's adapter is float32 already (its master); its base stays frozen in the model's dtype.
 """
 
@@ -109,6 +115,8 @@ class ActorSettings:
     # What each decoder layer's forward keeps for the backward (workers.models.decoder.REMAT_POLICIES): memory and
     # time only, never a result (the backward recomputes the same values)
     remat: str
+    # The dtype AdamW stores its first moment in ("float32" or "bfloat16": optax.adamw's mu_dtype)
+    adam_mu_dtype: str
 
 
 class TrainState(NamedTuple):
@@ -135,7 +143,8 @@ def make_schedule(s: ActorSettings) -> optax.Schedule:
 
 def make_optimizer(s: ActorSettings) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(s.grad_clip),
-                       optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay))
+                       optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay,
+                                   mu_dtype=jnp.dtype(s.adam_mu_dtype)))
 
 
 # The batch key of each row's completion window start (workers.batch), and the keys with one value per row
@@ -221,16 +230,31 @@ def router_aux_coef(settings: ActorSettings, config) -> float:
     return float(config.router_aux_loss_coef if coef is None else coef)
 
 
-def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, settings: ActorSettings,
+def train_step(state: TrainState, batch: dict, base=None, served=None, *, graphdef, tx, settings: ActorSettings,
                lora: L.LoraSpec | None = None, dtype=None):
-    """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics).
+    """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics): `gradients`, then
+    `update` where they are finite, in one function (the co-batched step vmaps it, workers.actor_cobatch).
+    ActorWorker alone runs them as two programs, the same arithmetic (see `update`)."""
+    grads, metrics = gradients(state, batch, base, served, graphdef=graphdef, settings=settings, lora=lora,
+                               dtype=dtype)
+    return update(state, grads, metrics["skipped"] == 0, tx=tx), metrics
+
+
+def gradients(state: TrainState, batch: dict, base=None, served=None, *, graphdef, settings: ActorSettings,
+              lora: L.LoraSpec | None = None, dtype=None):
+    """The gradient of one optimizer step's loss over a mini-batch shaped (A, micro, ...) -> (grads, metrics):
+    grads as state.params (the master's dtype), summed over the micro-batches; metrics["skipped"] 1 where the loss or
+    the gradient is not finite (`update` then leaves the state as it was).
 
     batch keys: tokens, attention_mask (A, M, T); loss_mask (A, M, T-1); advantages (A, M);
     optional old_logp, ref_logp (A, M, T-1); optional completion_start (A, M): the output head then runs on each
     row's window of settings.max_new_tokens positions from it, where every loss-mask position lies.
     `base`: a LoRA actor's frozen model (state.params its adapter).
     `dtype`: the model's, which the forward and backward compute in (state.params are the float32 master); the
-    gradients, their sum over micro-batches and the optimizer's moments are the master's dtype.
+    gradients, their sum over micro-batches and the optimizer's moments are the master's dtype. `served` (with
+    `dtype`): state.params already cast to `dtype` (`compute_params`), which the forward reads; the gradient with
+    respect to it, cast to the master's dtype, is the cast's gradient, so the step is the one that casts inside
+    (served None), without the params-sized temporary that cast allocates.
     """
     s = settings
     # a batch with completion windows (workers.batch; ActorWorker.windowed checks them) runs the head on those alone
@@ -240,10 +264,13 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
     aux_coef = s.router_aux_loss_coef or 0.0  # resolved against the model by ActorWorker (router_aux_coef)
     micro_batches = batch["tokens"].shape[0]
 
+    # What the gradient is taken with respect to: the held copy in the model's dtype, else the master (cast inside)
+    wrt, cast = (state.params, dtype) if served is None else (served, None)
+
     def micro_loss(params, mb):
         # with aux_coef, the router's load-balancing loss too, averaged over the mini-batch's micro-batches
         logp, entropy, aux = policy_logprobs(graphdef, params, base, lora, mb["tokens"], mb["attention_mask"],
-                                             temperature=s.temperature, router_loss=bool(aux_coef), dtype=dtype,
+                                             temperature=s.temperature, router_loss=bool(aux_coef), dtype=cast,
                                              remat=s.remat, start=mb.get(WINDOW), width=width)
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
         loss, m = grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
@@ -257,31 +284,46 @@ def train_step(state: TrainState, batch: dict, base=None, *, graphdef, tx, setti
 
     def accumulate(carry, mb):
         grads, sums = carry
-        (_, m), g = grad_fn(state.params, mb)
+        (_, m), g = grad_fn(wrt, mb)
         tok = m["tokens"]
         sums = {"loss": sums["loss"] + m["loss"], "tokens": sums["tokens"] + tok,
                 "router_aux_loss": sums["router_aux_loss"] + m["router_aux_loss"],
                 **{k: sums[k] + m[k] * tok for k in grpo.TOKEN_MEAN_METRICS},
                 **{k: jnp.maximum(sums[k], m[k]) for k in grpo.MAX_METRICS}}
-        return (jax.tree.map(jnp.add, grads, g), sums), None
+        # a model-dtype gradient (`served`) to the master's dtype, as the cast's gradient does, then summed there
+        return (jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g), sums), None
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)  # the master's dtype: float32 sums of the micro-batches
     init = {k: jnp.zeros((), jnp.float32) for k in ("loss", "tokens", "router_aux_loss", *grpo.TOKEN_MEAN_METRICS,
                                                      *grpo.MAX_METRICS)}
     (grads, sums), _ = jax.lax.scan(accumulate, (zeros, init), batch)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-    new_state = TrainState(keep(new_params, state.params), keep(opt_state, state.opt_state),
-                           state.step + finite.astype(jnp.int32))
     tokens = jnp.maximum(sums["tokens"], 1.0)
     metrics = {"loss": sums["loss"], "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.float32),
                **{k: sums[k] / tokens for k in grpo.TOKEN_MEAN_METRICS}, **{k: sums[k] for k in grpo.MAX_METRICS}}
     if aux_coef:
         metrics["router_aux_loss"] = sums["router_aux_loss"]
-    return new_state, metrics
+    return grads, metrics
+
+
+def update(state: TrainState, grads, finite, *, tx) -> TrainState:
+    """The optimizer's step with `grads` (as state.params) where `finite` (a bool scalar), else `state` as it is.
+
+    A branch, not a select of the new state against the old: alone in its program (ActorWorker's `update`), the
+    branch keeps no copy of the state beside the new one. XLA:CPU's temporaries, bfloat16 models of the `small`
+    widths, 2 rows of 72 positions: the gradient and the step in one program with the select, 1.27 x the float32
+    params beside the gradient at 4 layers (1.40 at 2); this program alone, with the gradient its argument, 1.0
+    (optax's clip_by_global_norm, whose clipped gradient is that copy). The same branch inside the gradient's program
+    kept more (1.65), hence two programs. Under vmap (the co-batched step) a batched `finite` makes it that select."""
+
+    def apply(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, apply, lambda params, opt_state, _: (params, opt_state),
+                                     state.params, state.opt_state, grads)
+    return TrainState(params, opt_state, state.step + finite.astype(jnp.int32))
 
 
 @contextlib.contextmanager
@@ -356,6 +398,9 @@ class ActorWorker:
         self._abstract = abstract(self.state, self.shardings)
         self._abstract_base = () if lora is None else (abstract(self.base, self.base_shardings),
                                                        jax.ShapeDtypeStruct((), jnp.int32, sharding=repl))
+        # The served copy a bfloat16 actor's train program reads (`served`): the model's dtype, the master's layout
+        self._abstract_served = None if self.dtype is None else abstract(
+            jax.eval_shape(partial(compute_params, dtype=self.dtype), self._abstract.params), param_sh)
         # The reference's params, where they are not the policy's shapes and dtypes (a master's reference is in the
         # model's dtype): a logprobs program of its own, `reference_logprobs`
         self._abstract_ref = abstract(self.ref_params, param_sh) if self.dtype is not None and settings.beta > 0 \
@@ -371,17 +416,26 @@ class ActorWorker:
         return partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings, lora=self.lora,
                        dtype=self.dtype)
 
+    def gradient_function(self):
+        """`gradients` with this actor's static parts bound: (state, batch[, base[, served]]) -> (grads, metrics)."""
+        return partial(gradients, graphdef=self.graphdef, settings=self.settings, lora=self.lora, dtype=self.dtype)
+
     def _program(self, kind: str, keys: tuple[str, ...] = ()):
-        """The jitted train step (per set of batch keys) or logprobs program, with explicit shardings."""
+        """The jitted train step's gradient program (per set of batch keys), its update program, or a logprobs
+        program, with explicit shardings."""
         if (kind, keys) in self._programs:
             return self._programs[kind, keys]
         repl, param_sh = S.replicated(self.mesh), self.shardings.params
         # A LoRA actor's frozen base (and the logprobs' adapter row): arguments, never constants
         base_sh = () if self.lora is None else (self.base_shardings, repl)
-        if kind == "train":  # batch arrays (A, M, ...): rows (M) over dp x fsdp x ep
+        if kind == "train":  # the gradient: batch arrays (A, M, ...), rows (M) over dp x fsdp x ep; then `_train_args`
             batch_sh = {k: S.batch_sharding(self.mesh, 2 if k in ROW_KEYS else 3, leading=1) for k in keys}
-            fn = jax.jit(self.step_function(),
-                         in_shardings=(self.shardings, batch_sh, *base_sh[:1]), out_shardings=(self.shardings, repl),
+            frozen_sh = base_sh[:1] if self.dtype is None else (None, param_sh)
+            fn = jax.jit(self.gradient_function(), in_shardings=(self.shardings, batch_sh, *frozen_sh),
+                         out_shardings=(self.shardings.params, repl))
+        elif kind == "update":  # (state, grads, the gradient's metrics["skipped"]) -> state, in place
+            fn = jax.jit(lambda state, grads, skipped: update(state, grads, skipped == 0, tx=self.tx),
+                         in_shardings=(self.shardings, self.shardings.params, repl), out_shardings=self.shardings,
                          donate_argnums=0)
         elif kind == "served":  # the master's params -> the model's dtype, laid out alike
             fn = jax.jit(partial(compute_params, dtype=self.dtype), in_shardings=(param_sh,), out_shardings=param_sh)
@@ -433,7 +487,13 @@ class ActorWorker:
             self._prepared[key], built = shared(
                 (self._signature, key),
                 lambda: compile_once(self._program("train", keys).lower(self._abstract, batch,
-                                                                       *self._abstract_base[:1])))
+                                                                       *self._train_args(abstract=True))))
+            compiled += built
+        if ("update",) not in self._prepared:
+            skipped = jax.ShapeDtypeStruct((), np.float32)
+            self._prepared["update",], built = shared(
+                (self._signature, ("update",)),
+                lambda: compile_once(self._program("update").lower(self._abstract, self._abstract.params, skipped)))
             compiled += built
         return compiled
 
@@ -446,6 +506,14 @@ class ActorWorker:
     def _base_args(self) -> tuple:
         """The programs' trailing argument: a LoRA actor's frozen base, nothing for a full-weight actor."""
         return () if self.lora is None else (self.base,)
+
+    def _train_args(self, *, abstract: bool = False) -> tuple:
+        """The train program's arguments after (state, batch): a LoRA actor's frozen base; a bfloat16 actor's
+        `served` copy of its current master, which the forward reads (after the base's None: it has none); nothing
+        for a float32 actor. Shapes only with `abstract` (the state may be on host)."""
+        if self.dtype is None:
+            return self._abstract_base[:1] if abstract else self._base_args()
+        return (None, self._abstract_served if abstract else self.served())
 
     def _off_policy(self, size: int) -> bool:
         """Whether the policy moves between this batch's optimizer steps (then old_logp must be frozen)."""
@@ -588,7 +656,13 @@ class ActorWorker:
         for mini in minis:
             # Across processes each one lays its devices' rows out of the same host batch (workers.multihost)
             on_mesh = {k: global_array(v, S.batch_sharding(self.mesh, v.ndim - 1, leading=1)) for k, v in mini.items()}
-            self.state, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh, *self._base_args())
+            # a bfloat16 actor's forward reads the copy it serves: the one published before the first step (held
+            # anyway), a fresh cast of the master before each further step (`served`)
+            grads, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh, *self._train_args())
+            # the optimizer's step in a program of its own (`update`), on the device's word that the step is finite
+            step = self._prepared.get(("update",)) or self._program("update")
+            self.state = step(self.state, grads, metrics["skipped"])
+            del grads  # freed when the update is done with it, before the next step's are made
             history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
 

@@ -8,17 +8,18 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     params       every parameter's shard, in the task's model.dtype; an actor of a bfloat16 model also holds its
                  float32 master copy (workers.actor: float32 master weights, bfloat16 for the forward and the engine)
     grads        actor: as the master (gradients have their parameter's shape and layout, in float32)
-    optimizer    actor: AdamW's two moments (float32, as the master) + two int32 step counts (Adam's and the
-                 schedule's)
+    optimizer    actor: AdamW's two moments (as the master: the first in actor.adam_mu_dtype, float32 or bfloat16,
+                 the second float32) + two int32 step counts (Adam's and the schedule's)
     reference    actor, when grpo.beta > 0: the frozen reference copy of the params, in the model's dtype
     (a LoRA task, tasks[i].lora: params are the base's plus its adapter's; grads and optimizer are the adapter's
     (float32, counted whole on every device: at most a few MiB); no reference, the base is it)
     kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp x ep) x (max_prompt_len +
                  max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule:
                  the cache of every step under grpo.prompt_padding max, the largest one under bucket
-    activations  actor: what the train program allocates beside its arguments for one micro-batch, the count
-                 below (XLA's own memory analysis of the compiled program, matched within 10 %)
-The activations follow the actor's real train program (workers.actor.train_step: the GRPO loss over one
+    activations  actor: what the train programs allocate beside their arguments for one micro-batch, or for the
+                 optimizer's step, the count below (XLA's own memory analysis of the compiled programs, matched
+                 within 10 %)
+The activations follow the actor's real train program (workers.actor.gradients: the GRPO loss over one
 micro-batch, the output head by chunks of workers.token_logprobs, each decoder layer rematerialised or not as
 `actor.remat` says), fitted to XLA's `memory_analysis().temp_size_in_bytes` of that compiled program on CPU. Per
 device: rows = micro-batch / (dp x fsdp x ep), T = max_prompt_len + max_new_tokens positions, L layers, H hidden,
@@ -29,18 +30,30 @@ Q = heads x head_dim and KV = KV heads x head_dim and I the MLP's width (each / 
     remat off             L layers kept at once
     remat layers          each layer's input (REMAT_INPUT_BYTES x T x H a row) kept, and one layer recomputed at a
                           time: REMAT_WORK_SHARE of a layer's per-token bytes + REMAT_SCORE_BYTES x N T^2
-    output head           HEAD_BYTES x one chunk of positions (at most 128) x vocab / tp: three float32 arrays of
-                          that chunk's logits (never the whole [rows, positions, vocab])
+    output head           HEAD_BYTES x one chunk of positions (at most 128, and at most max_new_tokens: a run's
+                          batches run the head on their completion windows alone) x vocab / tp: three float32
+                          arrays of that chunk's logits (never the whole [rows, positions, vocab])
     the rest              REST_BYTES x T x H (the embedding's output, the final norm and their gradients)
-    (a bfloat16 model's forward reads the master cast to bfloat16 inside the step: a copy of the params' shard in
-    the model's dtype; a LoRA adapter on the head adds its float32 delta over the vocab shard)
-What the compiled program allocates beside those is the gradient of the master (the `grads` kind): XLA's
-temporaries are grads + activations. Measured on CPU (jax 0.7, XLA:CPU), a 4.5M-parameter model of the `small`
-preset's shapes (hidden 256, MLP 768, 4 heads, 2 KV heads, head_dim 128, vocab 4,096), float32 and bfloat16,
-remat layers and off, 2 and 4 layers, micro-batches of 4 and 8 rows of 256 and 512 positions, and variants of
-every width (MLP 1,536, hidden 128, 8 heads, 4 KV heads, head_dim 64), an accumulation of 2 micro-batches and 384
-positions: 55 programs, grads + activations within 7.1 % of the temporaries of every one (mean +0.7 %).
+    the update         the optimizer's step after the micro-batches, a program of its own (workers.actor.update):
+                       UPDATE_COPIES (by actor.adam_mu_dtype) x the trained params' float32 bytes (the master's,
+                       or a LoRA adapter's), the clipped gradient beside the gradient; the activations are the
+                       larger of the micro-batch's and the update's, as one program follows the other
+    (a LoRA adapter on the head adds its float32 delta over the vocab shard. A bfloat16 model's forward reads the
+    copy it serves, counted in `params`, rather than casting the master in the step; an update of several optimizer
+    steps a GRPO step (mini-batches, epochs) casts the master again before each further one while the first copy
+    waits in the task's channel, published: the params' shard in the model's dtype more, counted here)
+What the compiled programs allocate beside those is the gradient of the master (the `grads` kind): the gradient
+program's output, the update program's argument. XLA's temporaries are grads + activations. Measured on CPU (jax
+0.7, XLA:CPU), a 4.5M-parameter model of the `small` preset's shapes (hidden 256, MLP 768, 4 heads, 2 KV heads,
+head_dim 128, vocab 4,096), float32 and bfloat16, remat layers and off, 2 and 4 layers, micro-batches of 4 and 8
+rows of 256 and 512 positions, and variants of every width (MLP 1,536, hidden 128, 8 heads, 4 KV heads, head_dim
+64), an accumulation of 2 micro-batches and 384 positions: 55 programs, grads + activations within 7.1 % of the
+temporaries of every one (mean +0.7 %).
 Examples (temporaries, float32, 4 layers, 8 x 512): remat off 997 MiB, layers 316 MiB; the count 984 and 302 MiB.
+That fit predates the forward reading the served copy and the update in a program of its own (UPDATE_COPIES);
+since them, tests/test_plan_memory.py's four points are within 0.975-1.096 of the count (float32, remat layers,
+1.096: the gradient's program alone allocates 73.6 MiB where the one program of both allocated 76.8; the
+update-bound one at 4 layers 1.000), and the 55 were not measured again.
 What it leaves out: another backend's fusions (a GPU's XLA fuses more, and keeps bfloat16 where XLA:CPU keeps
 float32: the count errs high there), the fsdp all-gathered weights of the layer in flight, and a LoRA adapter's
 own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe) runs every expert on every token,
@@ -113,6 +126,14 @@ REMAT_INPUT_BYTES = {"float32": 4, "bfloat16": 3}
 REMAT_WORK_SHARE = {"float32": 0.5, "bfloat16": 0.0}
 REMAT_SCORE_BYTES = {"float32": 18, "bfloat16": 21}
 HEAD_BYTES = 12  # per (row, chunk position, vocab entry / tp): a chunk's float32 logits, softmax and gradient
+# The optimizer's step (workers.actor.update, a program of its own) allocates this many float32 copies of the trained
+# params beside the gradient, its argument, by actor.adam_mu_dtype: optax.clip_by_global_norm's clipped gradient, a
+# new tree that Adam's moments and update read; with a bfloat16 first moment half a copy more (the moment is made in
+# float32, then rounded to be stored). XLA:CPU's temporaries of that program, bfloat16 and float32 models of the
+# `small` widths, 2 and 4 layers: 1.000 and 1.500 x the master, every one. (The step and the gradient in one
+# program, skipping a non-finite step by a select of the new state against the old, kept 1.27 x at 4 layers and
+# 1.40 x at 2 with a float32 moment: the select's copy.)
+UPDATE_COPIES = {"float32": 1.0, "bfloat16": 1.5}
 REST_BYTES = {"float32": 18, "bfloat16": 10}  # per token x hidden: embedding output, final norm, their gradients
 GiB = 2**30
 
@@ -127,14 +148,16 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     """Per device of the actor's mesh, by kind (see the module docstring)."""
     mesh, item = task.actor.mesh.as_dict(), ITEMSIZE[task.model.dtype]
     params = param_bytes(model.param_shapes(), mesh, kv_heads=model.num_key_value_heads, itemsize=item)
+    mu = ITEMSIZE[task.actor.adam_mu_dtype]  # AdamW's first moment; its second is float32
     if task.lora is not None:  # the base is frozen: only the adapter (float32) has gradients and moments
-        adapter = lora_bytes(task, model)
-        out = {"params": params + adapter, "grads": adapter, "optimizer": 2 * adapter + ADAM_COUNTS}
+        trained = adapter = lora_bytes(task, model)
+        out = {"params": params + adapter, "grads": adapter,
+               "optimizer": adapter + adapter // ITEMSIZE[MASTER_DTYPE] * mu + ADAM_COUNTS}
     else:  # float32 master weights; a bfloat16 model's params are also held as the engine is served them
-        master = param_bytes(model.param_shapes(), mesh, kv_heads=model.num_key_value_heads,
-                             itemsize=ITEMSIZE[MASTER_DTYPE])
+        shapes, kv_heads = model.param_shapes(), model.num_key_value_heads
+        trained = master = param_bytes(shapes, mesh, kv_heads=kv_heads, itemsize=ITEMSIZE[MASTER_DTYPE])
         out = {"params": master + (params if item != ITEMSIZE[MASTER_DTYPE] else 0), "grads": master,
-               "optimizer": 2 * master + ADAM_COUNTS}
+               "optimizer": master + param_bytes(shapes, mesh, kv_heads=kv_heads, itemsize=mu) + ADAM_COUNTS}
     if task.grpo.beta > 0 and task.lora is None:
         out["reference"] = params
     rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
@@ -143,10 +166,14 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     # time, over the vocab shard (a LoRA adapter on the head adds its float32 delta)
     vocab = -(-model.vocab_size // mesh["tp"])
     head = HEAD_BYTES * vocab + (4 * vocab if task.lora is not None and "lm_head" in task.lora.targets else 0)
-    # a bfloat16 model's forward reads the float32 master cast to its dtype inside the step (workers.actor)
-    cast = params if task.lora is None and item != ITEMSIZE[MASTER_DTYPE] else 0
-    out["activations"] = (rows * (activation_bytes(model, mesh, positions, task.model.dtype, task.actor.remat)
-                                  + min(LOGPROB_CHUNK, positions - 1) * head) + cast)
+    # a bfloat16 model's forward reads the copy it serves (workers.actor): a second one, cast for each further
+    # optimizer step of a GRPO step, while the first waits in the channel
+    several = task.batch_plan().optimizer_steps_per_step > 1
+    cast = params if task.lora is None and item != ITEMSIZE[MASTER_DTYPE] and several else 0
+    # a run's batches carry completion windows (workers.batch): the head runs on max_new_tokens positions a row
+    micro_batch = rows * (activation_bytes(model, mesh, positions, task.model.dtype, task.actor.remat)
+                          + min(LOGPROB_CHUNK, task.grpo.max_new_tokens) * head)
+    out["activations"] = max(micro_batch, int(UPDATE_COPIES[task.actor.adam_mu_dtype] * trained)) + cast
     return out
 
 
@@ -339,7 +366,7 @@ def train_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[Shared
             g, plan = task.grpo, task.batch_plan()
             update = (dataclasses.replace(plan, task=""), task.optim.model_dump(), task.lora.model_dump(),
                       g.epsilon, g.epsilon_high, g.beta, g.loss_aggregation, g.temperature,
-                      task.actor.router_aux_loss_coef, task.actor.remat)
+                      task.actor.router_aux_loss_coef, task.actor.remat, task.actor.adam_mu_dtype)
             key = repr((b.key, update, task.actor.max_cobatch_rows))
             batch = found.setdefault(key, SharedHold(phase="train", key=key, tasks=[], rows=[],
                                                      capacity=task.actor.max_cobatch_rows))

@@ -319,6 +319,14 @@ class ActorSection(_Section):
     layers: workers.models.decoder); `off` every layer's internals, attention's float32 scores the largest. The
     results are the same either way (the same computation, recomputed)."""
 
+    adam_mu_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype AdamW stores its first moment in (optax.adamw's `mu_dtype`; the second moment stays float32, and
+    the update is computed in float32 before the moment is rounded to be stored). `bfloat16` halves it between
+    steps: 2 bytes a parameter fewer, 7.5 GiB of a 4B model; XLA:CPU keeps as much more inside the optimizer's step,
+    so where that step is the actor's peak it saves nothing (docs/performance.md). It changes the numerics, hence
+    opt-in: the stored moment keeps 8 bits of mantissa, and optax decays it by b1 rounded to bfloat16 (0.9 becomes
+    0.8984375)."""
+
     @field_validator("remat", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:

@@ -54,7 +54,7 @@ def actor_settings(spec: TaskSpec):
         epsilon_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation, temperature=g.temperature,
         micro_batch_size=plan.micro_batch_size, mini_batch_size=plan.mini_batch_size, epochs=plan.epochs_per_step,
         router_aux_loss_coef=spec.config.actor.router_aux_loss_coef, kl_clamp=g.kl_clamp,
-        max_new_tokens=g.max_new_tokens, remat=spec.config.actor.remat)
+        max_new_tokens=g.max_new_tokens, remat=spec.config.actor.remat, adam_mu_dtype=spec.config.actor.adam_mu_dtype)
 
 
 def lora_spec(spec: TaskSpec):
