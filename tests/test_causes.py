@@ -152,6 +152,14 @@ def test_a_role_constructor_error_reaches_the_terminal_as_itself(tmp_path, lacki
     everything = out.stdout + out.stderr
     assert "\x1b[" not in everything and "RoleDied" not in everything and "creation task" not in everything
     assert "close failed" not in everything  # a role that was never built has nothing to close
+    # the whole traceback is kept in the task's directory, without colour codes, and the run's output names it
+    kept = tmp_path / "runs" / "causes" / "tasks" / "addition" / "traceback.txt"
+    assert f"[addition] its traceback: {kept}" in out.stdout.splitlines()
+    text = kept.read_text()
+    assert "WeightMismatchError" in text and 'File "' in text and "load_pretrained" in text, text[-3000:]
+    assert "\x1b[" not in text
+    summary = json.loads((tmp_path / "runs" / "causes" / "summary.json").read_text())
+    assert summary["tasks"]["addition"]["traceback_file"] == str(kept)
 
 
 def test_a_ray_actors_constructor_error_is_read_from_rays_text(ray_session):

@@ -22,6 +22,29 @@ def test_init_model_then_generate(tmp_path, capsys):
     assert out.out.count("--- sample (") == 2 and "tokens in" in out.err
 
 
+def test_init_model_names_the_tokenizer_it_writes(tmp_path, capsys):
+    """--tokenizer takes every kind the models know; the line says the kind written, the preset's own by default."""
+    from workers.models.tokenizer import TOKENIZER_KINDS
+
+    choices = next(a for a in _parser_actions("init-model") if a.dest == "tokenizer").choices
+    assert sorted(choices) == sorted(TOKENIZER_KINDS)
+    for args, kind, vocab in ((["--preset", "tiny", "--tokenizer", "digits"], "digits", 16),
+                              (["--preset", "tiny-digits"], "digits", 16), (["--preset", "tiny"], "byte", 384)):
+        model_dir = tmp_path / "-".join(args)
+        assert main(["init-model", *args, str(model_dir)]) == 0
+        assert f"vocab {vocab}, {kind} tokenizer" in capsys.readouterr().out, args
+        assert json.loads((model_dir / "config.json").read_text())["vocab_size"] == vocab
+
+
+def _parser_actions(command: str):
+    import argparse
+
+    from rlsched.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]._actions
+
+
 def test_generate_reports_bad_input_without_a_traceback(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert "missing does not exist; give a model directory" in capsys.readouterr().err

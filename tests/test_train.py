@@ -124,19 +124,25 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model
 
 
 def test_resume_is_exact(tmp_path, tiny_model_dir, capsys):
+    # evaluated every 2 steps (16 problems): the resumed run's step 2 was evaluated before the crash, not again
+    evaluation = ("tasks.0.eval.every=2", "tasks.0.eval.problems=16")
     straight = tmp_path / "a"
-    train(DEMO_CONFIG, overrides=_quick(straight, tiny_model_dir), in_process=True, echo=_silent)
+    train(DEMO_CONFIG, overrides=_quick(straight, tiny_model_dir, *evaluation), in_process=True, echo=_silent)
 
     interrupted = tmp_path / "b"
-    cfg = load_config(DEMO_CONFIG, _quick(interrupted, tiny_model_dir))
+    cfg = load_config(DEMO_CONFIG, _quick(interrupted, tiny_model_dir, *evaluation))
     prepare_run_dir(cfg, resume=False, overwrite=False)
     _driver(cfg).run(until=3)  # crash after step 3: checkpoint 2 is the latest
     metrics = interrupted / "demo-addition/tasks/addition/metrics.jsonl"
     with metrics.open("a") as f:  # ... and the crash cut step 4's line short
         f.write('{"step": 4, "reward/mean": 0.1')
     capsys.readouterr()
-    train(DEMO_CONFIG, overrides=_quick(interrupted, tiny_model_dir), resume=True, in_process=True, echo=_silent)
-    assert "its last line (line 4) was cut short" in capsys.readouterr().err
+    lines = []
+    train(DEMO_CONFIG, overrides=_quick(interrupted, tiny_model_dir, *evaluation), resume=True, in_process=True,
+          echo=lines.append)
+    assert "its last line (line 5) was cut short" in capsys.readouterr().err  # steps 1-3 and step 2's evaluation
+    evaluations = [line for line in lines if "] eval " in line]
+    assert len(evaluations) == 1 and "eval after step 4:" in evaluations[0], evaluations  # step 2's is on file
 
     def comparable(path):
         return [{k: v for k, v in m.items() if not k.startswith(("time/", "mem/"))} for m in read_metrics(path)]
@@ -144,7 +150,10 @@ def test_resume_is_exact(tmp_path, tiny_model_dir, capsys):
     a = comparable(straight / "demo-addition/tasks/addition/metrics.jsonl")
     b = comparable(interrupted / "demo-addition/tasks/addition/metrics.jsonl")
     assert [m["step"] for m in b] == [1, 2, 3, 4]
-    assert a == b
+    assert a == b and [m["step"] for m in a if "eval/accuracy" in m] == [2, 4]
+    for run in (straight, interrupted):  # one evaluation line a step, as a run that was never stopped writes
+        rows = [json.loads(line) for line in (run / "demo-addition/tasks/addition/metrics.jsonl").open()]
+        assert [r["step"] for r in rows if "eval/accuracy" in r] == [2, 4], run
 
 
 def test_cli_reports_config_mistakes(tmp_path, capsys):

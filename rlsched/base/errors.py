@@ -69,6 +69,12 @@ def cause_of(err: BaseException) -> str:
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def plain_text(err: BaseException) -> str:
+    """`str(err)` without ANSI colour codes: Ray's error text (its process's name coloured, then the traceback) as a
+    file or a log keeps it."""
+    return _ANSI.sub("", str(err))
+
+
 def creation_error(err: BaseException) -> str | None:
     """"<Type>: <message>" of the exception a Ray actor's constructor raised, or None when `err` is not Ray's report
     of one. Ray reports it as an ActorDiedError that keeps only text: "The actor died because of an error raised in
@@ -78,7 +84,7 @@ def creation_error(err: BaseException) -> str | None:
     host, a scheduler) without colour codes or Ray's wrapper."""
     if not getattr(err, "actor_init_failed", False):
         return None
-    lines = _ANSI.sub("", str(err)).splitlines()
+    lines = plain_text(err).splitlines()
     frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
     after = lines[frames[-1] + 1:] if frames else lines[1:]  # the last frame's source lines are indented
     own = next((line for line in after if line.strip() and not line.startswith(" ")), None)

@@ -107,6 +107,12 @@ class EvalWork:
         return metrics
 
 
+def evaluated(rows: list[dict[str, Any]], step: int) -> bool:
+    """Whether metrics.jsonl's rows (rlsched.observe.tracking.read_metrics) hold an evaluation of `step`'s weights:
+    a run resumed after step N that evaluated N before it stopped does not evaluate it again."""
+    return any(r.get("step") == step and "eval/accuracy" in r for r in rows)
+
+
 def eval_line(task: str, step: int, metrics: dict[str, Any], seconds: float) -> str:
     """The progress line of one evaluation."""
     n = next(k for k in metrics if k.startswith("eval/pass@")).split("@")[1]

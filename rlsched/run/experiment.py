@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlsched.base.errors import cause_of
+from rlsched.base.errors import cause_of, plain_text
 from rlsched.base.waits import answer
 from rlsched.cluster import ray_cluster
 from rlsched.cluster.security import prepare_embedded_cluster
@@ -30,7 +30,7 @@ from rlsched.config.preflight import preflight
 from rlsched.config.schema import ExperimentConfig, TaskConfig
 from rlsched.observe.progress import LineBuffer, ProgressView
 from rlsched.run.stopping import Stopped, StopSignals
-from rlsched.rundir.files import prepare_run_dir, run_summary, write_atomic
+from rlsched.rundir.files import TRACEBACK_FILE, prepare_run_dir, run_summary, task_dir, write_atomic
 from rlsched.rundir.lock import RunLock
 from rlsched.rundir.log import RunLog
 from rlsched.scheduling.policy import CoBatch, GroupSpec, Phase, Policy
@@ -368,6 +368,8 @@ def _wait_for_tasks(pending: dict, drivers: dict, scheduler, cfg: ExperimentConf
              + (f" ({restarts} restart(s))" if restarts else "")
              + (f" after step {results[name]['steps']}" if status == "stopped" else "")
              + f" after {time.perf_counter() - t0:.1f}s")
+        if "traceback_file" in results[name]:
+            echo(f"[{name}] its traceback: {results[name]['traceback_file']}")
     return results
 
 
@@ -386,7 +388,10 @@ def _result(name: str, ref, scheduler, cfg: ExperimentConfig) -> dict[str, Any]:
     except ray.exceptions.RayTaskError as err:  # the step loop raised: the original error is the cause ...
         fenced = _ask(scheduler, "fenced").get(name)  # ... unless the scheduler stopped its roles first
         error = cause_of(err) if fenced is None else f"{fenced}; its roles were stopped, and then: {cause_of(err)}"
-        return {"task": name, "status": "failed", "error": error, "traceback": str(err)}
+        text = plain_text(err)
+        # the cause's one line is what a terminal shows; its whole traceback goes to the task's directory
+        kept = write_atomic(task_dir(cfg.run_dir, name) / TRACEBACK_FILE, text.rstrip("\n") + "\n")
+        return {"task": name, "status": "failed", "error": error, "traceback": text, "traceback_file": str(kept)}
     except ray.exceptions.RayActorError as err:  # the driver's process died
         cause = _ask(scheduler, "failed").get(name, f"its process died ({type(err).__name__})")
         return {"task": name, "status": "failed", "error": cause}

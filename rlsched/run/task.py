@@ -40,8 +40,8 @@ from rlsched.cluster.ray_cluster import RoleSites
 from rlsched.cluster.rolegroup import RoleGroup
 from rlsched.config.spec import TaskSpec
 from rlsched.observe.timeline import Timeline
-from rlsched.observe.tracking import make_trackers
-from rlsched.run.evaluation import EvalWork, eval_line
+from rlsched.observe.tracking import make_trackers, read_metrics
+from rlsched.run.evaluation import EvalWork, eval_line, evaluated
 from rlsched.run.export import export_final
 from rlsched.run.phases import HostWork, check_model_path, progress_line, step_metrics
 from rlsched.run.roles import ActorRole, EngineRole, PhaseResult, RemoteRole, channel_for, spawn
@@ -149,6 +149,8 @@ class TaskDriver:
         self.host.loader.load_state(meta["loader"])
         self.step_done = self.saved_step = int(meta["step"])
         self.tracker.truncate_after(self.step_done)  # lines written after the checkpoint are replayed
+        if self.eval is not None and evaluated(read_metrics(self.spec.dir / "metrics.jsonl"), self.step_done):
+            self._evaluated = self.step_done  # its weights' evaluation is on file: not run again
         self.echo(f"[{self.name}] resumed after step {self.step_done} (weights v{meta['version']})")
 
     def run(self, until: int | None = None) -> list[dict[str, Any]]:

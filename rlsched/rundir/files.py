@@ -1,7 +1,8 @@
 """The run directory and the files in it: one atomic write, one JSON encoder, one layout.
 
     runs/<experiment>/config.yaml                 resolved config (prepare_run_dir)
-    runs/<experiment>/tasks/<task>/               metrics.jsonl, hparams.json, summary.json, checkpoints/
+    runs/<experiment>/tasks/<task>/               metrics.jsonl, hparams.json, summary.json, checkpoints/,
+                                                  traceback.txt (a task that failed: where it raised)
     runs/<experiment>/timeline.json|.png          Chrome trace and Gantt (rlsched.observe: timeline, gantt)
     runs/<experiment>/summary.json                per-task status, phase times, scheduler state
     runs/<experiment>/run.lock                    the live run's pid, host and start time (rlsched.rundir.lock)
@@ -65,6 +66,9 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
     return str(value)
+
+
+TRACEBACK_FILE = "traceback.txt"  # in a failed task's directory: the whole traceback behind its one-line cause
 
 
 def task_dir(run_dir: str | Path, task: str) -> Path:

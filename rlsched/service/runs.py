@@ -164,6 +164,8 @@ class Runs:
                                                f"`rlsched resume {name}` continues it)")
             else:
                 self.book.end(name, FAILED, result["error"])
+                if "traceback_file" in result:
+                    self.book.say(name, f"[{name}] its traceback: {result['traceback_file']}")
                 self.book.say(name, f"[{name}] `rlsched resume {name}` continues it from its last checkpoint, as it "
                                     "was submitted (once the cause is fixed)")
             complete = self.ended(sub)
