@@ -8,6 +8,7 @@ in bfloat16 alone, such a step is rounded away.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -289,3 +290,44 @@ def test_a_bfloat16_first_moment_is_adamw_storing_it_rounded(models):
     actor = ActorWorker(models[1], dataclasses.replace(SETTINGS, adam_mu_dtype="bfloat16"))
     n = sum(x.size for x in jax.tree.leaves(actor.state.params))
     assert actor.memory_bytes()["opt"] == 6 * n + 8
+
+
+def test_an_offloaded_reference_leaves_the_devices_for_the_update_and_changes_no_bit(tiny_model_dir):
+    """actor.offload_reference: the frozen reference (a bfloat16 model's own params, beta > 0) comes onto the
+    devices for its log-probs and leaves them after (two spans), so the update runs without it: from the step's start
+    to its update, the live arrays in device memory (jax.live_arrays; the host copies are live arrays too, in pinned
+    host memory) drop by exactly the reference's bytes more than where it stays. Two steps give every metric and
+    state array of the actor that keeps its reference, to the bit: the second step's reference log-probs read the
+    onloaded copy."""
+    settings = dataclasses.replace(SETTINGS, beta=0.1)
+
+    class Spans:  # a timeline: each span's name, the actor's reference bytes and the live device bytes at its start
+        def __init__(self, actor):
+            self.actor, self.seen = actor, []
+
+        @contextlib.contextmanager
+        def span(self, name, **_):
+            live = sum(x.nbytes for x in jax.live_arrays() if x.sharding.memory_kind == "device")
+            self.seen.append((name, self.actor.memory_bytes()["ref"], live))
+            yield {}
+
+    results = {}
+    for offload_reference in (False, True):
+        model, _ = load_pretrained(tiny_model_dir, dtype="bfloat16", with_tokenizer=False)
+        actor = ActorWorker(model, settings, offload_reference=offload_reference)
+        del model  # its arrays are the reference's (the actor's copy aliases them): nothing else holds them
+        ref_bytes, timeline = actor.memory_bytes()["ref"], Spans(actor)
+        metrics = [actor.train(_batch(seed), step=seed + 1, timeline=timeline) for seed in (0, 1)]
+        results[offload_reference] = metrics, jax.tree.map(np.asarray, actor.state), timeline.seen
+    (off_metrics, off_state, off_seen), (on_metrics, on_state, on_seen) = results[False], results[True]
+    assert [name for name, *_ in off_seen] == ["logprobs", "update"] * 2
+    assert [name for name, *_ in on_seen] == ["logprobs", "offload_reference", "update",
+                                              "logprobs", "onload_reference", "offload_reference", "update"]
+    assert ref_bytes == 2 * sum(x.size for x in jax.tree.leaves(on_state.params)) > 0  # bfloat16, as the model
+    assert [ref for name, ref, _ in off_seen if name == "update"] == [ref_bytes] * 2
+    assert [ref for name, ref, _ in on_seen if name == "update"] == [0, 0]
+    drop = lambda seen: seen[0][2] - next(live for name, _, live in seen if name == "update")  # noqa: E731
+    assert drop(on_seen) - drop(off_seen) == ref_bytes  # the first step's, each actor's own arrays alike
+    assert off_metrics == on_metrics and off_metrics[1]["kl"] > 0  # the reference read, and read alike
+    for a, b in zip(jax.tree.leaves(off_state), jax.tree.leaves(on_state), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -215,6 +215,10 @@ def test_a_reference_model_doubles_the_params_it_keeps(tmp_path):
     cfg = _demo_mesh(tmp_path, ["tasks.0.grpo.beta=0.04"])
     b = actor_bytes(cfg.tasks[0], read_model_config(cfg.tasks[0], 0))
     assert b["reference"] == b["params"] == 58_176 * 4
+    # actor.offload_reference: on the devices for its log-probs alone, under the gradient and update that follow
+    off = actor_bytes(_demo_mesh(tmp_path, ["tasks.0.grpo.beta=0.04", "tasks.0.actor.offload_reference=true"]).tasks[0],
+                      read_model_config(cfg.tasks[0], 0))
+    assert "reference" not in off and off == {k: v for k, v in b.items() if k != "reference"}
 
 
 def test_a_bfloat16_actor_plans_its_float32_master_and_holds_what_it_plans(tmp_path, tiny_model_dir):

@@ -95,7 +95,10 @@ def test_demo_learns_addition(tmp_path):
 
 
 def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model_dir):
-    result = train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir), in_process=True, echo=_silent)["addition"]
+    # with a KL reference that waits in host memory between its log-probs (actor.offload_reference)
+    reference = ("tasks.0.grpo.beta=0.05", "tasks.0.actor.offload_reference=true")
+    result = train(DEMO_CONFIG, overrides=_quick(tmp_path, tiny_model_dir, *reference), in_process=True,
+                   echo=_silent)["addition"]
     assert (result["status"], result["steps"], len(result["metrics"])) == ("ok", 4, 4)  # the CLI's shape, and metrics
     run = tmp_path / "demo-addition"
     resolved = load_config(run / "config.yaml")
@@ -117,6 +120,9 @@ def test_run_directory_holds_config_metrics_and_checkpoints(tmp_path, tiny_model
     # in one process too, the run's timeline: each step's sync and generate (benchmarks/gpu.py reads them)
     spans = [e["name"] for e in read_trace(run / "timeline.json") if e.get("kind") == "span"]
     assert spans.count("generate") == spans.count("sync_weights") == spans.count("TRAIN") == 4, spans
+    # the reference's moves: off after each step's reference log-probs, back on before the next step's
+    assert spans.count("offload_reference") == spans.count("onload_reference") + 1 == 4
+    assert all(m["kl"] >= 0 for m in lines) and lines[-1]["kl"] > 0
     assert json.loads((run / "summary.json").read_text())["tasks"]["addition"] == {"task": "addition", "status": "ok",
                                                                                    "steps": 4}
     with pytest.raises(RunDirError, match="already holds a run; pass --resume"):

@@ -336,11 +336,14 @@ class ActorWorker:
     its adapter's TrainState and the frozen base it adapts (which is also its reference)."""
 
     def __init__(self, model: CausalLM | None, settings: ActorSettings, *, seed: int = 0, mesh=None,
-                 lora: L.LoraSpec | None = None, base=None):
+                 lora: L.LoraSpec | None = None, base=None, offload_reference: bool = False):
         """mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default:
         this process's first device. `lora`: train a fresh adapter (B = 0: step 0 is the base) on `model`.
         `base` (a LoRA actor only, `model` None): a workers.shared_base.Lease on the base, laid out on `mesh`, whose
-        arrays other holders read too: this actor never offloads or frees them, and `release` gives the lease back."""
+        arrays other holders read too: this actor never offloads or frees them, and `release` gives the lease back.
+        `offload_reference` (a full-weight actor with beta > 0; nothing for the others): the frozen reference's params
+        lie in host memory but while its log-probs are computed (`train`), so the update's programs run without them,
+        at the cost of a host round trip of the reference per step (actor.offload_reference)."""
         if settings.mini_batch_size % settings.micro_batch_size:
             raise ValueError(f"mini_batch_size {settings.mini_batch_size} is not a multiple of micro_batch_size "
                              f"{settings.micro_batch_size}")
@@ -387,6 +390,9 @@ class ActorWorker:
         # base, adapter off (the `logprobs` program with row -1).
         self.ref_params = self.base if lora is not None else None if settings.beta <= 0 else \
             served if self.dtype is not None else jax.tree.map(jnp.copy, params)
+        # The reference in host memory between its log-probs (`train`, with offload_reference): workers.offload's
+        self.offload_reference = offload_reference and lora is None and self.ref_params is not None
+        self._ref_host = None
         self._served: tuple | None = None  # (the state, its params in self.dtype): what export_weights last cast
         self.version = 0
         self.seed = seed
@@ -581,7 +587,8 @@ class ActorWorker:
                 if off_policy:  # the policy moves between optimizer steps: freeze the rollout-time logprobs
                     arrays["old_logp"] = self.logprobs(batch)
                 if s.beta > 0:
-                    arrays["ref_logp"] = self.logprobs(batch, reference=True)
+                    with self._reference(span):
+                        arrays["ref_logp"] = self.logprobs(batch, reference=True)
             minis = self._minis(arrays, off_policy, np.random.default_rng([self.seed, step]))
             first = int(self.state.step)
         except BaseException:
@@ -605,6 +612,19 @@ class ActorWorker:
         out["moved"] = float(self._moved(history, first))
         out["cobatched"] = float(cobatched)
         return out
+
+    @contextlib.contextmanager
+    def _reference(self, span):
+        """The reference's params on the devices inside (a no-op unless `offload_reference`): onloaded where they lie
+        in host memory, offloaded again after, each move a span of its own (`onload_reference`,
+        `offload_reference`), so the gradient's and the update's programs run without them."""
+        if self._ref_host is not None:
+            with span("onload_reference"):
+                self.ref_params, self._ref_host = onload(self._ref_host), None
+        yield
+        if self.offload_reference:
+            with span("offload_reference"):
+                self._ref_host, self.ref_params = offload(self.ref_params), None
 
     def cobatches(self, together) -> bool:
         """Whether `train(..., together=together)` runs co-batched: a hold of several tasks, and a LoRA actor on a

@@ -10,7 +10,10 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     grads        actor: as the master (gradients have their parameter's shape and layout, in float32)
     optimizer    actor: AdamW's two moments (as the master: the first in actor.adam_mu_dtype, float32 or bfloat16,
                  the second float32) + two int32 step counts (Adam's and the schedule's)
-    reference    actor, when grpo.beta > 0: the frozen reference copy of the params, in the model's dtype
+    reference    actor, when grpo.beta > 0: the frozen reference copy of the params, in the model's dtype; none with
+                 actor.offload_reference (it is on the devices for its log-probs alone, before the gradient exists:
+                 the reference, in the model's dtype, and a forward's activations are less than the float32
+                 gradient and the update's activations that follow it)
     (a LoRA task, tasks[i].lora: params are the base's plus its adapter's; grads and optimizer are the adapter's
     (float32, counted whole on every device: at most a few MiB); no reference, the base is it)
     kv_cache     engine: rollout.max_batch_size rows (rounded up to a multiple of dp x ep) x (max_prompt_len +
@@ -158,7 +161,7 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
         trained = master = param_bytes(shapes, mesh, kv_heads=kv_heads, itemsize=ITEMSIZE[MASTER_DTYPE])
         out = {"params": master + (params if item != ITEMSIZE[MASTER_DTYPE] else 0), "grads": master,
                "optimizer": master + param_bytes(shapes, mesh, kv_heads=kv_heads, itemsize=mu) + ADAM_COUNTS}
-    if task.grpo.beta > 0 and task.lora is None:
+    if task.grpo.beta > 0 and task.lora is None and not task.actor.offload_reference:
         out["reference"] = params
     rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
     positions = task.grpo.max_prompt_len + task.grpo.max_new_tokens

@@ -326,6 +326,13 @@ class ActorSection(_Section):
     so where that step is the actor's peak it saves nothing (docs/performance.md). It changes the numerics, hence
     opt-in: the stored moment keeps 8 bits of mantissa, and optax decays it by b1 rounded to bfloat16 (0.9 becomes
     0.8984375)."""
+    offload_reference: bool = False
+    """The frozen KL reference's params (grpo.beta > 0, a full-weight task) in host memory but while its log-probs
+    are computed: onloaded before them and offloaded after, each step (verl's ref param_offload), so the update's
+    programs run without them: the reference's bytes (a 4B bfloat16 model's 7.5 GiB) off the actor's peak. The same
+    results to the bit; it costs a host round trip of the reference per step (two named spans of the actor's
+    timeline, `onload_reference` and `offload_reference`). A LoRA task's reference is its base, which the update
+    reads: nothing moves."""
 
     @field_validator("remat", mode="before")
     @classmethod

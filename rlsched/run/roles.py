@@ -191,7 +191,8 @@ class ActorRole(_Role):
                                       base=lease)
         else:
             model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
-            self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=mesh, lora=lora_spec(spec))
+            self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=mesh, lora=lora_spec(spec),
+                                      offload_reference=spec.config.actor.offload_reference)
         self.channel = channel
         self.checkpointer = TaskCheckpointer(spec.checkpoint_dir, max_to_keep=spec.config.keep_last,
                                              background=spec.config.checkpoint_async)
