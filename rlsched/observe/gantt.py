@@ -20,7 +20,8 @@ from rlsched.rundir.files import write_atomic
 COLOURS = {
     "generate": "#4C72B0", "sync_weights": "#DD8452", "receive": "#DD8452", "swap": "#C44E52", "verify": "#937860",
     "train": "#55A868", "logprobs": "#8C8C8C", "update": "#55A868", "publish": "#8172B3", "onload": "#DA8BC3",
-    "offload": "#CCB974", "reward": "#64B5CD", "lock_wait": "#FFFFFF",
+    "offload": "#CCB974", "onload_reference": "#DA8BC3", "offload_reference": "#CCB974", "reward": "#64B5CD",
+    "lock_wait": "#FFFFFF",
     "compile": "#E8A33D", "checkpoint": "#2F4B7C",
 }
 LOCK_EDGE = {"ROLLOUT": "#1F3A93", "TRAIN": "#1E7A34"}
