@@ -1,6 +1,6 @@
 """Time to first step for 1, 2 and 4 tasks, with a cold and a warm compilation cache; and what a restart costs.
 
-    python -m benchmarks.startup [--tasks 1 2 4] [--steps 2] [--repeats 3] [--no-restarts]
+    python -m benchmarks.startup [--tasks 1 2 4] [--steps 2] [--repeats 3] [--no-restarts] [--restart-roles engine]
                                  [--processes per_role|per_device_group] [--out benchmarks/results/startup]
 
 The tasks are configs/demo_4tasks.yaml's (identical shapes, different weights), the first N of them, under the
@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="GRPO steps per run (the first is what is timed)")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--no-restarts", dest="restarts", action="store_false", help="skip the restart-cost runs")
+    p.add_argument("--restart-roles", nargs="+", default=["engine", "actor"], choices=["engine", "actor"],
+                   help="the roles whose restart cost is measured, a run each (one runs the same code as both)")
     p.add_argument("--processes", default="auto", choices=["auto", "per_role", "per_device_group"],
                    help="cluster.processes: one process per device group (auto, the default) or a process per role")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -156,7 +158,7 @@ def main(argv=None) -> dict:
                                            for k in ("first_step_s", "mean_first_step_s")}}
         restarts = {}
         if args.restarts:  # per_device_group: the role's process is its device group's, which Ray restarts
-            for role in ("engine", "actor"):
+            for role in args.restart_roles:
                 restarts[role] = restart_cost(root, root / f"cache-{args.tasks[0]}-0", role, args)
                 print(f"restart of a killed {role}: next step {restarts[role]:.1f} s after the kill", flush=True)
     base = {label: runs[f"{label}-{args.tasks[0]}"]["first_step_s"] for label in ("cold", "warm")}
@@ -181,8 +183,8 @@ def main(argv=None) -> dict:
           if overridden else []),
         *[f"{largest} tasks, {label} cache: {runs[f'{label}-{largest}']['vs_first']:.2f} x one task (goal <= "
           f"{GOAL_RATIO}: {'met' if results['met'][label] else 'NOT met'})" for label in ("cold", "warm")],
-        *([f"restart cost (seconds from SIGKILL to the next completed step): engine {restarts['engine']:.1f}, "
-           f"actor {restarts['actor']:.1f}"] if restarts else [])])
+        *(["restart cost (seconds from SIGKILL to the next completed step): "
+           + ", ".join(f"{role} {s:.1f}" for role, s in restarts.items())] if restarts else [])])
     save_results(args.out, "Time to first step and restart cost", results, report)
     return results
 

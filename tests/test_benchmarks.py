@@ -36,7 +36,9 @@ SMALLEST = {
     # in_process first: the untimed first run (models, compile cache) is then the one without a Ray to start
     "footprint": (["--steps", "2", "--repeats", "1", "--layouts", "in_process", "per_device_group", *TINY_STEP],
                   "median"),
-    "startup": (["--tasks", "1", "--steps", "2", "--repeats", "1", *TINY_STEP], "restart_s"),
+    # one restart run: the actor's goes through the same code as the engine's (tests/test_restarts.py kills both)
+    "startup": (["--tasks", "1", "--steps", "2", "--repeats", "1", "--restart-roles", "engine", *TINY_STEP],
+                "restart_s"),
     # room for both tasks' rows in one rollout (TINY_STEP's batch holds one task's)
     "lora": (["--tasks", "1,2", "--steps", "2", "--warmup-steps", "0", *TINY_STEP, "--set", "rollout.max_batch_size=8"],
              "goals"),
@@ -156,8 +158,16 @@ def check_gpu(results: dict, out: Path) -> None:
     assert "| goal (issue 40) | measured | verdict |" in (out / "report.md").read_text()
 
 
+def check_startup(results: dict, out: Path) -> None:
+    """benchmarks/startup.py: the restart run asked for, and only it, measured a restart (a completed step after
+    the kill)."""
+    assert set(results["restart_s"]) == {"engine"} and results["restart_s"]["engine"] > 0, results["restart_s"]
+    assert "restart cost (seconds from SIGKILL to the next completed step): engine " in (out / "report.md").read_text()
+
+
 # module -> a check of its results beyond their presence
-DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain, "gpu": check_gpu}
+DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain, "gpu": check_gpu,
+          "startup": check_startup}
 
 
 def test_every_benchmark_has_a_smallest_setting():
