@@ -66,6 +66,12 @@ def test_cancelled_and_failed_records_stay_at_their_bound_and_move_to_history_wi
         _submit(book, f"u{i}", run_dir)
         book.end(f"u{i}", CANCELLED, None)
     assert "t1" not in book.tasks and book.summarised("t1")[0].reason == "cancelled again"
+    # Forgotten: every row of the name leaves history.jsonl (t1 has two), the others stay as they were.
+    before = (tmp_path / "history.jsonl").read_text().splitlines()
+    assert book.forget_summarised("t1").reason == "cancelled again" and book.summarised("t1") is None
+    after = (tmp_path / "history.jsonl").read_text().splitlines()
+    assert after == [line for line in before if not line.startswith('{"name": "t1",')] and len(after) == len(before) - 2
+    assert book.forget_summarised("t1") is None and book.summarised("t10")[0].name == "t10"
     # Every line is in the run's run.log, whatever memory kept.
     logged = (tmp_path / "runs" / "run.log").read_text()
     assert "[t0] line 0" in logged and "[t0] CANCELLED: why 0" in logged

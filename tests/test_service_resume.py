@@ -121,6 +121,12 @@ def test_a_cancelled_task_resumes_by_name_from_anywhere_and_computes_what_it_com
     saved = json.loads((svc.home / "tasks.json").read_text())
     assert [t["name"] for t in saved["tasks"]] == ["second"] and "addition" not in saved["given"], saved
     _one_line_error(svc("forget", "addition", check=False), "no task 'addition'")
+    # `second` ran afresh after its CANCELLED record was summarised: forgetting it drops that history row too, so
+    # `resume` finds no earlier run of the name to continue (before, it resumed the cancelled one).
+    assert "second" in (svc.home / "history.jsonl").read_text()
+    assert "forgot second (FINISHED)" in svc("forget", "second").stdout
+    assert "second" not in (svc.home / "history.jsonl").read_text() and svc.tasks() == {}
+    _one_line_error(svc("resume", "second", check=False), "no task 'second'")
     svc.processes()
     svc("down", timeout=300)
     svc.assert_all_gone()

@@ -19,6 +19,7 @@ Design decisions (and why):
   lines and kept configs leaving memory with them: a service that ran (or saw cancelled) thousands of tasks keeps
   no more of them in memory. A CANCELLED or FAILED task's row keeps what it was submitted with, so `rlsched resume
   TASK` still continues it from its run directory (`summarised`); a new submission may take its name meanwhile.
+  `rlsched forget TASK` drops its rows there too (`forget_summarised`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,18 @@ class TaskBook:
         row = json.loads(found)
         given = row.pop("given", None)
         return _record(row), (None if given is None else Given.from_row(given))
+
+    def forget_summarised(self, name: str) -> TaskRecord | None:
+        """Drop every row of task `name` from history.jsonl (rewritten atomically; the other rows as they were), so
+        `rlsched resume` no longer finds it; its last record, or None when it has none there."""
+        found = self.summarised(name)
+        if found is None:
+            return None
+        path, key = self.state_dir / "history.jsonl", json.dumps({"name": name})[1:-1]
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                if not line.startswith("{" + key + ",")]
+        write_atomic(path, "".join(kept))
+        return found[0]
 
     def kept_error(self, cfg: ExperimentConfig, resume: bool) -> str | None:
         """Why a submission may not take the name of a CANCELLED or FAILED task (kept for `rlsched resume` until

@@ -272,18 +272,24 @@ class Service:
             return answer
 
     def forget(self, request_id: str, task: str) -> dict[str, Any]:
-        """Drop an ended task's record (and what it was submitted with); its files stay. A live one is refused."""
+        """Drop an ended task's record (and what it was submitted with), in memory or summarised in history.jsonl;
+        its files stay. A live one is refused."""
         with self._lock:
             if request_id in self._requests:
                 return self._requests[request_id]
-            if task not in self.book.tasks:
-                return {"error": self.book.unknown(task)}
+            if task not in self.book.tasks:  # summarised into history.jsonl, or never known
+                record = self.book.forget_summarised(task)
+                if record is None:
+                    return {"error": self.book.unknown(task)}
+                answer = {"task": task, "state": record.state, "run_dir": record.run_dir}
+                return self._requests.setdefault(request_id, answer)
             record = self.book.tasks[task]
             if record.state not in TERMINAL:
                 return {"error": f"task {task} is {record.state}: `rlsched cancel {task}` first, then forget it"}
             del self.book.tasks[task]
             self.book.lines.pop(task, None)
             self.book.given.pop(task, None)  # (its submission goes once its outputs are written: _complete)
+            self.book.forget_summarised(task)  # an earlier run of the name, summarised: `resume` must not find it
             self.book.save()
             answer = {"task": task, "state": record.state, "run_dir": record.run_dir}
             return self._requests.setdefault(request_id, answer)
