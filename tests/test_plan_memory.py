@@ -47,8 +47,8 @@ def _temporaries(cfg, model: ModelConfig, positions: int) -> int:
     spec = cfg.task_specs()[0]
     worker = ActorWorker(CausalLM(model, rngs=nnx.Rngs(0)), actor_settings(spec))
     worker.prepare(spec.plan.mini_batch_size, positions)
-    (program,) = [p for key, p in worker._prepared.items() if key[0] == "train"]
-    grads, update = program.memory_analysis(), worker._prepared["update",].memory_analysis()
+    (program,), (step,) = ([p for key, p in worker._prepared.items() if key[0] == kind] for kind in ("train", "update"))
+    grads, update = program.memory_analysis(), step.memory_analysis()
     return max(grads.temp_size_in_bytes, update.temp_size_in_bytes) + grads.output_size_in_bytes
 
 

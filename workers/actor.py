@@ -495,10 +495,11 @@ class ActorWorker:
                 lambda: compile_once(self._program("train", keys).lower(self._abstract, batch,
                                                                        *self._train_args(abstract=True))))
             compiled += built
-        if ("update",) not in self._prepared:
+        key = ("update", (), shapes_key({}))  # no batch: the state's shapes, the actor's own (`_run`'s key)
+        if key not in self._prepared:
             skipped = jax.ShapeDtypeStruct((), np.float32)
-            self._prepared["update",], built = shared(
-                (self._signature, ("update",)),
+            self._prepared[key], built = shared(
+                (self._signature, key),
                 lambda: compile_once(self._program("update").lower(self._abstract, self._abstract.params, skipped)))
             compiled += built
         return compiled
@@ -680,8 +681,7 @@ class ActorWorker:
             # anyway), a fresh cast of the master before each further step (`served`)
             grads, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh, *self._train_args())
             # the optimizer's step in a program of its own (`update`), on the device's word that the step is finite
-            step = self._prepared.get(("update",)) or self._program("update")
-            self.state = step(self.state, grads, metrics["skipped"])
+            self.state = self._run("update", (), {}, self.state, grads, metrics["skipped"])
             del grads  # freed when the update is done with it, before the next step's are made
             history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
