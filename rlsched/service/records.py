@@ -114,10 +114,10 @@ class TaskBook:
         path = self.state_dir / "history.jsonl"
         if not path.exists():
             return None
-        found, key = None, json.dumps({"name": name})[1:-1]  # '"name": "<name>"', how each row starts
+        found, start = None, _row_start(name)
         with open(path, encoding="utf-8") as f:
             for line in f:
-                if line.startswith("{" + key + ","):
+                if line.startswith(start):
                     found = line
         if found is None:
             return None
@@ -128,14 +128,13 @@ class TaskBook:
     def forget_summarised(self, name: str) -> TaskRecord | None:
         """Drop every row of task `name` from history.jsonl (rewritten atomically; the other rows as they were), so
         `rlsched resume` no longer finds it; its last record, or None when it has none there."""
-        found = self.summarised(name)
-        if found is None:
+        path, start = self.state_dir / "history.jsonl", _row_start(name)
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+        ours = [line for line in lines if line.startswith(start)]
+        if not ours:
             return None
-        path, key = self.state_dir / "history.jsonl", json.dumps({"name": name})[1:-1]
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-                if not line.startswith("{" + key + ",")]
-        write_atomic(path, "".join(kept))
-        return found[0]
+        write_atomic(path, "".join(line for line in lines if not line.startswith(start)))
+        return _record(json.loads(ours[-1]))  # (its "given" is not a record's field)
 
     def kept_error(self, cfg: ExperimentConfig, resume: bool) -> str | None:
         """Why a submission may not take the name of a CANCELLED or FAILED task (kept for `rlsched resume` until
@@ -225,6 +224,11 @@ class TaskBook:
                                               f"(its process died); `rlsched resume {record.name}` continues it "
                                               "from its last checkpoint")
         self.retire_old()  # a service with lower limits than the last one's
+
+
+def _row_start(name: str) -> str:
+    """How every history.jsonl row of task `name` starts: '{"name": "<name>",' (its first key, written whole)."""
+    return "{" + json.dumps({"name": name})[1:-1] + ","
 
 
 def _record(row: dict[str, Any]) -> TaskRecord:
