@@ -23,7 +23,8 @@ t0=$(date +%s)
 if [ "$mode" = prepare ] || [ ! -f "$venv/.prepared" ]; then
   rm -rf "$venv"
   python3 -m venv "$venv"
-  mapfile -t deps < <(python3 -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+  mapfile -t deps < <(python3 -c 'import tomllib
+print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
   "$venv/bin/pip" install -q "${deps[@]}" 2>&1 | quiet
   touch "$venv/.prepared"
   echo "plain stage: a fresh venv with the declared dependencies took $(( $(date +%s) - t0 )) s"
