@@ -212,8 +212,16 @@ def test_raising_reward_fails_the_task_or_scores_zero_by_policy(tmp_path, tiny_m
     assert any("16 reward error(s) scored 0" in line and "ZeroDivisionError" in line for line in echoed)
 
 
-def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model, tmp_path):
-    model, _ = tiny_model
+def _own_model(model_dir):
+    """A model of the actor's own: an ActorWorker on one device holds its model's arrays as they are and its updates
+    donate them, so the session's `tiny_model` (read by other tests) is never handed to one that trains."""
+    from workers.models import load_pretrained
+
+    return load_pretrained(model_dir, with_tokenizer=False)[0]
+
+
+def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model_dir, tmp_path):
+    model = _own_model(tiny_model_dir)
     settings = ActorSettings(remat="layers", adam_mu_dtype="float32",
                              lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
                              b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
@@ -238,7 +246,7 @@ def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model, tmp_pat
     json.dumps(metrics)  # metrics stay JSON-serialisable
 
 
-def test_the_update_in_a_program_of_its_own_is_the_one_program_step_to_the_bit(tiny_model):
+def test_the_update_in_a_program_of_its_own_is_the_one_program_step_to_the_bit(tiny_model_dir):
     """The actor runs an optimizer step as two programs (workers.actor `gradients`, then `update` on the device's word
     that the step is finite), which allocate a copy of the params fewer than the one program that selects the new
     state against the old (tests/test_plan_memory.py). The arithmetic is that program's, written here as it was, with
@@ -249,7 +257,7 @@ def test_the_update_in_a_program_of_its_own_is_the_one_program_step_to_the_bit(t
 
     from workers.actor import TrainState, gradients, make_schedule
 
-    model, _ = tiny_model
+    model = _own_model(tiny_model_dir)
     s = ActorSettings(remat="layers", adam_mu_dtype="float32", lr=1e-2, total_steps=4, warmup_steps=0,
                       min_lr_ratio=0.1, weight_decay=0.1, grad_clip=0.01, b1=0.9, b2=0.999, epsilon=0.2,
                       epsilon_high=None, beta=0.0, aggregation="token-mean", temperature=1.0, micro_batch_size=2,

@@ -338,7 +338,9 @@ class ActorWorker:
     def __init__(self, model: CausalLM | None, settings: ActorSettings, *, seed: int = 0, mesh=None,
                  lora: L.LoraSpec | None = None, base=None, offload_reference: bool = False):
         """mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default:
-        this process's first device. `lora`: train a fresh adapter (B = 0: step 0 is the base) on `model`.
+        this process's first device. The actor owns `model`'s arrays: where they are laid out as its mesh wants, it
+        holds them as they are (no copy), and its updates donate them, so `model` is not read after training.
+        `lora`: train a fresh adapter (B = 0: step 0 is the base) on `model`.
         `base` (a LoRA actor only, `model` None): a workers.shared_base.Lease on the base, laid out on `mesh`, whose
         arrays other holders read too: this actor never offloads or frees them, and `release` gives the lease back.
         `offload_reference` (a full-weight actor with beta > 0; nothing for the others): the frozen reference's params
