@@ -436,3 +436,19 @@ def test_locks_shows_free_and_held_locks_as_the_json_says(tmp_path, service):
         held = "free" if lock["holder"] is None else rf"held by {', '.join(lock['holders'])} for \d+\.\ds"
         assert re.fullmatch(rf"{re.escape(resource)}: {held}; waiting: {waiting}", line), (line, lock)
     svc("down", "--force", timeout=120)
+
+
+def test_the_service_makes_its_drivers_actor_class_once():
+    """Each `ray.remote(TaskDriver)` is a class of its own to Ray (its descriptor holds a random hash), whose method
+    metadata Ray keeps for the process's life: ~33 KiB for every task the service started, for weeks. The service
+    makes that class once (rlsched.service.runs._driver_class), so Ray keeps one entry for it however many start."""
+    from ray.actor import _ActorClassMethodMetadata
+
+    from rlsched.service.runs import _driver_class
+
+    def kept() -> int:  # other tests of this process may have made driver classes of their own (rlsched train)
+        return sum(d.class_name == "TaskDriver" for d in _ActorClassMethodMetadata._cache)
+
+    before = kept()
+    classes = {id(_driver_class()) for _ in range(5)}  # one call per task the service starts
+    assert len(classes) == 1 and kept() - before <= 1, (classes, before, kept())
