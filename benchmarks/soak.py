@@ -11,7 +11,7 @@ lists them, as a user who does not tidy up leaves them); older ones are forgotte
 does, unless the service has moved them to its history already. By default the roles live in one device group's
 process for the service's life, as on a GPU or TPU node (`--processes per_role`: a process per role, CPU's default),
 and a resident task trains there from start to end, so that process never empties: what it keeps must go with the
-tasks that leave. `--minutes` stops earlier (CI runs a 2-minute version as a test). Measured after every cycle: the
+tasks that leave. `--minutes` stops earlier (tests/test_soak.py runs 18 cycles). Measured after every cycle: the
 RSS of the service's process and of the device group's process, the bytes that process's C heap holds in use
 (glibc's mallinfo2: what it holds, without the free space a fragmented heap keeps), its compiled programs and memory
 maps (its cap is Linux's vm.max_map_count; held for ever, one actor's programs took ~590 maps), and the sizes of the
