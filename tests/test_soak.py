@@ -7,9 +7,9 @@ for a time, by their age), the resident's timeline whole though its events went 
 task's outputs complete, every task ended as its kind should, and no process left after `rlsched down`.
 
 A number of cycles, not minutes: the quarters the verdict compares hold 4-5 cycles each, every kind in each, whatever
-the machine's speed (~1 minute on CI), and the records reach their bounds by cycle 6, within the second quarter. The
-service's RSS no longer grows over its first cycles (~3 MiB a cycle until Python's next full collection, before it
-collected after each run's outputs: with 18 cycles its peak rose 13 %, rlsched.service.runs).
+the machine's speed (a 1-minute soak ran 18 on CI), and the records reach their bounds by cycle 6, within the second
+quarter. The service's RSS no longer grows over its first cycles (~3 MiB a cycle until Python's next full
+collection, before it collected after each run's outputs: with 18 cycles its peak rose 13 %, rlsched.service.runs).
 
 The device group process's RSS is held to +25 % here, not the full soak's 10 %: over its first ~30 cycles it still
 grows by fragmentation around caches JAX bounds itself (~2,000 entries, ~19 per task that traces a step), ~1.3 MiB a
