@@ -55,7 +55,7 @@ SMALLEST = {
 }
 NOT_BENCHMARKS = {"__init__", "common"}
 # Benchmarks run end to end by a test of their own, which checks their results and files: not run twice.
-ELSEWHERE = {"soak": "tests/test_soak.py (2 minutes: its verdict, results.json, report.md and soak.png)"}
+ELSEWHERE = {"soak": "tests/test_soak.py (18 cycles: its verdict, results.json, report.md and soak.png)"}
 
 
 @pytest.mark.parametrize("name", sorted(SMALLEST))
