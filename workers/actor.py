@@ -141,10 +141,26 @@ def make_schedule(s: ActorSettings) -> optax.Schedule:
         decay_steps=max(s.total_steps, s.warmup_steps + 1), end_value=s.lr * s.min_lr_ratio)
 
 
-def make_optimizer(s: ActorSettings) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(s.grad_clip),
-                       optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay,
-                                   mu_dtype=jnp.dtype(s.adam_mu_dtype)))
+class Optimizer(NamedTuple):
+    """`optax.chain(clip, step)` kept as its two stages, so that `update` can hand the clipped gradient back.
+    `init` is the chain's: its state is the chain's (clip's state, step's state)."""
+
+    clip: optax.GradientTransformation
+    step: optax.GradientTransformation
+
+    def init(self, params):
+        return optax.chain(self.clip, self.step).init(params)
+
+    def update(self, updates, state, params=None):
+        """The chain's update in one: (updates, state)."""
+        return optax.chain(self.clip, self.step).update(updates, state, params)
+
+
+def make_optimizer(s: ActorSettings) -> Optimizer:
+    """Gradient clipping by the global norm, then AdamW on `make_schedule`."""
+    return Optimizer(optax.clip_by_global_norm(s.grad_clip),
+                     optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay,
+                                 mu_dtype=jnp.dtype(s.adam_mu_dtype)))
 
 
 # The batch key of each row's completion window start (workers.batch), and the keys with one value per row
@@ -237,7 +253,7 @@ def train_step(state: TrainState, batch: dict, base=None, served=None, *, graphd
     ActorWorker alone runs them as two programs, the same arithmetic (see `update`)."""
     grads, metrics = gradients(state, batch, base, served, graphdef=graphdef, settings=settings, lora=lora,
                                dtype=dtype)
-    return update(state, grads, metrics["skipped"] == 0, tx=tx), metrics
+    return update(state, grads, metrics["skipped"] == 0, tx=tx)[0], metrics
 
 
 def gradients(state: TrainState, batch: dict, base=None, served=None, *, graphdef, settings: ActorSettings,
@@ -307,23 +323,29 @@ def gradients(state: TrainState, batch: dict, base=None, served=None, *, graphde
     return grads, metrics
 
 
-def update(state: TrainState, grads, finite, *, tx) -> TrainState:
-    """The optimizer's step with `grads` (as state.params) where `finite` (a bool scalar), else `state` as it is.
+def update(state: TrainState, grads, finite, *, tx: Optimizer) -> tuple[TrainState, Any]:
+    """The optimizer's step with `grads` (as state.params) where `finite` (a bool scalar), else `state` as it is:
+    (the new state, the clipped gradient, or `grads` where the step was skipped).
 
     A branch, not a select of the new state against the old: alone in its program (ActorWorker's `update`), the
-    branch keeps no copy of the state beside the new one. XLA:CPU's temporaries, bfloat16 models of the `small`
-    widths, 2 rows of 72 positions: the gradient and the step in one program with the select, 1.27 x the float32
-    params beside the gradient at 4 layers (1.40 at 2); this program alone, with the gradient its argument, 1.0
-    (optax's clip_by_global_norm, whose clipped gradient is that copy). The same branch inside the gradient's program
-    kept more (1.65), hence two programs. Under vmap (the co-batched step) a batched `finite` makes it that select."""
+    branch keeps no copy of the state beside the new one. The clipped gradient is an output so that its program can
+    write it over the gradient it is given (donated): as a temporary it was a float32 copy of the params, alive
+    through the step (optax.clip_by_global_norm's select, which XLA:CPU materializes for the two moments it feeds).
+    XLA:CPU's temporaries, float32 params beside their gradient: 1.0 x the params with optax.chain(clip, adamw) as one
+    transformation, none this way. The arithmetic is the chain's (the clip's output, then AdamW on it), though XLA
+    rounded the chain's second moment differently in the last bit where it fused the clip into it. The same branch
+    inside the gradient's program kept more (1.65 x, bfloat16 models), hence two programs. Under vmap (the co-batched
+    step) a batched `finite` makes it that select."""
 
     def apply(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        clip_state, step_state = opt_state  # optax.chain's state: one per stage
+        grads, clip_state = tx.clip.update(grads, clip_state, params)
+        updates, step_state = tx.step.update(grads, step_state, params)
+        return optax.apply_updates(params, updates), (clip_state, step_state), grads
 
-    params, opt_state = jax.lax.cond(finite, apply, lambda params, opt_state, _: (params, opt_state),
-                                     state.params, state.opt_state, grads)
-    return TrainState(params, opt_state, state.step + finite.astype(jnp.int32))
+    params, opt_state, grads = jax.lax.cond(finite, apply, lambda params, opt_state, grads: (params, opt_state, grads),
+                                            state.params, state.opt_state, grads)
+    return TrainState(params, opt_state, state.step + finite.astype(jnp.int32)), grads
 
 
 @contextlib.contextmanager
@@ -441,10 +463,11 @@ class ActorWorker:
             frozen_sh = base_sh[:1] if self.dtype is None else (None, param_sh)
             fn = jax.jit(self.gradient_function(), in_shardings=(self.shardings, batch_sh, *frozen_sh),
                          out_shardings=(self.shardings.params, repl))
-        elif kind == "update":  # (state, grads, the gradient's metrics["skipped"]) -> state, in place
+        elif kind == "update":  # (state, grads, the gradient's metrics["skipped"]) -> (state, clipped grads), both
+            # in place of their arguments (`update`)
             fn = jax.jit(lambda state, grads, skipped: update(state, grads, skipped == 0, tx=self.tx),
-                         in_shardings=(self.shardings, self.shardings.params, repl), out_shardings=self.shardings,
-                         donate_argnums=0)
+                         in_shardings=(self.shardings, self.shardings.params, repl),
+                         out_shardings=(self.shardings, self.shardings.params), donate_argnums=(0, 1))
         elif kind == "served":  # the master's params -> the model's dtype, laid out alike
             fn = jax.jit(partial(compute_params, dtype=self.dtype), in_shardings=(param_sh,), out_shardings=param_sh)
         else:  # (params, tokens, mask[, completion_start][, base, row]) -> logprobs (B, T-1), rows over
@@ -683,8 +706,8 @@ class ActorWorker:
             # anyway), a fresh cast of the master before each further step (`served`)
             grads, metrics = self._run("train", tuple(sorted(mini)), mini, self.state, on_mesh, *self._train_args())
             # the optimizer's step in a program of its own (`update`), on the device's word that the step is finite
-            self.state = self._run("update", (), {}, self.state, grads, metrics["skipped"])
-            del grads  # freed when the update is done with it, before the next step's are made
+            self.state, grads = self._run("update", (), {}, self.state, grads, metrics["skipped"])
+            del grads  # the clipped gradient, written over the gradient: freed before the next step's are made
             history.append(metrics)
         jax.block_until_ready((self.state, history))  # the update span ends when the work does, not at dispatch
 
