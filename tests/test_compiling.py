@@ -128,10 +128,11 @@ def test_actors_of_like_tasks_in_one_process_share_their_programs(tiny_model_dir
 
     import numpy as np
 
-    from workers.actor import ActorSettings, ActorWorker
+    from workers.actor import ActorWorker
     from workers.batch import build_train_batch
     from workers.models import load_pretrained
     from workers.models import params as P
+    from workers.train_step import ActorSettings
 
     settings = ActorSettings(remat="layers", adam_mu_dtype="float32",
                              lr=7e-4, total_steps=3, warmup_steps=0, min_lr_ratio=0.5, weight_decay=0.03,

@@ -250,7 +250,7 @@ def test_optimizer_bytes_are_what_optax_allocates(tmp_path):
     import numpy as np
 
     from rlsched.run.roles import actor_settings
-    from workers.actor import make_optimizer
+    from workers.train_step import make_optimizer
 
     for mu, per_param in (("float32", 4 + 4), ("bfloat16", 2 + 4)):  # actor.adam_mu_dtype: the first moment's
         cfg = _demo_mesh(tmp_path, ["tasks.0.actor.mesh={fsdp: 1, tp: 1}", f"tasks.0.actor.adam_mu_dtype={mu}"])

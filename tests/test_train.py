@@ -26,9 +26,10 @@ from rlsched.rundir.files import RunDirError, prepare_run_dir
 from rlsched.scheduling.policy import Role
 from rlsched.scheduling.scheduler import FreeLocks
 from workers import rewards as R
-from workers.actor import ActorSettings, ActorWorker, Optimizer
+from workers.actor import ActorWorker
 from workers.batch import build_train_batch
 from workers.data import DataError, load_jsonl
+from workers.train_step import ActorSettings, Optimizer
 
 REQUIRED_METRICS = ["step", "reward/mean", "reward/std", "reward/max", "loss", "kl", "clip_frac", "grad_norm", "lr",
                     "response_len/mean", "tokens/generated", "time/rollout_s", "time/reward_s", "time/train_s",
@@ -258,7 +259,7 @@ def test_the_update_in_a_program_of_its_own_is_optax_clip_then_adamw_to_the_bit(
     and every metric equal to the bit."""
     import optax
 
-    from workers.actor import TrainState, gradients, make_schedule
+    from workers.train_step import TrainState, gradients, make_schedule
 
     model = _own_model(tiny_model_dir)
     s = ActorSettings(remat="layers", adam_mu_dtype="float32", lr=1e-2, total_steps=4, warmup_steps=0,

@@ -22,7 +22,7 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     activations  actor: what the train programs allocate beside their arguments for one micro-batch, or for the
                  optimizer's step, the count below (XLA's own memory analysis of the compiled programs, matched
                  within 10 %)
-The activations follow the actor's real train program (workers.actor.gradients: the GRPO loss over one
+The activations follow the actor's real train program (workers.train_step.gradients: the GRPO loss over one
 micro-batch, the output head by chunks of workers.token_logprobs, each decoder layer rematerialised or not as
 `actor.remat` says), fitted to XLA's `memory_analysis().temp_size_in_bytes` of that compiled program on CPU. Per
 device: rows = micro-batch / (dp x fsdp x ep), T = max_prompt_len + max_new_tokens positions, L layers, H hidden,
@@ -37,7 +37,7 @@ Q = heads x head_dim and KV = KV heads x head_dim and I the MLP's width (each / 
                           batches run the head on their completion windows alone) x vocab / tp: three float32
                           arrays of that chunk's logits (never the whole [rows, positions, vocab])
     the rest              REST_BYTES x T x H (the embedding's output, the final norm and their gradients)
-    the update         the optimizer's step after the micro-batches, a program of its own (workers.actor.update):
+    the update         the optimizer's step after the micro-batches, a program of its own (workers.train_step.update):
                        UPDATE_COPIES (by actor.adam_mu_dtype) x the trained params' float32 bytes (the master's,
                        or a LoRA adapter's): nothing with a float32 first moment (the clipped gradient is written
                        over the gradient), the float32 moment before its rounding with a bfloat16 one; the
@@ -135,13 +135,13 @@ REMAT_INPUT_BYTES = {"float32": 4, "bfloat16": 3}
 REMAT_WORK_SHARE = {"float32": 0.5, "bfloat16": 0.0}
 REMAT_SCORE_BYTES = {"float32": 18, "bfloat16": 21}
 HEAD_BYTES = 12  # per (row, chunk position, vocab entry / tp): a chunk's float32 logits, softmax and gradient
-# The optimizer's step (workers.actor.update, a program of its own) allocates this many float32 copies of the trained
-# params beside the gradient, its argument, by actor.adam_mu_dtype: none with a float32 first moment (the clipped
-# gradient is written over the gradient, the moments and the params over themselves), half a copy with a bfloat16 one
-# (the moment is made in float32, then rounded to be stored). XLA:CPU's temporaries of that program, bfloat16 models
-# of the `small` widths, 2 and 4 layers: 0.001 and 0.500 x the master, every one. (optax's clip inside the chain, as
-# one transformation, kept its clipped gradient as a temporary: 1.0 and 1.5; the step and the gradient in one
-# program, skipping a non-finite step by a select of the new state against the old, 1.27 x at 4 layers.)
+# The optimizer's step (workers.train_step.update, a program of its own) allocates this many float32 copies of the
+# trained params beside the gradient, its argument, by actor.adam_mu_dtype: none with a float32 first moment (the
+# clipped gradient is written over the gradient, the moments and the params over themselves), half a copy with a
+# bfloat16 one (the moment is made in float32, then rounded to be stored). XLA:CPU's temporaries of that program,
+# bfloat16 models of the `small` widths, 2 and 4 layers: 0.001 and 0.500 x the master, every one. (optax's clip inside
+# the chain, as one transformation, kept its clipped gradient as a temporary: 1.0 and 1.5; the step and the gradient
+# in one program, skipping a non-finite step by a select of the new state against the old, 1.27 x at 4 layers.)
 UPDATE_COPIES = {"float32": 0.0, "bfloat16": 0.5}
 REST_BYTES = {"float32": 18, "bfloat16": 10}  # per token x hidden: embedding output, final norm, their gradients
 GiB = 2**30
@@ -363,7 +363,7 @@ def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[Shar
 
 def train_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[SharedHold]:
     """The co-batched updates of `cfg`'s base groups: LoRA tasks whose actors read one base and whose update is one
-    program (everything workers.actor.ActorSettings is built from, and the adapter's shape: data, rewards and
+    program (everything workers.train_step.ActorSettings is built from, and the adapter's shape: data, rewards and
     seeds may differ); tasks with actor.cobatch false left out."""
     found: dict[str, SharedHold] = {}
     by_name = {t.name: t for t in cfg.tasks}
