@@ -67,6 +67,7 @@ from workers.multihost import global_array, host_value
 from workers.offload import offload, onload, per_device_bytes
 from workers.train_step import (
     MASTER_DTYPE,
+    OPTIMIZER_ONLY,
     ROW_KEYS,
     WINDOW,
     ActorSettings,
@@ -184,6 +185,10 @@ class ActorWorker:
         # and layout (a sweep over seeds or data) share their executables within a process (compiling.shared).
         self._signature = ("actor", self.graphdef, settings, lora, self.mesh, jax.tree.structure(self._abstract),
                            tuple(jax.tree.leaves(self._abstract)))
+        # The gradient's and the log-probs' programs read no optimizer setting: a sweep over learning rates (or
+        # schedules, weight decay, clipping, Adam's betas) shares them too, and compiles its own update alone.
+        self._loss_signature = (*self._signature[:2], dataclasses.replace(settings, **OPTIMIZER_ONLY),
+                                *self._signature[3:])
 
     def step_function(self):
         """`train_step` with this actor's static parts bound: (state, batch[, base]) -> (state, metrics), not yet
@@ -244,7 +249,7 @@ class ActorWorker:
                 rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask", *window)]
                 args = (params, *rows, *self._abstract_base)
                 self._prepared[key], built = shared(
-                    (self._signature, key),
+                    (self._loss_signature, key),
                     lambda kind=kind, args=args: compile_once(self._program(kind, window).lower(*args)))
                 compiled += built
         acc = s.mini_batch_size // m
@@ -261,7 +266,7 @@ class ActorWorker:
         if key not in self._prepared:
             batch = {k: jax.ShapeDtypeStruct(*v) for k, v in mini.items()}
             self._prepared[key], built = shared(
-                (self._signature, key),
+                (self._loss_signature, key),
                 lambda: compile_once(self._program("train", keys).lower(self._abstract, batch,
                                                                        *self._train_args(abstract=True))))
             compiled += built

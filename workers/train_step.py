@@ -77,6 +77,12 @@ class ActorSettings:
     adam_mu_dtype: str
 
 
+# The settings only the optimizer reads (`make_optimizer`): the loss's programs are the same whatever they are
+# (ActorWorker shares them across a sweep of these); None in their place names no value
+OPTIMIZER_ONLY = dict.fromkeys(("lr", "total_steps", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "b1",
+                                "b2"))
+
+
 class TrainState(NamedTuple):
     params: Any  # nnx.State of the policy, float32 (the master); a LoRA actor's: its adapter (float32),
     # {<module>.lora_a / .lora_b: array}
