@@ -68,8 +68,9 @@ def save_base(shape: str, dtype: str, where: Path) -> Path:
 def actors(lease, k: int, args) -> list:
     """K LoRA actors on `lease`'s base, each with a lease of its own (as each task's actor role takes one)."""
     from workers import shared_base
-    from workers.actor import ActorSettings, ActorWorker
+    from workers.actor import ActorWorker
     from workers.models.lora import LAYER_TARGETS, LoraSpec
+    from workers.train_step import ActorSettings
 
     settings = ActorSettings(remat="layers", adam_mu_dtype="float32",
                              lr=1e-3, total_steps=1000, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0,

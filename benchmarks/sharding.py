@@ -43,7 +43,7 @@ def _model(args):
 
 
 def _settings():
-    from workers.actor import ActorSettings
+    from workers.train_step import ActorSettings
 
     return ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=1e-5, total_steps=10, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,

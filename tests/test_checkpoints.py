@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlsched.run.checkpoints import TaskCheckpointer
-from workers.actor import TrainState
+from workers.train_step import TrainState
 
 
 def _state(n: int, value: float) -> TrainState:

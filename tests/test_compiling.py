@@ -122,16 +122,17 @@ def test_a_program_goes_with_the_last_caller_that_holds_it():
 def test_actors_of_like_tasks_in_one_process_share_their_programs(tiny_model_dir):
     """A device group's process holds several tasks' actors. Tasks with the same model and settings (the demo's
     four, a sweep over seeds or data) trace and compile each program once between them: the second actor takes
-    the first one's executable and trains exactly as an actor that compiled its own. Another learning rate is
-    another program."""
+    the first one's executable and trains exactly as an actor that compiled its own. Another learning rate (a sweep
+    over optimizer settings) is another update program, but the same gradient program, taken as it is."""
     import dataclasses
 
     import numpy as np
 
-    from workers.actor import ActorSettings, ActorWorker
+    from workers.actor import ActorWorker
     from workers.batch import build_train_batch
     from workers.models import load_pretrained
     from workers.models import params as P
+    from workers.train_step import ActorSettings
 
     settings = ActorSettings(remat="layers", adam_mu_dtype="float32",
                              lr=7e-4, total_steps=3, warmup_steps=0, min_lr_ratio=0.5, weight_decay=0.03,
@@ -149,7 +150,17 @@ def test_actors_of_like_tasks_in_one_process_share_their_programs(tiny_model_dir
     assert first.prepare(batch.size, batch.tokens.shape[1]) == 2
     assert second.prepare(batch.size, batch.tokens.shape[1]) == 0
     assert [id(p) for p in second._prepared.values()] == [id(p) for p in first._prepared.values()]
-    assert actor(dataclasses.replace(settings, lr=8e-4)).prepare(batch.size, batch.tokens.shape[1]) == 2
+    sweep = dataclasses.replace(settings, lr=8e-4, weight_decay=0.0, grad_clip=0.5, warmup_steps=1)
+    swept = actor(sweep)
+    assert swept.prepare(batch.size, batch.tokens.shape[1]) == 1
+    (gradient, update), (swept_gradient, swept_update) = (
+        [p for k, p in a._prepared.items() if k[0] in ("train", "update")] for a in (first, swept))
+    assert swept_gradient is gradient and swept_update is not update
+    alone = actor(sweep)  # one that compiles its own
+    assert swept.train(batch, step=1) == alone.train(batch, step=1)
+    for name, leaf in P.to_flat(swept.state.params).items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(P.to_flat(alone.state.params)[name]))
+    assert actor(dataclasses.replace(settings, temperature=0.7)).prepare(batch.size, batch.tokens.shape[1]) == 2
 
     shared_metrics, own_metrics = second.train(batch, step=1), own.train(batch, step=1)
     assert own._prepared == {}  # it ran its own jitted program

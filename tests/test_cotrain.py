@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from workers import actor_cobatch, shared_base
-from workers.actor import WINDOW, ActorSettings, ActorWorker
+from workers.actor import ActorWorker
 from workers.batch import build_train_batch
 from workers.models import load_pretrained
 from workers.models import lora as L
 from workers.models import sharding as S
 from workers.rollout.base import Together
+from workers.train_step import WINDOW, ActorSettings
 
 SPEC = L.LoraSpec(rank=4, alpha=8.0, targets=("q", "v", "o", "down"))
 W, MAX_PROMPT = 4, 16  # max_new_tokens (every completion here is 4 tokens), the prompts' longest bucket
@@ -36,7 +37,7 @@ SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32",
                          kl_clamp=None, max_new_tokens=W)
 STEPS = (1, 2, 3)
 # Prompt tokens (+ 4 completion tokens). A run's batch (window=True, built with max_new_tokens: its completion windows,
-# the output head on them alone; workers.actor.WINDOW) of LONG prompts is 8 + 4 = 12 positions long; a batch built
+# the output head on them alone; workers.train_step.WINDOW) of LONG prompts is 8 + 4 = 12 positions long; a batch built
 # without (the head on every position) of LONG prompts 16, of SHORT prompts 8.
 LONG, SHORT = 6, 2
 HOLDS = itertools.count(1)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from rlsched.cli import DEMO_CONFIG
 from rlsched.config.loading import load_config
 from rlsched.run.phases import HostWork
-from workers.actor import ActorSettings, ActorWorker
+from workers.actor import ActorWorker
 from workers.batch import build_train_batch
 from workers.data import render_prompt
 from workers.models import load_pretrained
@@ -23,6 +23,7 @@ from workers.models.tokenizer import load_tokenizer, qwen3_tokenizer_dir
 from workers.rollout import FinishReason, SamplingParams
 from workers.rollout.jax_sampler import JaxSampler
 from workers.rollout.stops import StopTokenError, end_token_ids
+from workers.train_step import ActorSettings
 
 PROMPTS = ["Hello", "What is 12 + 30?", "a", "The quick brown fox jumps over the lazy dog."]
 QWEN3_END = [151645, 151643]  # <|im_end|>, <|endoftext|>: Qwen3's generation_config.json

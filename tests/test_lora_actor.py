@@ -9,10 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from workers.actor import ActorSettings, ActorWorker
+from workers.actor import ActorWorker
 from workers.batch import build_train_batch
 from workers.models import lora as L
 from workers.models import params as P
+from workers.train_step import ActorSettings
 
 SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,

@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from workers.actor import ActorSettings, ActorWorker
+from workers.actor import ActorWorker
 from workers.batch import build_train_batch
 from workers.models import ModelConfig, load_pretrained
 from workers.models import lora as L
 from workers.models import params as P
 from workers.models.decoder import CausalLM
 from workers.models.lora_batch import init_adapter, stack, with_rows
+from workers.train_step import ActorSettings
 
 SPEC = L.LoraSpec(rank=4, alpha=8.0, targets=("q", "down", "lm_head"))
 HEAD_ONLY = L.LoraSpec(rank=4, alpha=8.0, targets=("lm_head",))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from workers import shared_base
-from workers.actor import ActorSettings, ActorWorker
+from workers.actor import ActorWorker
 from workers.batch import build_train_batch
 from workers.models import load_pretrained
 from workers.models import lora as L
@@ -20,6 +20,7 @@ from workers.rollout.adapter_engine import AdapterEngine
 from workers.rollout.base import EngineOffloadedError, SamplingParams
 from workers.rollout.jax_sampler import JaxSampler
 from workers.rollout.shared_engine import groups, open_view
+from workers.train_step import ActorSettings
 
 SPEC = L.LoraSpec(rank=4, alpha=8.0, targets=("q", "v", "o", "down"))
 OTHER = L.LoraSpec(rank=2, alpha=4.0, targets=("k", "up"))  # another rank and targets in the same group

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 from rlsched.run.checkpoints import TaskCheckpointer
-from workers.actor import ActorSettings, ActorWorker, train_step
+from workers.actor import ActorWorker
 from workers.batch import build_train_batch
 from workers.models import load_pretrained
 from workers.models import params as P
+from workers.train_step import ActorSettings, train_step
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32", lr=1e-4, total_steps=1000, warmup_steps=0,
@@ -264,7 +265,7 @@ def test_a_bfloat16_first_moment_is_adamw_storing_it_rounded(models):
     is decayed by b1 rounded to its dtype (0.9 -> 0.8984375; XLA:CPU keeps that product in float32). The tolerance,
     1e-6 on params of |w| < 5 (two float32 units there), is the float32 run's own distance from the same numpy
     (XLA:CPU's power, square root and divide round apart from numpy's by a unit)."""
-    from workers.actor import make_optimizer
+    from workers.train_step import make_optimizer
 
     settings = dataclasses.replace(SETTINGS, adam_mu_dtype="bfloat16", lr=1e-2, weight_decay=0.1, grad_clip=1e6)
     tx = make_optimizer(settings)

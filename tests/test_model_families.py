@@ -190,7 +190,7 @@ def test_presets_build_every_family(tmp_path):
 
 
 def _settings(coef):
-    from workers.actor import ActorSettings
+    from workers.train_step import ActorSettings
 
     return ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=1e-2, total_steps=4, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, grad_clip=1.0,
@@ -210,9 +210,10 @@ def test_the_router_loss_is_trained_with_only_when_weighted(tiny_moe_dir):
     """Zero advantages make GRPO's own gradient is zero (beta 0): whatever moves the weights
     is the router loss. Weighted 0 nothing moves; weighted 0.05 the routers do, and the reported loss is the
     model's own load-balancing loss of the batch (mean over the 2 micro-batches)."""
-    from workers.actor import ActorWorker, router_aux_coef
+    from workers.actor import ActorWorker
     from workers.batch import build_train_batch
     from workers.models.presets import preset_config
+    from workers.train_step import router_aux_coef
 
     prompts = [np.array([49, 43, 50, 61], np.int32), np.array([50, 43, 51], np.int32)] * 2
     completions = [np.array([51, 52, 258], np.int32), np.array([53, 258], np.int32)] * 2

@@ -250,7 +250,7 @@ def test_optimizer_bytes_are_what_optax_allocates(tmp_path):
     import numpy as np
 
     from rlsched.run.roles import actor_settings
-    from workers.actor import make_optimizer
+    from workers.train_step import make_optimizer
 
     for mu, per_param in (("float32", 4 + 4), ("bfloat16", 2 + 4)):  # actor.adam_mu_dtype: the first moment's
         cfg = _demo_mesh(tmp_path, ["tasks.0.actor.mesh={fsdp: 1, tp: 1}", f"tasks.0.actor.adam_mu_dtype={mu}"])
@@ -283,7 +283,7 @@ def test_qwen3_1p7b_recipe_plan_by_hand(tmp_path, capsys):
         "engine", {"dp": 1, "fsdp": 1, "ep": 1, "tp": 2}, [0, 1])
     # 2 rows x [remat layers, bfloat16: 28 layers' inputs (3 B x 1,280 x 2,048) + one layer's scores (21 B x 16 / tp 2
     # heads x 1,280^2) + the rest (10 B x 1,280 x 2,048) + one chunk of 128 positions x 12 B x 151,936 / tp 2]: 1.28 GB,
-    # more than the update's copy of the float32 master (1.0 x 2 x the bfloat16 shard, 0.86 GB). One optimizer step
+    # the update allocates nothing beside the gradient (a float32 first moment). One optimizer step
     # a GRPO step (mini-batch 128 = the step's samples): the forward reads the bfloat16 copy the actor serves, no cast
     activations = (8 // 4) * (28 * 3 * 1280 * 2048 + 21 * 8 * 1280**2 + 10 * 1280 * 2048 + 128 * 12 * 75_968)
     assert activations > 2 * actor_params
@@ -332,21 +332,21 @@ def test_qwen2p5_7b_recipe_plan_by_hand(tmp_path):
     engine_params = ((total - replicated) // 4 + replicated) * 2  # tp 4: 4 KV heads, one per device
     assert actor_params == 1_904_358_400 and engine_params == 3_808_114_688
     # micro-batch 4 / fsdp 4 = 1 row x [28 layers' inputs (3 B x 1,280 x 3,584) + one layer's scores (21 B x 28 / tp 2
-    # heads x 1,280^2) + the rest (10 B x 1,280 x 3,584) + 128 positions (a chunk) x 12 B x 152,064 / 2]: 1.03 GB, less
-    # than the update's copy of the float32 master shard (1.0 x 2 x the bfloat16 one, 3.81 GB): that
-    micro_batch = 1 * (28 * 3 * 1280 * 3584 + 21 * 14 * 1280**2 + 10 * 1280 * 3584 + 128 * 12 * 76_032)
-    activations = 2 * actor_params
-    assert micro_batch < activations
+    # heads x 1,280^2) + the rest (10 B x 1,280 x 3,584) + 128 positions (a chunk) x 12 B x 152,064 / 2]: 1.03 GB; the
+    # update allocates nothing beside the gradient (a float32 first moment: rlsched.config.plan.UPDATE_COPIES)
+    activations = 1 * (28 * 3 * 1280 * 3584 + 21 * 14 * 1280**2 + 10 * 1280 * 3584 + 128 * 12 * 76_032)
+    assert activations == 1_029_701_632
     kv = 128 * 1280 * 28 * 2 * 1 * 128 * 2  # 128 rows x 1,280 slots x 28 layers x (k, v) x 1 head x 128 x bf16
     actor, engine = plan.roles
     assert (actor.devices, engine.devices) == (list(range(8)), [0, 1, 2, 3])
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    assert (actor.total, engine.total) == (22_852_300_808, 6_156_924_928)  # 21.3 GiB, 5.7 GiB
+    # 10 x 1,904,358,400 + 8 of state + 1,029,701,632 of activations
+    assert (actor.total, engine.total) == (20_073_285_640, 6_156_924_928)  # 18.7 GiB, 5.7 GiB
     assert plan.per_device == [actor.total + engine.total] * 4 + [actor.total] * 4
     (group,) = plan.groups
-    assert group.fits == "yes" and group.resident == 29_009_225_736 < 64 * 2**30  # 27.0 GiB
+    assert group.fits == "yes" and group.resident == 26_230_210_568 < 64 * 2**30  # 24.4 GiB
 
 
 def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
@@ -369,33 +369,30 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
     assert actor_params == 7_831_580_672 and engine_params == 8_801_644_544
     # micro-batch 1 = 1 row x [48 layers' inputs (3 B x 1,280 x 2,048) + one layer's scores (21 B x 32 / tp 8 heads x
     # 1,280^2; a bfloat16 layer recomputed keeps next to nothing per token beside them) + the rest (10 B x 1,280 x
-    # 2,048) + 128 positions (a chunk) x 12 B x 151,936 / 8]: 0.57 GB, less than the update's copy of the float32
-    # master shard (1.0 x 2 x the bfloat16 one), which is the activations
-    micro_batch = 1 * (48 * 3 * 1280 * 2048 + 21 * 4 * 1280**2 + 10 * 1280 * 2048 + 128 * 12 * 18_992)
-    activations = 2 * actor_params
-    assert micro_batch == 570_499_072 < activations
+    # 2,048) + 128 positions (a chunk) x 12 B x 151,936 / 8]: 0.57 GB, the activations (the update allocates nothing
+    # beside the gradient with a float32 first moment)
+    activations = 1 * (48 * 3 * 1280 * 2048 + 21 * 4 * 1280**2 + 10 * 1280 * 2048 + 128 * 12 * 18_992)
+    assert activations == 570_499_072
     kv = 32 * 1280 * 48 * 2 * 2 * 128 * 2  # 128 rows / ep 4 x 1,280 slots x 48 layers x (k, v) x 4 / tp 2 heads
     actor, engine = plan.roles
     assert (actor.mesh, engine.mesh) == ({"dp": 1, "fsdp": 1, "ep": 1, "tp": 8}, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 2})
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    # actor: 10 x 7,831,580,672 + 8 = 78,315,806,728 of state (72.9 GiB) + activations 2 x 7,831,580,672 =
-    # 15,663,161,344 (14.6 GiB: the update's copy of the float32 master): 93,978,968,072 (87.5 GiB)
-    assert activations == 15_663_161_344
-    assert (actor.total, engine.total) == (93_978_968_072, 10_814_910_464)  # 87.5 GiB, 10.1 GiB
+    # actor: 10 x 7,831,580,672 + 8 = 78,315,806,728 of state (72.9 GiB) + activations 570,499,072:
+    # 78,886,305,800 (73.5 GiB)
+    assert (actor.total, engine.total) == (78_886_305_800, 10_814_910_464)  # 73.5 GiB, 10.1 GiB
     (group,) = plan.groups
-    # 93,978,968,072 + 10,814,910,464 = 104,793,878,536 (97.6 GiB) <= 112 GiB: no role need offload
-    assert (group.resident, group.largest_role, group.fits) == (104_793_878_536, actor.total, "yes")
+    # 78,886,305,800 + 10,814,910,464 = 89,701,216,264 (83.5 GiB) <= 112 GiB: no role need offload
+    assert (group.resident, group.largest_role, group.fits) == (89_701_216_264, actor.total, "yes")
     assert group.resident <= 112 * 2**30 and plan.runnable
 
     # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal). Each is
     # over 64 GiB by its state alone; e.g. fsdp 2 x ep 4: params (experts / 8 + rest / fsdp 2 + routers / 2 + norms
-    # 210,944) x 2 B = 8,789,061,632 -> 10 x that + 8 = 87,890,616,328, activations the update's copy of the float32
-    # master, 2 x 8,789,061,632 = 17,578,123,264 (more than 1 row x (48 x 3 x 1,280 x 2,048 + 21 x 32 heads x
-    # 1,280^2 + 10 x 1,280 x 2,048 + 128 x 12 x 151,936) = 1,738,080,256): 105,468,739,592 = 98.2 GiB.
-    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 98.2), ("{fsdp: 2, ep: 2, tp: 2}", 4, 89.7),
-                             ("{ep: 2, tp: 4}", 2, 89.8), ("{tp: 8}", 1, 87.5)):
+    # 210,944) x 2 B = 8,789,061,632 -> 10 x that + 8 = 87,890,616,328, activations 1 row x (48 x 3 x 1,280 x 2,048 +
+    # 21 x 32 heads x 1,280^2 + 10 x 1,280 x 2,048 + 128 x 12 x 151,936) = 1,738,080,256: 89,628,696,584 = 83.5 GiB.
+    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 83.5), ("{fsdp: 2, ep: 2, tp: 2}", 4, 75.7),
+                             ("{ep: 2, tp: 4}", 2, 75.5), ("{tp: 8}", 1, 73.5)):
         cfg = load_config(CONFIGS / "gsm8k_qwen3_30b_a3b.yaml", [
             f"tasks.0.model.path={tmp_path}", f"tasks.0.actor.mesh={mesh}", f"tasks.0.grpo.micro_batch_size={micro}",
             "cluster.memory_budget_gb=64"])
@@ -562,10 +559,10 @@ def test_the_moe_recipe_plans_through_the_cli(tmp_path):
                         f"heads ({tmp_path / 'config.json'})")
     # columns padded to their widths; the bytes test_qwen3_30b_a3b_recipe_plan_by_hand counts
     assert [" ".join(line.split()) for line in lines[4:6]] == [
-        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 14.6 GiB 87.5 GiB",
+        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 544.1 MiB 73.5 GiB",
         "gsm8k engine ep 4 x tp 2 0-7 8.2 GiB - - - 1.9 GiB - 10.1 GiB"]
-    assert lines[6] == ("group shared (devices 0-7): 97.6 GiB on device 0 with every role resident; largest role "
-                        "87.5 GiB; fits")
+    assert lines[6] == ("group shared (devices 0-7): 83.5 GiB on device 0 with every role resident; largest role "
+                        "73.5 GiB; fits")
 
 
 def test_the_memory_line_puts_each_measured_kind_beside_the_plans():

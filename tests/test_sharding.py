@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from workers.actor import ActorSettings, ActorWorker
+from workers.actor import ActorWorker
 from workers.models import load_pretrained
 from workers.models import params as P
 from workers.models import sharding as S
@@ -20,6 +20,7 @@ from workers.models.config import Qwen3Config
 from workers.models.presets import PRESETS, preset_config
 from workers.rollout import SamplingParams
 from workers.rollout.jax_sampler import JaxSampler
+from workers.train_step import ActorSettings
 
 ACTOR_MESHES = [dict(dp=2, fsdp=2, tp=2), dict(fsdp=4, tp=2), dict(tp=4), dict(fsdp=8)]
 ROLLOUT_MESHES = [dict(tp=2), dict(dp=2, tp=2), dict(tp=4)]
@@ -220,7 +221,7 @@ def moe_one_device(tiny_moe_dir):
 
 def _moe_gradients(model, shape):
     """Gradients of a GRPO-like objective (advantage-weighted sequence logprobs) on `shape`, as host arrays."""
-    from workers.actor import token_logprobs
+    from workers.train_step import token_logprobs
 
     actor = ActorWorker(model, SETTINGS, mesh=_mesh(shape))
     tokens, mask, mini = _batch()

@@ -108,7 +108,7 @@ def test_the_gradient_program_never_holds_the_whole_logits():
 
 
 def _settings(remat: str):
-    from workers.actor import ActorSettings
+    from workers.train_step import ActorSettings
 
     return ActorSettings(lr=1e-3, total_steps=3, warmup_steps=0, min_lr_ratio=0.5, weight_decay=0.0, grad_clip=1.0,
                          b1=0.9, b2=0.99, epsilon=0.2, epsilon_high=None, beta=0.0, aggregation="token-mean",
@@ -124,9 +124,10 @@ def test_layer_remat_trains_alike_and_its_train_program_holds_one_layer_of_atten
     those arrays, is what keeping them all would break; and the gradient is the same computation (float32, 1e-6)."""
     from flax import nnx
 
-    from workers import actor as A
+    from workers.actor import ActorWorker
     from workers.models.decoder import CausalLM
     from workers.models.presets import preset_config
+    from workers.train_step import policy_logprobs
 
     model = CausalLM(preset_config("tiny", vocab_size=384).replace(num_hidden_layers=4), rngs=nnx.Rngs(0))
     b, t = 8, 512
@@ -136,7 +137,7 @@ def test_layer_remat_trains_alike_and_its_train_program_holds_one_layer_of_atten
               "sampler_logp": ((1, b, t - 1), np.float32)}
     temp = {}
     for remat in ("off", "layers"):
-        worker = A.ActorWorker(model, _settings(remat))
+        worker = ActorWorker(model, _settings(remat))
         batch = {k: jax.ShapeDtypeStruct(*v) for k, v in shapes.items()}
         program = worker._program("train", tuple(sorted(shapes))).lower(worker._abstract, batch).compile()
         temp[remat] = program.memory_analysis().temp_size_in_bytes
@@ -153,7 +154,7 @@ def test_layer_remat_trains_alike_and_its_train_program_holds_one_layer_of_atten
 
     def loss(remat):
         def f(p):
-            logp, _, _ = A.policy_logprobs(graphdef, p, None, None, tokens, mask, temperature=0.9, remat=remat)
+            logp, _, _ = policy_logprobs(graphdef, p, None, None, tokens, mask, temperature=0.9, remat=remat)
             return (logp * weights * mask[:, 1:]).sum()
         return jax.jit(jax.value_and_grad(f))(params)
 

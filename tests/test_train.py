@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -25,9 +26,10 @@ from rlsched.rundir.files import RunDirError, prepare_run_dir
 from rlsched.scheduling.policy import Role
 from rlsched.scheduling.scheduler import FreeLocks
 from workers import rewards as R
-from workers.actor import ActorSettings, ActorWorker
+from workers.actor import ActorWorker
 from workers.batch import build_train_batch
 from workers.data import DataError, load_jsonl
+from workers.train_step import ActorSettings, Optimizer
 
 REQUIRED_METRICS = ["step", "reward/mean", "reward/std", "reward/max", "loss", "kl", "clip_frac", "grad_norm", "lr",
                     "response_len/mean", "tokens/generated", "time/rollout_s", "time/reward_s", "time/train_s",
@@ -246,16 +248,18 @@ def test_non_finite_update_is_skipped_and_never_checkpointed(tiny_model_dir, tmp
     json.dumps(metrics)  # metrics stay JSON-serialisable
 
 
-def test_the_update_in_a_program_of_its_own_is_the_one_program_step_to_the_bit(tiny_model_dir):
+def test_the_update_in_a_program_of_its_own_is_optax_clip_then_adamw_to_the_bit(tiny_model_dir):
     """The actor runs an optimizer step as two programs (workers.actor `gradients`, then `update` on the device's word
-    that the step is finite), which allocate a copy of the params fewer than the one program that selects the new
-    state against the old (tests/test_plan_memory.py). The arithmetic is that program's, written here as it was, with
-    optax's clip and AdamW built from the settings: three steps of a float32 model with the clip at work (grad_clip
-    0.01 under a gradient norm of ~5), the second one's loss not finite, leave the params, the moments, the step
-    counts and every metric equal to the bit."""
+    that the step is finite, writing the clipped gradient over the gradient): the update allocates no copy of the
+    params beside the gradient (tests/test_plan_memory.py), where one program clipping inside AdamW and selecting the
+    new state against the old kept 1.27 x the float32 params. The arithmetic is optax's, written here in programs of
+    their own: the gradient, optax.clip_by_global_norm (its result stored), optax.adamw from the settings, and the
+    old state kept where the step is not finite. Three steps of a float32 model with the clip at work (grad_clip 0.01
+    under a gradient norm of ~5), the second one's loss not finite, leave the params, the moments, the step counts
+    and every metric equal to the bit."""
     import optax
 
-    from workers.actor import TrainState, gradients, make_schedule
+    from workers.train_step import TrainState, gradients, make_schedule
 
     model = _own_model(tiny_model_dir)
     s = ActorSettings(remat="layers", adam_mu_dtype="float32", lr=1e-2, total_steps=4, warmup_steps=0,
@@ -263,25 +267,31 @@ def test_the_update_in_a_program_of_its_own_is_the_one_program_step_to_the_bit(t
                       epsilon_high=None, beta=0.0, aggregation="token-mean", temperature=1.0, micro_batch_size=2,
                       mini_batch_size=4, epochs=1, router_aux_loss_coef=None, kl_clamp=None, max_new_tokens=None)
     actor = ActorWorker(model, s)
-    tx = optax.chain(optax.clip_by_global_norm(s.grad_clip),
-                     optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay))
+    clip = optax.clip_by_global_norm(s.grad_clip)
+    adamw = optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay)
+    grad_program = jax.jit(lambda state, mini: gradients(state, mini, graphdef=actor.graphdef, settings=actor.settings))
+    clip_program = jax.jit(lambda grads: clip.update(grads, optax.EmptyState())[0])
 
-    def one_program(state, mini):
-        grads, metrics = gradients(state, mini, graphdef=actor.graphdef, settings=actor.settings)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        finite = metrics["skipped"] == 0
+    @partial(jax.jit, donate_argnums=0)
+    def adamw_program(state, clipped, skipped):
+        updates, opt_state = adamw.update(clipped, state.opt_state[1], state.params)
+        finite = skipped == 0
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         return TrainState(keep(optax.apply_updates(state.params, updates), state.params),
-                          keep(opt_state, state.opt_state), state.step + finite.astype(jnp.int32)), metrics
+                          keep((state.opt_state[0], opt_state), state.opt_state), state.step + finite.astype(jnp.int32))
+
+    def one_step(state, mini):
+        grads, metrics = grad_program(state, mini)
+        return adamw_program(state, clip_program(grads), metrics["skipped"]), metrics
 
     rng, minis = np.random.default_rng(0), []
     for advantages in (rng.normal(size=4), np.array([np.nan, 1.0, -1.0, 0.0]), rng.normal(size=4)):
         prompts = [rng.integers(40, 60, size=4).astype(np.int32) for _ in range(4)]
         completions = [rng.integers(40, 60, size=4).astype(np.int32) for _ in range(4)]  # one length: one compile
         minis += actor._minis(build_train_batch(prompts, completions, advantages, pad_id=256).arrays(), False, rng)
-    step, state, want = jax.jit(one_program, donate_argnums=0), jax.tree.map(jnp.copy, actor.state), []
+    state, want = jax.tree.map(jnp.copy, actor.state), []
     for mini in minis:
-        state, metrics = step(state, mini)
+        state, metrics = one_step(state, mini)
         want.append(metrics)
     got: list = []
     actor._steps(minis, got)
@@ -379,7 +389,7 @@ def test_an_update_that_leaves_the_weights_unchanged_is_an_error(tmp_path, tiny_
     varied = np.tile([0.0, 1.0, 0.0, 1.0], 4).astype(np.float32)
     actor.train(batch, varied, step=2)  # a real update
     worker = actor.worker
-    worker.tx = optax.set_to_zero()
+    worker.tx = Optimizer(optax.identity(), optax.set_to_zero())
     worker.state = worker.state._replace(opt_state=worker.tx.init(worker.state.params))
     worker.shardings = worker.shardings._replace(opt_state=worker.tx.init(worker.state.params))
     worker._programs.clear()  # the step compiles again with the broken optimizer

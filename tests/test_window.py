@@ -15,8 +15,9 @@ import jax
 import numpy as np
 import pytest
 
-from workers.actor import WINDOW, ActorSettings, ActorWorker
+from workers.actor import ActorWorker
 from workers.batch import build_train_batch
+from workers.train_step import WINDOW, ActorSettings
 
 W, MAX_PROMPT = 8, 16  # max_new_tokens; prompts of at most 12 tokens: bucket 16, T = 16 + 8 = 24 positions
 PROMPTS, COMPLETIONS = [3, 7, 5, 12, 2, 9, 6, 4], [8, 0, 3, 5, 8, 1, 7, 2]  # lengths; row 1's completion is empty

@@ -22,7 +22,7 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
     activations  actor: what the train programs allocate beside their arguments for one micro-batch, or for the
                  optimizer's step, the count below (XLA's own memory analysis of the compiled programs, matched
                  within 10 %)
-The activations follow the actor's real train program (workers.actor.gradients: the GRPO loss over one
+The activations follow the actor's real train program (workers.train_step.gradients: the GRPO loss over one
 micro-batch, the output head by chunks of workers.token_logprobs, each decoder layer rematerialised or not as
 `actor.remat` says), fitted to XLA's `memory_analysis().temp_size_in_bytes` of that compiled program on CPU. Per
 device: rows = micro-batch / (dp x fsdp x ep), T = max_prompt_len + max_new_tokens positions, L layers, H hidden,
@@ -37,10 +37,12 @@ Q = heads x head_dim and KV = KV heads x head_dim and I the MLP's width (each / 
                           batches run the head on their completion windows alone) x vocab / tp: three float32
                           arrays of that chunk's logits (never the whole [rows, positions, vocab])
     the rest              REST_BYTES x T x H (the embedding's output, the final norm and their gradients)
-    the update         the optimizer's step after the micro-batches, a program of its own (workers.actor.update):
+    the update         the optimizer's step after the micro-batches, a program of its own (workers.train_step.update):
                        UPDATE_COPIES (by actor.adam_mu_dtype) x the trained params' float32 bytes (the master's,
-                       or a LoRA adapter's), the clipped gradient beside the gradient; the activations are the
-                       larger of the micro-batch's and the update's, as one program follows the other
+                       or a LoRA adapter's): nothing with a float32 first moment (the clipped gradient is written
+                       over the gradient), the float32 moment before its rounding with a bfloat16 one; the
+                       activations are the larger of the micro-batch's and the update's, as one program follows
+                       the other
     (a LoRA adapter on the head adds its float32 delta over the vocab shard. A bfloat16 model's forward reads the
     copy it serves, counted in `params`, rather than casting the master in the step; an update of several optimizer
     steps a GRPO step (mini-batches, epochs) casts the master again before each further one while the first copy
@@ -56,7 +58,11 @@ Examples (temporaries, float32, 4 layers, 8 x 512): remat off 997 MiB, layers 31
 That fit predates the forward reading the served copy and the update in a program of its own (UPDATE_COPIES);
 since them, tests/test_plan_memory.py's four points are within 0.975-1.096 of the count (float32, remat layers,
 1.096: the gradient's program alone allocates 73.6 MiB where the one program of both allocated 76.8; the
-update-bound one at 4 layers 1.000), and the 55 were not measured again.
+update-bound one, a bfloat16 first moment at 4 layers, 1.000), and the 55 were not measured again. Where a bfloat16
+model's micro-batch is small beside its params (2 rows of 72 positions) the count is short: the gradient's program
+allocates 6.7 MiB (4.4 more than counted, whatever the layers: its embedding's and head's bfloat16 gradients before
+their float32 sum, 2 to 7 bytes a vocabulary parameter, more for tied embeddings), 0.853 of the temporaries in all
+there; at 512 positions the activations' peak hides it.
 What it leaves out: another backend's fusions (a GPU's XLA fuses more, and keeps bfloat16 where XLA:CPU keeps
 float32: the count errs high there), the fsdp all-gathered weights of the layer in flight, and a LoRA adapter's
 own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe) runs every expert on every token,
@@ -129,14 +135,14 @@ REMAT_INPUT_BYTES = {"float32": 4, "bfloat16": 3}
 REMAT_WORK_SHARE = {"float32": 0.5, "bfloat16": 0.0}
 REMAT_SCORE_BYTES = {"float32": 18, "bfloat16": 21}
 HEAD_BYTES = 12  # per (row, chunk position, vocab entry / tp): a chunk's float32 logits, softmax and gradient
-# The optimizer's step (workers.actor.update, a program of its own) allocates this many float32 copies of the trained
-# params beside the gradient, its argument, by actor.adam_mu_dtype: optax.clip_by_global_norm's clipped gradient, a
-# new tree that Adam's moments and update read; with a bfloat16 first moment half a copy more (the moment is made in
-# float32, then rounded to be stored). XLA:CPU's temporaries of that program, bfloat16 and float32 models of the
-# `small` widths, 2 and 4 layers: 1.000 and 1.500 x the master, every one. (The step and the gradient in one
-# program, skipping a non-finite step by a select of the new state against the old, kept 1.27 x at 4 layers and
-# 1.40 x at 2 with a float32 moment: the select's copy.)
-UPDATE_COPIES = {"float32": 1.0, "bfloat16": 1.5}
+# The optimizer's step (workers.train_step.update, a program of its own) allocates this many float32 copies of the
+# trained params beside the gradient, its argument, by actor.adam_mu_dtype: none with a float32 first moment (the
+# clipped gradient is written over the gradient, the moments and the params over themselves), half a copy with a
+# bfloat16 one (the moment is made in float32, then rounded to be stored). XLA:CPU's temporaries of that program,
+# bfloat16 models of the `small` widths, 2 and 4 layers: 0.001 and 0.500 x the master, every one. (optax's clip inside
+# the chain, as one transformation, kept its clipped gradient as a temporary: 1.0 and 1.5; the step and the gradient
+# in one program, skipping a non-finite step by a select of the new state against the old, 1.27 x at 4 layers.)
+UPDATE_COPIES = {"float32": 0.0, "bfloat16": 0.5}
 REST_BYTES = {"float32": 18, "bfloat16": 10}  # per token x hidden: embedding output, final norm, their gradients
 GiB = 2**30
 
@@ -357,7 +363,7 @@ def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[Shar
 
 def train_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[SharedHold]:
     """The co-batched updates of `cfg`'s base groups: LoRA tasks whose actors read one base and whose update is one
-    program (everything workers.actor.ActorSettings is built from, and the adapter's shape: data, rewards and
+    program (everything workers.train_step.ActorSettings is built from, and the adapter's shape: data, rewards and
     seeds may differ); tasks with actor.cobatch false left out."""
     found: dict[str, SharedHold] = {}
     by_name = {t.name: t for t in cfg.tasks}

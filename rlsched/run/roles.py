@@ -45,7 +45,7 @@ from rlsched.observe.timeline import Timeline
 
 def actor_settings(spec: TaskSpec):
     """The actor's update settings from the task's config: the only place they are built."""
-    from workers.actor import ActorSettings
+    from workers.train_step import ActorSettings
 
     plan, g, o = spec.plan, spec.config.grpo, spec.config.optim
     return ActorSettings(
