@@ -18,9 +18,9 @@ long, so that the task's trace shows it as a compile (rlsched.run.roles), not as
 The registry holds executables weakly: a program lives while a caller that asked for it holds it, and goes (with
 its memory maps of JIT code) with the last one; a caller of `shared` keeps what it gets for as long as it runs it.
 Why: a device group's process lives as long as the scheduler service, and a sweep's every learning rate is a new
-update program there (the optimizer's settings are in its key; the loss's programs are shared). Held for ever, one tiny actor's programs kept ~590 memory maps
-(measured on CPU), so ~100 tasks of a sweep would reach the process's cap (Linux's vm.max_map_count, 65530 by
-default), where the next compile dies of a segfault.
+update program there (the optimizer's settings are in its key; the loss's programs are shared). Held for ever, one
+tiny actor's programs kept ~590 memory maps (measured on CPU), so ~100 tasks of a sweep would reach the process's
+cap (Linux's vm.max_map_count, 65530 by default), where the next compile dies of a segfault.
 
 What a process keeps for roles to come besides (other modules' caches registered with `kept`: the sampler's jitted
 generate functions, the copy programs, the co-batching registries; JAX's own caches) it gives back when told:
