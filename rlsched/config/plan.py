@@ -62,7 +62,11 @@ update-bound one, a bfloat16 first moment at 4 layers, 1.000), and the 55 were n
 model's micro-batch is small beside its params (2 rows of 72 positions) the count is short: the gradient's program
 allocates 6.7 MiB (4.4 more than counted, whatever the layers: its embedding's and head's bfloat16 gradients before
 their float32 sum, 2 to 7 bytes a vocabulary parameter, more for tied embeddings), 0.853 of the temporaries in all
-there; at 512 positions the activations' peak hides it.
+there; at 512 positions the activations' peak hides it. What it misses most: a bfloat16 actor accumulating
+micro-batches (mini_batch_size > micro_batch_size) allocates ~1.7 x the float32 master more in the gradient's program
+than with one micro-batch a step (4 layers of the `small` widths, 2 x 256: 22.8 -> 61.8 MiB; a float32 model's grow
+25.6 -> 28.9 MiB), not counted: at Qwen3-4B's real shapes, 16 micro-batches of 8 x 512, XLA:CPU's temporaries are
+35.6 GiB against the count's 4.2 of activations.
 What it leaves out: another backend's fusions (a GPU's XLA fuses more, and keeps bfloat16 where XLA:CPU keeps
 float32: the count errs high there), the fsdp all-gathered weights of the layer in flight, and a LoRA adapter's
 own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe) runs every expert on every token,
