@@ -66,7 +66,9 @@ there; at 512 positions the activations' peak hides it. What it misses most: a b
 micro-batches (mini_batch_size > micro_batch_size) allocates ~1.7 x the float32 master more in the gradient's program
 than with one micro-batch a step (4 layers of the `small` widths, 2 x 256: 22.8 -> 61.8 MiB; a float32 model's grow
 25.6 -> 28.9 MiB), not counted: at Qwen3-4B's real shapes, 16 micro-batches of 8 x 512, XLA:CPU's temporaries are
-35.6 GiB against the count's 4.2 of activations.
+35.6 GiB against the count's 4.2 of activations. Part of that is XLA:CPU's: its dots compute bfloat16 in float32, and
+in the compiled loop every bfloat16 weight is converted to float32 once, before the loop, a float32 copy of the
+weights alive through it (a GPU's bfloat16 dots need no such copy; not measured there).
 What it leaves out: another backend's fusions (a GPU's XLA fuses more, and keeps bfloat16 where XLA:CPU keeps
 float32: the count errs high there), the fsdp all-gathered weights of the layer in flight, and a LoRA adapter's
 own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe) runs every expert on every token,
