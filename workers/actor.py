@@ -183,12 +183,11 @@ class ActorWorker:
             else None
         # What this worker's programs depend on besides the batch: actors of tasks with the same model, settings
         # and layout (a sweep over seeds or data) share their executables within a process (compiling.shared).
-        self._signature = ("actor", self.graphdef, settings, lora, self.mesh, jax.tree.structure(self._abstract),
-                           tuple(jax.tree.leaves(self._abstract)))
+        layout = (lora, self.mesh, jax.tree.structure(self._abstract), tuple(jax.tree.leaves(self._abstract)))
+        self._signature = ("actor", self.graphdef, settings, *layout)
         # The gradient's and the log-probs' programs read no optimizer setting: a sweep over learning rates (or
         # schedules, weight decay, clipping, Adam's betas) shares them too, and compiles its own update alone.
-        self._loss_signature = (*self._signature[:2], dataclasses.replace(settings, **OPTIMIZER_ONLY),
-                                *self._signature[3:])
+        self._loss_signature = ("actor", self.graphdef, dataclasses.replace(settings, **OPTIMIZER_ONLY), *layout)
 
     def step_function(self):
         """`train_step` with this actor's static parts bound: (state, batch[, base]) -> (state, metrics), not yet
