@@ -20,8 +20,12 @@ CPU in CI). The CUDA plugin is not a dependency of rlsched; for the GPU targets,
     python3 -m venv gpuaot && gpuaot/bin/pip install "jax==$V" "jaxlib==$V" "jax-cuda12-plugin[with-cuda]==$V" \
         "jax-cuda12-pjrt==$V" flax optax pydantic pyyaml     # V: the jax of rlsched's venv; ~3 GB of CUDA wheels
     PYTHONPATH=. JAX_PLATFORMS=cpu gpuaot/bin/python -m benchmarks.gpu_memory --target h100
-JAX_PLATFORMS stays cpu (benchmarks.common's default): the plugin then never looks for a driver (there is no
-libcuda here), and the topology is made from the description alone (jax.experimental.topologies).
+JAX_PLATFORMS=cpu (benchmarks.common's default, set before jax is first imported): the CUDA backend is then never
+started and the topology is made from the description alone (jax.experimental.topologies.get_topology_desc). Where
+JAX may start it and there is no driver, cuInit fails (CUDA error 303) and the topology is refused ("topology not
+implemented for cuda"). XLA:GPU then compiles in full, to PTX, without autotuning (its dumped autotune results
+are empty: no device to time kernels on). What it allocates is not XLA:CPU's, whose dots compute bfloat16 in
+float32 from float32 copies of the weights.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks.common import save_results  # first: sets JAX to CPU, hubs offline
+from rlsched.base.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "configs" / "gsm8k_qwen3.yaml"
@@ -77,7 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--remat", default="layers", choices=("layers", "off"))
     p.add_argument("--adam-mu-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--target", default="h100", help="h100, h200, present (the first device JAX sees) or a file")
-    p.add_argument("--out", type=Path, default=None, help="default benchmarks/results/gpu_memory-<target>-<preset>")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default benchmarks/results/gpu_memory-<target, or the platform with present>-<preset>")
     return p.parse_args(argv)
 
 
@@ -129,9 +135,14 @@ def settings_of(task):
 
 
 def stats(compiled, seconds: float) -> dict:
+    """A compiled program's memory analysis; its peak is what its own buffers need at once (arguments, outputs
+    not written over a donated argument, temporaries): arrays the device holds beside them (the master and the
+    optimizer's state beside the gradient's program, which does not read them) are not in it."""
     m = compiled.memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
     return {"temp_bytes": m.temp_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-            "argument_bytes": m.argument_size_in_bytes, "alias_bytes": m.alias_size_in_bytes, "compile_s": seconds}
+            "argument_bytes": m.argument_size_in_bytes, "alias_bytes": m.alias_size_in_bytes, "peak_bytes": peak,
+            "compile_s": seconds}
 
 
 def compile_programs(model, settings, device, accumulate: int, length: int) -> dict:
@@ -192,7 +203,17 @@ def compile_programs(model, settings, device, accumulate: int, length: int) -> d
     return out
 
 
-def environment(device) -> dict:
+def target_memory(target: str) -> int | None:
+    """The GPU's memory in bytes, as its description gives it; None for the present backend."""
+    import re
+
+    if target == "present":
+        return None
+    config = TARGETS[target] if target in TARGETS else Path(target).read_text()
+    return int(re.search(r"device_memory_size: (\d+)", config).group(1))
+
+
+def environment(device, target: str) -> dict:
     import importlib.metadata as md
     import platform
 
@@ -200,7 +221,8 @@ def environment(device) -> dict:
     import jax
 
     env = dict(python=platform.python_version(), jax=jax.__version__, flax=flax.__version__,
-               target=str(getattr(device, "device_kind", device)), cpus_usable=len(os.sched_getaffinity(0)))
+               target=str(getattr(device, "device_kind", device)), cpus_usable=len(os.sched_getaffinity(0)),
+               target_memory_bytes=target_memory(target))
     for dist in ("jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt"):
         try:
             env[dist] = md.version(dist)
@@ -239,22 +261,27 @@ def main(argv=None) -> dict:
         print(f"{args.preset} {args.micro_batch} x {length} x {accumulate}: gradient temp "
               f"{grad['temp_bytes'] / GiB:.2f} GiB ({grad['compile_s']:.0f} s), update temp "
               f"{upd['temp_bytes'] / GiB:.2f} GiB; plan activations {plan['activations'] / GiB:.2f} GiB", flush=True)
-    env = environment(device)
-    rows = [f"| {r['accumulate']} | {r['gradient']['temp_bytes'] / GiB:.2f} | {r['gradient']['output_bytes'] / GiB:.2f}"
-            f" | {r['gradient']['argument_bytes'] / GiB:.2f} | {r['update']['temp_bytes'] / GiB:.2f} | "
-            f"{r['plan']['activations'] / GiB:.2f} | {r['plan']['grads'] / GiB:.2f} | {r['plan_over_allocated']:.3f} |"
-            for r in runs]
+    env = environment(device, args.target)
+    memory = env["target_memory_bytes"]
+    rows = [f"| {r['accumulate']} | " + " | ".join(format_bytes(n) for n in (
+        r["gradient"]["temp_bytes"], r["gradient"]["output_bytes"], r["gradient"]["argument_bytes"],
+        r["gradient"]["peak_bytes"], r["update"]["temp_bytes"], r["update"]["peak_bytes"], r["plan"]["activations"],
+        r["plan"]["grads"])) + f" | {r['plan_over_allocated']:.3f} |" for r in runs]
     report = "\n".join([
         f"{args.preset} ({args.dtype}, remat {args.remat}), micro-batches of {args.micro_batch} x {length} positions "
-        f"(window {args.new_tokens}, beta {args.beta}), compiled for {env['target']} ({args.target}); GiB, XLA's "
-        f"memory_analysis()", "",
-        "| micro-batches a step | gradient temp | gradient out | gradient args | update temp | plan activations | "
-        "plan grads | plan / allocated |", "|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
-        "allocated = max(gradient temp, update temp) + gradient out (the float32 gradient); plan = grads + "
-        "activations (rlsched.config.plan.actor_bytes)"])
+        f"(window {args.new_tokens}, beta {args.beta}), compiled for {env['target']} ({args.target}"
+        + (f", {format_bytes(memory)}" if memory else "") + "); XLA's memory_analysis() of each program", "",
+        "| micro-batches a step | gradient temp | gradient out | gradient args | gradient peak | update temp | "
+        "update peak | plan activations | plan grads | plan / allocated |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
+        "peak: the program's own buffers at once (arguments + outputs not aliased to a donated argument + temporaries; "
+        "what the device holds beside them, e.g. the master and the optimizer's state beside the gradient's program, "
+        "which does not read them, is not in it); allocated = max(gradient temp, update temp) + gradient out (the "
+        "float32 gradient); plan = grads + activations (rlsched.config.plan.actor_bytes)"])
     results = dict(args={k: str(v) for k, v in vars(args).items()}, env=env, runs=runs,
                    timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
-    name = args.target if args.target in (*TARGETS, "present") else Path(args.target).stem
+    name = device.platform if args.target == "present" else args.target if args.target in TARGETS \
+        else Path(args.target).stem
     out = args.out or ROOT / "benchmarks" / "results" / f"gpu_memory-{name}-{args.preset}"
     save_results(out, "The actor's train programs: XLA's memory analysis beside the plan", results, report)
     return results
