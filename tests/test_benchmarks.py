@@ -50,6 +50,9 @@ SMALLEST = {
     "gpu": (["--preset", "tiny", "--tasks", "1", "--lora", "none", "--layouts", "in_process", "--steps", "3",
              "--warmup-steps", "1", "--prompts", "2", "--generations", "2", "--new-tokens", "2", "--prompt-len", "32",
              "--micro-batch", "4", "--copy-mib", "8"], "runs"),
+    # the present backend (the CPU): what CI can run; --target h100 needs the CUDA plugin (its docstring)
+    "gpu_memory": (["--preset", "tiny", "--vocab-size", "256", "--micro-batch", "2", "--accumulate", "1,2",
+                    "--prompt-len", "8", "--new-tokens", "8", "--target", "present"], "runs"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }
@@ -165,9 +168,35 @@ def check_startup(results: dict, out: Path) -> None:
     assert "restart cost (seconds from SIGKILL to the next completed step): engine " in (out / "report.md").read_text()
 
 
+def check_gpu_memory(results: dict, out: Path) -> None:
+    """benchmarks/gpu_memory.py builds the actor's two programs itself (from abstract shapes, for a device it may
+    not have): on the present backend their memory analysis is, byte for byte, that of the programs
+    workers.actor.ActorWorker compiles for the same config."""
+    from flax import nnx
+
+    from benchmarks import gpu_memory
+    from rlsched.run.roles import actor_settings
+    from workers.actor import ActorWorker
+    from workers.models.decoder import CausalLM
+    from workers.models.presets import preset_config
+
+    args = gpu_memory.parse_args(SMALLEST["gpu_memory"][0])
+    for run in results["runs"]:
+        spec = gpu_memory.task_config(args, run["accumulate"]).task_specs()[0]
+        model = CausalLM(preset_config(args.preset, dtype=args.dtype, vocab_size=args.vocab_size), rngs=nnx.Rngs(0))
+        worker = ActorWorker(model, actor_settings(spec))
+        worker.prepare(spec.plan.mini_batch_size, run["positions"])
+        for kind, name in (("train", "gradient"), ("update", "update")):
+            (program,) = [p for key, p in worker._prepared.items() if key[0] == kind]
+            m = program.memory_analysis()
+            assert (m.temp_size_in_bytes, m.output_size_in_bytes) == \
+                (run[name]["temp_bytes"], run[name]["output_bytes"]), (run["accumulate"], name)
+        assert run["plan"]["activations"] > 0 and run["gradient"]["temp_bytes"] > 0
+
+
 # module -> a check of its results beyond their presence
 DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain, "gpu": check_gpu,
-          "startup": check_startup}
+          "startup": check_startup, "gpu_memory": check_gpu_memory}
 
 
 def test_every_benchmark_has_a_smallest_setting():
