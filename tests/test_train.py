@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from functools import partial
 from pathlib import Path
 
@@ -298,6 +299,51 @@ def test_the_update_in_a_program_of_its_own_is_optax_clip_then_adamw_to_the_bit(
     assert [float(m["skipped"]) for m in got] == [0.0, 1.0, 0.0] and float(got[2]["grad_norm"]) > 100 * s.grad_clip
     for a, b in zip(jax.tree.leaves((state, want)), jax.tree.leaves((actor.state, got)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_update_is_a_branch_on_cpu_and_a_select_elsewhere_with_the_same_state():
+    """`update` keeps the state in place on each compiler by a branch (XLA:CPU) or a select (XLA:GPU, where the
+    branch copied 4 x the float32 master: benchmarks/gpu_memory.py). Lowered for each platform with no device of it
+    (jax.export), each program holds its platform's function alone (its source locations name it); run here, the
+    select's arithmetic (written here as `update`'s) leaves the same state as the branch, to the bit: a finite step
+    with the clip at work, then a non-finite one, which changes nothing."""
+    import optax
+
+    from workers.train_step import TrainState, make_optimizer, update
+
+    s = ActorSettings(remat="layers", adam_mu_dtype="float32", lr=1e-2, total_steps=4, warmup_steps=0,
+                      min_lr_ratio=0.1, weight_decay=0.1, grad_clip=0.01, b1=0.9, b2=0.999, epsilon=0.2,
+                      epsilon_high=None, beta=0.0, aggregation="token-mean", temperature=1.0, micro_batch_size=2,
+                      mini_batch_size=2, epochs=1, router_aux_loss_coef=None, kl_clamp=None, max_new_tokens=None)
+    tx = make_optimizer(s)
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=4), jnp.float32)}
+    state = TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    step = jax.jit(lambda state, grads, finite: update(state, grads, finite, tx=tx))
+    args = (state, params, jnp.bool_(True))
+    text = {p: jax.export.export(step, platforms=[p])(*args).mlir_module() for p in ("cpu", "cuda", "rocm")}
+    lowered = {p: set(re.findall(r"update\.<locals>\.(\w+)", t)) for p, t in text.items()}
+    assert lowered == {"cpu": {"apply", "branch"}, "cuda": {"apply", "select"}, "rocm": {"apply", "select"}}
+
+    def select(state, grads, finite):  # what `update` lowers to where the platform is not the CPU
+        clip_state, step_state = state.opt_state
+        clipped, clip_state = tx.clip.update(grads, clip_state, state.params)
+        updates, step_state = tx.step.update(clipped, step_state, state.params)
+        new = (optax.apply_updates(state.params, updates), (clip_state, step_state), clipped)
+        return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, (state.params, state.opt_state, grads))
+
+    grads = jax.tree.map(lambda p: 100.0 * p, params)  # a norm far over grad_clip: the clip at work
+    for finite in (True, False):
+        new, clipped = step(state, grads, jnp.bool_(finite))
+        params_, opt_, clipped_ = jax.jit(select)(state, grads, jnp.bool_(finite))
+        assert int(new.step) == int(state.step) + finite
+        got, want = (new.params, new.opt_state, clipped), (params_, opt_, clipped_)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if not finite:
+            for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        state = new
 
 
 GSM8K_RECIPE = DEMO_CONFIG.parent / "gsm8k_qwen3.yaml"

@@ -284,15 +284,19 @@ def update(state: TrainState, grads, finite, *, tx: Optimizer) -> tuple[TrainSta
     """The optimizer's step with `grads` (as state.params) where `finite` (a bool scalar), else `state` as it is:
     (the new state, the clipped gradient, or `grads` where the step was skipped).
 
-    A branch, not a select of the new state against the old: alone in its program (ActorWorker's `update`), the
-    branch keeps no copy of the state beside the new one. The clipped gradient is an output so that its program can
-    write it over the gradient it is given (donated): as a temporary it was a float32 copy of the params, alive
-    through the step (optax.clip_by_global_norm's select, which XLA:CPU materializes for the two moments it feeds).
-    XLA:CPU's temporaries, float32 params beside their gradient: 1.0 x the params with optax.chain(clip, adamw) as one
-    transformation, none this way. The arithmetic is the chain's (the clip's output, then AdamW on it), though XLA
-    rounded the chain's second moment differently in the last bit where it fused the clip into it. The same branch
-    inside the gradient's program kept more (1.65 x, bfloat16 models), hence two programs. Under vmap (the co-batched
-    step) a batched `finite` makes it that select."""
+    Which of a branch and a select of the new state against the old keeps no copy of the state beside the new one
+    (alone in its program, ActorWorker's `update`) depends on the compiler, so each backend gets the one that does:
+    XLA:GPU's conditional copies its operands in and out (4 x the float32 master, 60 GiB of temporaries at 4B, for
+    an H100 without a GPU: benchmarks/gpu_memory.py), its select fuses into the step and writes in place (none);
+    XLA:CPU keeps the branch in place (8e-4 MiB at 4B) and materialises the select's operands (1.6 x the master at
+    0.6B). The clipped gradient is an output so that its program can write it over the gradient it is given
+    (donated): as a temporary it was a float32 copy of the params, alive through the step (optax.clip_by_global_norm's
+    select, which XLA:CPU materializes for the two moments it feeds). XLA:CPU's temporaries, float32 params beside
+    their gradient: 1.0 x the params with optax.chain(clip, adamw) as one transformation, none this way. The
+    arithmetic is the chain's (the clip's output, then AdamW on it), though XLA rounded the chain's second moment
+    differently in the last bit where it fused the clip into it. The same branch inside the gradient's program kept
+    more (1.65 x, bfloat16 models), hence two programs. Under vmap (the co-batched step) a batched `finite` makes
+    the branch a select too."""
 
     def apply(params, opt_state, grads):
         clip_state, step_state = opt_state  # optax.chain's state: one per stage
@@ -300,6 +304,16 @@ def update(state: TrainState, grads, finite, *, tx: Optimizer) -> tuple[TrainSta
         updates, step_state = tx.step.update(grads, step_state, params)
         return optax.apply_updates(params, updates), (clip_state, step_state), grads
 
-    params, opt_state, grads = jax.lax.cond(finite, apply, lambda params, opt_state, grads: (params, opt_state, grads),
-                                            state.params, state.opt_state, grads)
+    def keep(params, opt_state, grads):
+        return params, opt_state, grads
+
+    def branch(*args):
+        return jax.lax.cond(finite, apply, keep, *args)
+
+    def select(*args):
+        return jax.tree.map(lambda new, old: jnp.where(finite, new, old), apply(*args), keep(*args))
+
+    # resolved as the program is lowered for its one platform: only that platform's function is in it
+    params, opt_state, grads = jax.lax.platform_dependent(state.params, state.opt_state, grads, cpu=branch,
+                                                          default=select)
     return TrainState(params, opt_state, state.step + finite.astype(jnp.int32)), grads
