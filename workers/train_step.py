@@ -168,7 +168,8 @@ def optimizer_from(v: OptimizerValues, adam_mu_dtype: str) -> Optimizer:
     structure (a weight decay traced is applied even at 0, adding 0 * params: the same values). Its arithmetic is
     `make_optimizer`'s but for three constants optax folds in float64 there and computes here from float32 values:
     1 - b1, 1 - b2 and 1 - min_lr_ratio, apart by the rounding of b1, b2, min_lr_ratio to float32 (1.3e-5 of 1 - b2
-    at b2 0.999, relative), which a co-batched step's own rounding covers (tests/test_cotrain.py)."""
+    at b2 0.999, relative; tests/test_optimizer_values.py), which a co-batched step's own rounding covers
+    (tests/test_cotrain.py)."""
     return Optimizer(optax.clip_by_global_norm(v.grad_clip),
                      optax.adamw(schedule_from(v), b1=v.b1, b2=v.b2, weight_decay=v.weight_decay,
                                  mu_dtype=jnp.dtype(adam_mu_dtype)))
