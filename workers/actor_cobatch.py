@@ -38,8 +38,11 @@ Design decisions:
   <= 4e-6 apart; measured with the tiny model, float32). AdamW then magnifies the rounding of gradient elements
   near 0 (its update is lr * m / (sqrt(v) + 1e-8)): after 3 train calls of 4 optimizer steps at lr 5e-3, metrics
   agree to <= 3e-5 (relative 2e-4), the adapters to <= 1.1e-3 of how far they moved (usually ~5e-6), the moments
-  to 6e-6 relative. A bit-exact co-batched update is not to be had this way: `lax.map` over the members, one
-  member's shapes per iteration, rounds differently too (fused into a loop body).
+  to 6e-6 relative. The optimizer built from values (workers.train_step.optimizer_from) adds its own: 1 - b2 from
+  b2 in float32, 1.3e-5 off the constant optax folds alone at b2 0.999, moves an adapter ~7e-6 of how far it moved
+  (tests/test_cotrain.py: most members' params_rel went from ~2e-6 to ~7e-6, the worst 6.4e-5 to 6.8e-5). A
+  bit-exact co-batched update is not to be had this way: `lax.map` over the members, one member's shapes per
+  iteration, rounds differently too (fused into a loop body).
 """
 
 from __future__ import annotations
