@@ -98,7 +98,7 @@ class OptimizerValues(NamedTuple):
 # The settings OptimizerValues holds: the loss's programs and the co-batched step are the same whatever they are
 # (ActorWorker shares them across a sweep of these); None in their place names no value
 OPTIMIZER_ONLY = dict.fromkeys(OptimizerValues._fields)
-STEP_FIELDS = ("total_steps", "warmup_steps")  # the int32 ones
+_STEP_FIELDS = ("total_steps", "warmup_steps")  # the int32 ones
 
 
 class TrainState(NamedTuple):
@@ -139,14 +139,14 @@ def make_optimizer(s: ActorSettings) -> Optimizer:
 
 def optimizer_values(s: ActorSettings) -> OptimizerValues:
     """`s`'s OPTIMIZER_ONLY settings as numpy scalars (float32, the steps int32): what `optimizer_from` takes."""
-    return OptimizerValues(*(np.asarray(getattr(s, name), np.int32 if name in STEP_FIELDS else np.float32)
+    return OptimizerValues(*(np.asarray(getattr(s, name), np.int32 if name in _STEP_FIELDS else np.float32)
                              for name in OptimizerValues._fields))
 
 
 def schedule_from(v: OptimizerValues) -> optax.Schedule:
     """`make_schedule` from traced values: optax.warmup_cosine_decay_schedule's arithmetic, which checks its steps in
     Python (it needs them static), written out with the steps as arrays. It equals `make_schedule` to the bit where
-    1 - min_lr_ratio is the same in float32 as optax's float64 folded to float32 (0.1, 0.5, 0: yes; 0.77: no), else
+    1 - min_lr_ratio is the same in float32 as optax's float64 folded to float32 (0, 0.1, 0.3, 1: yes; 0.77: no), else
     within 2 ulp (tests/test_optimizer_values.py)."""
     warmup = v.warmup_steps
     decay = jnp.maximum(v.total_steps, warmup + 1) - warmup  # make_schedule's decay_steps, less the warmup
