@@ -28,8 +28,8 @@ from workers.train_step import WINDOW, ActorSettings
 SPEC = L.LoraSpec(rank=4, alpha=8.0, targets=("q", "v", "o", "down"))
 W, MAX_PROMPT = 4, 16  # max_new_tokens (every completion here is 4 tokens), the prompts' longest bucket
 # Off-policy: 16 rows, mini-batches of 8, two epochs -> 4 optimizer steps per train, old and ref logprobs (beta > 0).
-# This module's own settings (two epochs, weight decay 0.01): no other test module's programs share their signature, so
-# compile counts here are this module's.
+# This module's own settings (two epochs): no other test module's programs share their signature, so compile counts
+# here are this module's. SWEEP's tasks differ from them in the optimizer's settings alone.
 SETTINGS = ActorSettings(remat="layers", adam_mu_dtype="float32",
                          lr=5e-3, total_steps=12, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.01, grad_clip=1.0,
                          b1=0.9, b2=0.999, epsilon=0.2, epsilon_high=None, beta=0.04, aggregation="token-mean",
@@ -79,9 +79,10 @@ def _together(actors, batches, step: int, together: Together, timeout: float = 3
         return [f.result(timeout=timeout) for f in futures]
 
 
-def _task(seed: int, prompt: int, *, window: bool = True):
-    """A task: its actor's seed and its batch at each step (with completion windows or without)."""
-    return {"seed": seed, "batches": {s: _batch(1000 * seed + s, prompt, window=window) for s in STEPS}}
+def _task(seed: int, prompt: int, *, window: bool = True, settings: ActorSettings = SETTINGS):
+    """A task: its actor's seed and settings, and its batch at each step (with completion windows or without)."""
+    return {"seed": seed, "settings": settings,
+            "batches": {s: _batch(1000 * seed + s, prompt, window=window) for s in STEPS}}
 
 
 def _host(tree):
@@ -104,7 +105,7 @@ def _run(path, tasks, *, cobatch: bool, mesh=None, keep: list | None = None):
     "metrics": per step, "windowed": whether each step's batch ran the head on its windows alone, "keys": the batch
     keys of the train programs it ran, alone ("train") and co-batched ("cotrain")}, per task), the actors released
     (their device arrays freed; `keep` keeps the objects, and with them the programs they hold)."""
-    actors = [_actor(path, t["seed"], mesh) for t in tasks]
+    actors = [_actor(path, t["seed"], mesh, t["settings"]) for t in tasks]
     if keep is not None:
         keep.extend(actors)
     init = [_host(a.state.params) for a in actors]
@@ -243,6 +244,31 @@ def test_five_members_run_padded_to_eight_and_each_gets_its_alone_update(tiny_mo
         assert [WINDOW in keys for keys in got["keys"]["cotrain"]] == [False]
         assert [WINDOW in keys for keys in want["keys"]["train"]] == [False]
         _compare(got, want, cobatched=5.0)
+    assert actor_cobatch.open_holds() == []
+
+
+# A sweep on one base: tasks that differ only in the optimizer's settings (workers.train_step.OptimizerValues). Task
+# 42's weight decay 0 is skipped by optax alone (a Python 0) and applied as 0 * params co-batched; task 43 differs in
+# every one of them (warmup: its first step runs at lr 0).
+SWEEP = [_task(40, LONG), _task(41, LONG, settings=dataclasses.replace(SETTINGS, lr=2e-3)),
+         _task(42, LONG, settings=dataclasses.replace(SETTINGS, weight_decay=0.0)),
+         _task(43, LONG, settings=dataclasses.replace(SETTINGS, lr=1e-2, total_steps=20, warmup_steps=3,
+                                                      min_lr_ratio=0.0, grad_clip=0.5, b1=0.8, b2=0.99))]
+
+
+def test_a_sweep_over_optimizer_settings_trains_in_one_program_each_task_its_alone_update(tiny_model_dir, monkeypatch):
+    import gc
+
+    gc.collect()  # earlier tests' actors, and the programs they held (workers.compiling.shared), are gone
+    built = []
+    compile_once = actor_cobatch.compile_once
+    monkeypatch.setattr(actor_cobatch, "compile_once", lambda lowered: built.append(lowered) or compile_once(lowered))
+    together, _ = _run(tiny_model_dir, SWEEP, cobatch=True)
+    assert len(built) == 3  # stack, step and unstack of K = 4: one vmapped step program for the four settings
+    alone, _ = _run(tiny_model_dir, SWEEP, cobatch=False)
+    for got, want in zip(together, alone, strict=True):
+        assert got["keys"]["train"] == set()  # every optimizer step in the vmapped program
+        _compare(got, want, cobatched=4.0)  # its own rate, decay, clip and betas: another's would move it elsewhere
     assert actor_cobatch.open_holds() == []
 
 

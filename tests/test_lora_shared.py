@@ -276,11 +276,15 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
     assert update.rows == [cfg.tasks[0].batch_plan().micro_batch_size] * 2
     assert update.capacity == cfg.tasks[0].actor.max_cobatch_rows
     assert "co-batched train: addition, subtraction, one update program" in plan.render()
-    other_lr = device_plan(load_config(demo, [*overrides, "tasks.1.optim.lr=1e-4"]))
-    assert [b.tasks for b in other_lr.train_batches] == [["addition"], ["subtraction"]]
+    # a sweep over the optimizer's settings and the run's length is one program too (each member's values its input)
+    sweep = device_plan(load_config(demo, [*overrides, "tasks.1.optim.lr=1e-4", "tasks.1.optim.weight_decay=0.1",
+                                           "tasks.1.optim.warmup_ratio=0.2", "tasks.1.steps=50"]))
+    assert [b.tasks for b in sweep.train_batches] == [["addition", "subtraction"]]
+    other_loss = device_plan(load_config(demo, [*overrides, "tasks.1.grpo.epsilon=0.3"]))
+    assert [b.tasks for b in other_loss.train_batches] == [["addition"], ["subtraction"]]
     default = [o for o in overrides if not o.endswith("actor.cobatch=true")]  # off unless asked for
     assert device_plan(load_config(demo, default)).train_batches == []
-    assert "co-batched train" not in other_lr.render() and len(other_lr.rollout_batches) == 1
+    assert "co-batched train" not in other_loss.render() and len(other_loss.rollout_batches) == 1
 
     snap = build_policy(cfg)[0].snapshot()
     assert snap["pools"]["g0/shared"]["budget"] == 2**30 - base

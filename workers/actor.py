@@ -32,11 +32,13 @@ log-probs); this worker holds the state and runs that arithmetic as compiled pro
   step: `jax.vmap(train_step)` over their stacked states and mini-batches, the shared base unbatched. vmap, not a
   loop: one pass over the base's weights serves every member's rows (bigger matmuls, one launch), and each member's
   gradient, optimizer state and schedule stay its own. K members are padded to a power of two (member 0 repeated,
-  its copies' results dropped) so a base group compiles log2(K) programs; members of another length bucket or
-  settings run in their own program of the same run. Each member's result is what it gets alone to float rounding
-  (a batched program rounds row reductions differently; AdamW magnifies that in the params: actor_cobatch's
-  docstring has the measurements), and bit for bit the same whoever its partners are. A full-weight actor, or a
-  LoRA actor with a base of its own, trains alone whatever the hold.
+  its copies' results dropped) so a base group compiles log2(K) programs. The optimizer's numeric settings (learning
+  rate, schedule, weight decay, clipping, Adam's betas) are each member's inputs of that program, so a sweep over them
+  shares it; members of another length bucket or other loss settings run in their own program of the same run.
+  Each member's result is what it gets alone to float rounding (a batched program rounds row reductions differently;
+  AdamW magnifies that in the params: actor_cobatch's docstring has the measurements), and bit for bit the same
+  whoever its partners are. A full-weight actor, or a LoRA actor with a base of its own, trains alone whatever the
+  hold.
 - Mixed precision (workers.train_step): a bfloat16 model trains a float32 master. What the engine serves
   (`export_weights`, `params_flat`) is the master rounded to the model's dtype on the devices, once per state
   (`served`), and the gradient's program reads that very copy rather than casting the master again inside the step.
@@ -78,6 +80,7 @@ from workers.train_step import (
     make_optimizer,
     make_schedule,
     master_params,
+    optimizer_from,
     router_aux_coef,
     token_logprobs,
     train_step,
@@ -186,7 +189,8 @@ class ActorWorker:
         layout = (lora, self.mesh, jax.tree.structure(self._abstract), tuple(jax.tree.leaves(self._abstract)))
         self._signature = ("actor", self.graphdef, settings, *layout)
         # The gradient's and the log-probs' programs read no optimizer setting: a sweep over learning rates (or
-        # schedules, weight decay, clipping, Adam's betas) shares them too, and compiles its own update alone.
+        # schedules, weight decay, clipping, Adam's betas) shares them too, and compiles its own update alone. So does
+        # the co-batched step, which takes those settings as each member's arrays (`cotrain_function`).
         self._loss_signature = ("actor", self.graphdef, dataclasses.replace(settings, **OPTIMIZER_ONLY), *layout)
 
     def step_function(self):
@@ -194,6 +198,20 @@ class ActorWorker:
         jitted (workers.actor_cobatch vmaps it over a hold's members)."""
         return partial(train_step, graphdef=self.graphdef, tx=self.tx, settings=self.settings, lora=self.lora,
                        dtype=self.dtype)
+
+    def cotrain_function(self):
+        """`train_step` as the co-batched step runs it for one member: (state, batch, values[, base]) -> (state,
+        metrics), its optimizer built from `values` (workers.train_step.optimizer_values of its settings) inside, so
+        that members whose settings differ there alone share one program (workers.actor_cobatch vmaps it). The loss
+        reads the settings without them (None), so that none of a member's can become the program's constant."""
+        graphdef, lora, dtype = self.graphdef, self.lora, self.dtype
+        settings = dataclasses.replace(self.settings, **OPTIMIZER_ONLY)
+
+        def step(state, batch, values, *base):
+            return train_step(state, batch, *base, graphdef=graphdef, tx=optimizer_from(values, settings.adam_mu_dtype),
+                              settings=settings, lora=lora, dtype=dtype)
+
+        return step
 
     def gradient_function(self):
         """`gradients` with this actor's static parts bound: (state, batch[, base[, served]]) -> (grads, metrics)."""

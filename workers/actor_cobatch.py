@@ -14,9 +14,14 @@ Design decisions:
 - **Where they meet.** One workers.rollout.cobatch.Gatherings per process per shared base (its lease's key): a
   hold's members are tasks of one base group, so they always meet in it, even where their settings differ (they then
   run in separate programs of the same joint run instead of waiting out the gathering for one another).
-- **Who runs with whom.** Requests are grouped by the program they need: the actor's signature (model, settings,
-  adapter spec, mesh), the mini-batch keys and shapes (a length bucket) and the number of optimizer steps. A group of
-  one runs the actor's plain program, exactly as alone.
+- **Who runs with whom.** Requests are grouped by the program they need: the actor's signature less the optimizer's
+  numeric settings (model, loss settings, adapter spec, mesh), the mini-batch keys and shapes (a length bucket) and
+  the number of optimizer steps. A group of one runs the actor's plain program, exactly as alone.
+- **A sweep is one program.** The optimizer's numeric settings (workers.train_step.OptimizerValues: learning rate,
+  schedule, weight decay, clipping, Adam's betas) are the step's per-member inputs, stacked like the states, and each
+  member's optimizer is built from its own inside the vmapped function: tasks that differ only there (the commonest
+  sweep) share the program and its compile. What changes the program's structure stays in the signature: the moment's
+  dtype (adam_mu_dtype), and the state's tree.
 - **Padding to a power of two.** A group's K is padded to the next power of two by repeating member 0's state and
   mini-batches (their results are dropped), so a base group compiles log2(K) programs, not K: K = 3 runs the K = 4
   program. These programs compile on first use (the joint shapes depend on who came), once per process: they are
@@ -33,8 +38,11 @@ Design decisions:
   <= 4e-6 apart; measured with the tiny model, float32). AdamW then magnifies the rounding of gradient elements
   near 0 (its update is lr * m / (sqrt(v) + 1e-8)): after 3 train calls of 4 optimizer steps at lr 5e-3, metrics
   agree to <= 3e-5 (relative 2e-4), the adapters to <= 1.1e-3 of how far they moved (usually ~5e-6), the moments
-  to 6e-6 relative. A bit-exact co-batched update is not to be had this way: `lax.map` over the members, one
-  member's shapes per iteration, rounds differently too (fused into a loop body).
+  to 6e-6 relative. The optimizer built from values (workers.train_step.optimizer_from) adds its own: 1 - b2 from
+  b2 in float32, 1.3e-5 off the constant optax folds alone at b2 0.999, moves an adapter ~7e-6 of how far it moved
+  (tests/test_cotrain.py: most members' params_rel went from ~2e-6 to ~7e-6, the worst 6.4e-5 to 6.8e-5). A
+  bit-exact co-batched update is not to be had this way: `lax.map` over the members, one member's shapes per
+  iteration, rounds differently too (fused into a loop body).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from workers.compiling import compile_once, kept, shapes_key, shared
 from workers.models import sharding as S
 from workers.multihost import global_array, host_value
 from workers.rollout.cobatch import Gatherings
+from workers.train_step import OptimizerValues, optimizer_values
 
 
 class Member(Protocol):
@@ -65,12 +74,14 @@ class Member(Protocol):
     lora: Any
     base_shardings: Any
     _lease: Any  # its shared base's lease: `key` names the base group
-    _signature: tuple  # what its programs depend on besides the batch (workers.compiling.shared's key)
+    settings: Any  # its workers.train_step.ActorSettings: the optimizer's values are read from them
+    _loss_signature: tuple  # what its co-batched programs depend on besides the batch (workers.compiling.shared's
+    # key): its programs' signature less the optimizer's numeric settings
     _prepared: dict  # its executables, which hold the joint programs too
     _abstract: Any  # its TrainState's shapes, dtypes and shardings
     _abstract_base: tuple  # its programs' frozen base argument (shapes)
 
-    def step_function(self) -> Callable: ...
+    def cotrain_function(self) -> Callable: ...
 
     def _steps(self, minis: list[dict[str, np.ndarray]], history: list) -> None: ...
 
@@ -132,7 +143,7 @@ def run(requests: list[TrainRequest]) -> list:
 
 def _group_key(r: TrainRequest) -> tuple:
     first = r.minis[0]
-    return (r.actor._signature, len(r.minis),  # noqa: SLF001 - the programs' identity
+    return (r.actor._loss_signature, len(r.minis),  # noqa: SLF001 - the programs' identity
             tuple(sorted((k, v.shape, v.dtype.str) for k, v in first.items())))
 
 
@@ -154,11 +165,14 @@ def _run_group(requests: list[TrainRequest]) -> list[tuple[list[dict], int]]:
     rows = {name: S.batch_sharding(lead.mesh, len(shape) + 1, leading=2) for name, (shape, _) in shapes.items()}
     states = [a.state for a in actors] + [actors[0].state] * (padded - k)
     stacked = stack(*states)
+    repl = S.replicated(lead.mesh)
+    each = [optimizer_values(a.settings) for a in actors] + [optimizer_values(actors[0].settings)] * (padded - k)
+    values = OptimizerValues(*(global_array(np.stack(v), repl) for v in zip(*each, strict=True)))
     metrics = []
     for j in range(len(requests[0].minis)):
         minis = [r.minis[j] for r in requests] + [requests[0].minis[j]] * (padded - k)
         batch = {name: global_array(np.stack([m[name] for m in minis]), rows[name]) for name in keys}
-        stacked, m = step(stacked, batch, *lead._base_args())  # noqa: SLF001
+        stacked, m = step(stacked, batch, values, *lead._base_args())  # noqa: SLF001
         metrics.append(m)
     news = unstack(stacked)
     jax.block_until_ready((news, metrics))  # the update ends when the work does, not at dispatch
@@ -179,7 +193,7 @@ def _programs(actor: Member, padded: int, keys: tuple[str, ...], shapes: dict[st
     held = actor._prepared.get(("cotrain", padded, keys, shapes_key(shapes)))  # noqa: SLF001
     if held is not None:
         return held
-    sig = actor._signature  # noqa: SLF001
+    sig = actor._loss_signature  # noqa: SLF001
     member_sh = actor.shardings
     stacked_sh = jax.tree.map(_stacked, member_sh)
     abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct((padded, *x.shape), x.dtype, sharding=sh),
@@ -190,6 +204,8 @@ def _programs(actor: Member, padded: int, keys: tuple[str, ...], shapes: dict[st
              for name, (shape, dtype) in shapes.items()}
     base = actor._abstract_base[:1]  # noqa: SLF001 - the frozen base: unbatched, never donated
     base_sh = () if actor.lora is None else (actor.base_shardings,)
+    values = OptimizerValues(*(jax.ShapeDtypeStruct((padded,), v.dtype, sharding=repl)
+                               for v in optimizer_values(actor.settings)))
 
     def build_stack():
         fn = jax.jit(lambda *states: jax.tree.map(lambda *xs: jnp.stack(xs), *states),
@@ -197,10 +213,11 @@ def _programs(actor: Member, padded: int, keys: tuple[str, ...], shapes: dict[st
         return compile_once(fn.lower(*([actor._abstract] * padded)))  # noqa: SLF001
 
     def build_step():
-        one = actor.step_function()
-        fn = jax.jit(jax.vmap(one, in_axes=(0, 0, *(None,) * len(base))),
-                     in_shardings=(stacked_sh, rows, *base_sh), out_shardings=(stacked_sh, repl), donate_argnums=0)
-        return compile_once(fn.lower(abstract, batch, *base))
+        one = actor.cotrain_function()
+        fn = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, *(None,) * len(base))),
+                     in_shardings=(stacked_sh, rows, repl, *base_sh), out_shardings=(stacked_sh, repl),
+                     donate_argnums=0)
+        return compile_once(fn.lower(abstract, batch, values, *base))
 
     def build_unstack():
         fn = jax.jit(lambda s: tuple(jax.tree.map(lambda x, i=i: x[i], s) for i in range(padded)),

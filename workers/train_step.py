@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -77,10 +78,27 @@ class ActorSettings:
     adam_mu_dtype: str
 
 
-# The settings only the optimizer reads (`make_optimizer`): the loss's programs are the same whatever they are
+class OptimizerValues(NamedTuple):
+    """The settings only the optimizer reads, as scalar arrays: the co-batched step's per-member input
+    (`optimizer_from`), so that tasks differing in them (a sweep over learning rates, weight decay, warmup, schedule
+    length, clipping or Adam's betas) run one program. Nothing else of the optimizer's program depends on their values:
+    optax's clip and AdamW compute with traced scalars as with constants, and the schedule (`schedule_from`) takes
+    its steps traced. Shapes () each, or (K,) stacked over a co-batched step's members."""
+
+    lr: Any  # float32
+    total_steps: Any  # int32
+    warmup_steps: Any  # int32
+    min_lr_ratio: Any  # float32
+    weight_decay: Any  # float32
+    grad_clip: Any  # float32
+    b1: Any  # float32
+    b2: Any  # float32
+
+
+# The settings OptimizerValues holds: the loss's programs and the co-batched step are the same whatever they are
 # (ActorWorker shares them across a sweep of these); None in their place names no value
-OPTIMIZER_ONLY = dict.fromkeys(("lr", "total_steps", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "b1",
-                                "b2"))
+OPTIMIZER_ONLY = dict.fromkeys(OptimizerValues._fields)
+_STEP_FIELDS = ("total_steps", "warmup_steps")  # the int32 ones
 
 
 class TrainState(NamedTuple):
@@ -117,6 +135,44 @@ def make_optimizer(s: ActorSettings) -> Optimizer:
     return Optimizer(optax.clip_by_global_norm(s.grad_clip),
                      optax.adamw(make_schedule(s), b1=s.b1, b2=s.b2, weight_decay=s.weight_decay,
                                  mu_dtype=jnp.dtype(s.adam_mu_dtype)))
+
+
+def optimizer_values(s: ActorSettings) -> OptimizerValues:
+    """`s`'s OPTIMIZER_ONLY settings as numpy scalars (float32, the steps int32): what `optimizer_from` takes."""
+    return OptimizerValues(*(np.asarray(getattr(s, name), np.int32 if name in _STEP_FIELDS else np.float32)
+                             for name in OptimizerValues._fields))
+
+
+def schedule_from(v: OptimizerValues) -> optax.Schedule:
+    """`make_schedule` from traced values: optax.warmup_cosine_decay_schedule's arithmetic, which checks its steps in
+    Python (it needs them static), written out with the steps as arrays. It equals `make_schedule` to the bit where
+    1 - min_lr_ratio is the same in float32 as optax's float64 folded to float32 (0, 0.1, 0.3, 1: yes; 0.77: no), else
+    within 2 ulp (tests/test_optimizer_values.py)."""
+    warmup = v.warmup_steps
+    decay = jnp.maximum(v.total_steps, warmup + 1) - warmup  # make_schedule's decay_steps, less the warmup
+    init = jnp.where(warmup > 0, 0.0, v.lr)  # no warmup starts at the peak (the ramp below is then never taken)
+
+    def schedule(count):
+        # optax.linear_schedule(init, lr, warmup); max(.., 1): no warmup divides nothing by 0 in the branch not taken
+        ramp = (init - v.lr) * (1 - jnp.clip(count, 0, warmup) / jnp.maximum(warmup, 1)) + v.lr
+        # optax.cosine_decay_schedule(lr, decay, alpha=min_lr_ratio) on the steps after the warmup
+        after = jnp.minimum(count - warmup, decay).astype(jnp.float32)
+        cosine = 0.5 * (1 + jnp.cos(jnp.pi * after / decay))
+        return jnp.where(count < warmup, ramp, v.lr * ((1 - v.min_lr_ratio) * cosine + v.min_lr_ratio))
+
+    return schedule
+
+
+def optimizer_from(v: OptimizerValues, adam_mu_dtype: str) -> Optimizer:
+    """`make_optimizer` from traced values (`OptimizerValues`): the same transformations, whose state has the same
+    structure (a weight decay traced is applied even at 0, adding 0 * params: the same values). Its arithmetic is
+    `make_optimizer`'s but for three constants optax folds in float64 there and computes here from float32 values:
+    1 - b1, 1 - b2 and 1 - min_lr_ratio, apart by the rounding of b1, b2, min_lr_ratio to float32 (1.3e-5 of 1 - b2
+    at b2 0.999, relative; tests/test_optimizer_values.py), which a co-batched step's own rounding covers
+    (tests/test_cotrain.py)."""
+    return Optimizer(optax.clip_by_global_norm(v.grad_clip),
+                     optax.adamw(schedule_from(v), b1=v.b1, b2=v.b2, weight_decay=v.weight_decay,
+                                 mu_dtype=jnp.dtype(adam_mu_dtype)))
 
 
 # The batch key of each row's completion window start (workers.batch), and the keys with one value per row

@@ -369,8 +369,9 @@ def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[Shar
 
 def train_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[SharedHold]:
     """The co-batched updates of `cfg`'s base groups: LoRA tasks whose actors read one base and whose update is one
-    program (everything workers.train_step.ActorSettings is built from, and the adapter's shape: data, rewards and
-    seeds may differ); tasks with actor.cobatch false left out."""
+    program (everything workers.train_step.ActorSettings is built from but the optimizer's settings, and the adapter's
+    shape: data, rewards, seeds, `optim` and the schedule's length may differ); tasks with actor.cobatch false left
+    out."""
     found: dict[str, SharedHold] = {}
     by_name = {t.name: t for t in cfg.tasks}
     for b in bases:
@@ -379,8 +380,10 @@ def train_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[Shared
             if role != "actor" or not task.actor.cobatch:
                 continue
             g, plan = task.grpo, task.batch_plan()
-            update = (dataclasses.replace(plan, task=""), task.optim.model_dump(), task.lora.model_dump(),
-                      g.epsilon, g.epsilon_high, g.beta, g.loss_aggregation, g.temperature,
+            # optim and the schedule's steps are each member's inputs of the program (train_step.OptimizerValues)
+            shape = dataclasses.replace(plan, task="", steps=0, total_optimizer_steps=0, warmup_steps=0)
+            update = (shape, task.lora.model_dump(), g.epsilon, g.epsilon_high, g.beta, g.loss_aggregation,
+                      g.temperature, g.kl_clamp, g.max_new_tokens,
                       task.actor.router_aux_loss_coef, task.actor.remat, task.actor.adam_mu_dtype)
             key = repr((b.key, update, task.actor.max_cobatch_rows))
             batch = found.setdefault(key, SharedHold(phase="train", key=key, tasks=[], rows=[],

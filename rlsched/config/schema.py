@@ -304,12 +304,13 @@ class ActorSection(_Section):
     """Models with experts: the weight of the router's load-balancing loss added to GRPO's loss (0 turns it off);
     unset: the checkpoint's config.json `router_aux_loss_coef`. Ignored for models without experts."""
     cobatch: bool = False
-    """LoRA tasks of one base group whose update is the same program (the same optim and grpo settings, steps and
-    adapter shape; data, rewards and seeds may differ): true lets several that wait for TRAIN share one hold, their
-    optimizer steps run as one program (each task's own loss, clipping, moments and schedule). A task's update then
-    equals its update alone to float rounding only (a few 1e-6 in float32 on CPU, which AdamW can magnify), where
-    training alone is bit-reproducible whatever the neighbours do: hence off by default. Worth it where one task's
-    rows leave the devices idle (accelerators); docs/lora.md has the figures."""
+    """LoRA tasks of one base group whose update is the same program (the same grpo settings and adapter shape; data,
+    rewards, seeds, steps and optim settings may differ, a sweep over learning rates among them): true lets several
+    that wait for TRAIN share one hold, their optimizer steps run as one program (each task's own loss, clipping,
+    moments, learning rate, weight decay and schedule). A task's update then equals its update alone to float
+    rounding only (a few 1e-6 in float32 on CPU, which AdamW can magnify), where training alone is bit-reproducible
+    whatever the neighbours do: hence off by default. Worth it where one task's rows leave the devices idle
+    (accelerators); docs/lora.md has the figures."""
     max_cobatch_rows: int = Field(512, ge=1)
     """Most rows one co-batched TRAIN runs at once: each task adds its grpo.micro_batch_size, and the tasks of a hold
     are padded to a power of two (activation memory grows with it)."""
