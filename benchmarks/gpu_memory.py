@@ -248,7 +248,7 @@ def main(argv=None) -> dict:
     for accumulate in (int(a) for a in args.accumulate.split(",")):
         task = task_config(args, accumulate).tasks[0]
         programs = compile_programs(model, settings_of(task), device, accumulate, length)
-        plan = actor_bytes(task, config)
+        plan = actor_bytes(task, config, backend="cpu" if device.platform == "cpu" else "gpu")
         grad, upd = programs["gradient"], programs["update"]
         # as tests/test_plan_memory.py: the gradient (the plan's grads, the gradient program's output) and the
         # activations of the larger of the two programs, against the plan's grads + activations

@@ -247,7 +247,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rlsched.config.plan import device_plan
 
     shapes = functools.partial(model_shapes, model=args.model, model_config=args.model_config)
-    plan = device_plan(load_configs(args.config, args.set), shapes)
+    plan = device_plan(load_configs(args.config, args.set), shapes, backend=args.backend)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.render())
     if not plan.runnable:
         print("error: a role does not fit cluster.memory_budget_gb even alone (see the group lines)", file=sys.stderr)
@@ -485,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="+", help="experiment YAML(s), as for train")
     p.add_argument("--set", action="append", default=[], metavar="A.B.C=VALUE", help="config override (repeatable)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    p.add_argument("--backend", choices=("gpu", "cpu"), default="gpu",
+                   help="whose compiler the actors' activations are counted for: XLA:GPU (default) or XLA:CPU, which "
+                        "allocates more (rlsched/config/plan.py)")
     _model_shape_options(p)
     p.set_defaults(func=_cmd_plan)
 

@@ -17,7 +17,7 @@ import pytest
 from rlsched.cli import main
 from rlsched.config.loading import load_config, select_tasks
 from rlsched.config.meshes import check_meshes, check_platform, read_model_config, role_devices, task_devices
-from rlsched.config.plan import LAYER_BYTES, actor_bytes, device_plan, engine_bytes, layer_width_bytes
+from rlsched.config.plan import FIT, actor_bytes, device_plan, engine_bytes, layer_width_bytes
 from rlsched.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,12 +188,12 @@ def test_tiny_plan_by_hand(tmp_path):
     assert actor_bytes(task, model) == {
         "params": params, "grads": params,
         "optimizer": 2 * params + 8,  # two moments + Adam's and the schedule's int32 counts
-        # micro-batch 64 / (dp 1 x fsdp 2) = 32 rows x [remat layers: 2 layers' inputs (4 B x 20 tokens x 64) + one
-        # layer recomputed: half its per-token bytes (20 tokens x (19 x 64 + 16 x 2 x 128 / tp 2 + 25 x 128, the one
-        # KV head whole + 19 x 192 / 2) = 20 x 8,288) + 18 B x 1 head per tp x 20^2 scores; the rest 18 B x 20 x 64;
-        # the head on each row's completion window, max_new_tokens 4 log-prob positions (one chunk: fewer than 128)
-        # x 12 B x 384 / tp 2]
-        "activations": 32 * (2 * 4 * 20 * 64 + 20 * 8_288 // 2 + 18 * 1 * 20 * 20 + 18 * 20 * 64 + 4 * 12 * 192),
+        # micro-batch 64 / (dp 1 x fsdp 2) = 32 rows x [XLA:GPU's count (the default backend), remat layers: 2
+        # layers' inputs (4 B x 20 tokens x 64) + the rest (8 B x 20 x 64) + the larger of one layer recomputed (20
+        # tokens x (8 x 64 + 8 x 2 x 128 / tp 2 + 8 x 128, the one KV head whole + 8 x 192 / 2) = 20 x 3,328, + 2 B x
+        # 1 head per tp x 20^2 scores) and the head on each row's completion window (max_new_tokens 4 log-prob
+        # positions, one chunk: 4 x 8 B x 384 / tp 2)]; a float32 model: no vocabulary gradient in the model's dtype
+        "activations": 32 * (2 * 4 * 20 * 64 + 8 * 20 * 64 + max(20 * 3_328 + 2 * 1 * 20 * 20, 4 * 8 * 192)),
     }
     # engine tp 2: embed 192 x 64 = 12,288; per layer q 64 x 128, k, v 64 x 128 (replicated), o 128 x 64 ->
     # 4 x 8,192; gate/up 64 x 96, down 96 x 64 -> 3 x 6,144; norms 384: 12,288 + 64 + 2 x 51,584 = 115,520.
@@ -281,12 +281,17 @@ def test_qwen3_1p7b_recipe_plan_by_hand(tmp_path, capsys):
         "actor", {"dp": 1, "fsdp": 4, "ep": 1, "tp": 2}, list(range(8)))
     assert (engine["role"], engine["mesh"], engine["devices"]) == (
         "engine", {"dp": 1, "fsdp": 1, "ep": 1, "tp": 2}, [0, 1])
-    # 2 rows x [remat layers, bfloat16: 28 layers' inputs (3 B x 1,280 x 2,048) + one layer's scores (21 B x 16 / tp 2
-    # heads x 1,280^2) + the rest (10 B x 1,280 x 2,048) + one chunk of 128 positions x 12 B x 151,936 / tp 2]: 1.28 GB,
-    # the update allocates nothing beside the gradient (a float32 first moment). One optimizer step
-    # a GRPO step (mini-batch 128 = the step's samples): the forward reads the bfloat16 copy the actor serves, no cast
-    activations = (8 // 4) * (28 * 3 * 1280 * 2048 + 21 * 8 * 1280**2 + 10 * 1280 * 2048 + 128 * 12 * 75_968)
-    assert activations > 2 * actor_params
+    # XLA:GPU's count (the default backend): 2 rows x [remat layers, bfloat16: 28 layers' inputs (2 B x 1,280 x 2,048)
+    # + the rest (4 B x 1,280 x 2,048) + one layer recomputed (1,280 tokens x 4 B x (2,048 + 16 / tp 2 heads x 128 + 8
+    # / 2 KV heads x 128 + 6,144 / 2) + 2 B x 8 heads x 1,280^2); the head's chunk (2 rows x 128 positions x 8 B x
+    # 151,936 / tp 2) fits in the embedding's float32 gradient (2 x 2 x 128 <= 2,048), so it is not counted] + the
+    # bfloat16 gradient of the tied embedding (2 B x 151,936 x 2,048 / (fsdp 4 x tp 2)) + the accumulation of 16
+    # micro-batches of 8 (0.1 x the float32 master, 2 x actor_params): 0.60 GB. The update allocates nothing beside the
+    # gradient (a float32 first moment). One optimizer step a GRPO step (mini-batch 128 = the step's samples): the
+    # forward reads the bfloat16 copy the actor serves, no cast
+    activations = (8 // 4) * (28 * 2 * 1280 * 2048 + 4 * 1280 * 2048 + 1280 * 4 * (2048 + 1024 + 512 + 3072)
+                              + 2 * 8 * 1280**2) + 2 * 151_936 * 2048 // 8 + int(0.1 * 2 * actor_params)
+    assert activations == 599_022_387
     # bfloat16: the actor trains float32 master weights (2 x the bfloat16 bytes) and serves the bfloat16 params;
     # its gradients and both moments are float32; the reference (beta 0.08) is bfloat16
     assert actor["bytes"] == {
@@ -331,22 +336,26 @@ def test_qwen2p5_7b_recipe_plan_by_hand(tmp_path):
     actor_params = ((total - replicated - biases) // 8 + biases // 2 + replicated) * 2  # fsdp 4 x tp 2
     engine_params = ((total - replicated) // 4 + replicated) * 2  # tp 4: 4 KV heads, one per device
     assert actor_params == 1_904_358_400 and engine_params == 3_808_114_688
-    # micro-batch 4 / fsdp 4 = 1 row x [28 layers' inputs (3 B x 1,280 x 3,584) + one layer's scores (21 B x 28 / tp 2
-    # heads x 1,280^2) + the rest (10 B x 1,280 x 3,584) + 128 positions (a chunk) x 12 B x 152,064 / 2]: 1.03 GB; the
-    # update allocates nothing beside the gradient (a float32 first moment: rlsched.config.plan.UPDATE_COPIES)
-    activations = 1 * (28 * 3 * 1280 * 3584 + 21 * 14 * 1280**2 + 10 * 1280 * 3584 + 128 * 12 * 76_032)
-    assert activations == 1_029_701_632
+    # XLA:GPU's count: micro-batch 4 / fsdp 4 = 1 row x [28 layers' inputs (2 B x 1,280 x 3,584) + the rest (4 B x
+    # 1,280 x 3,584) + one layer recomputed (1,280 tokens x 4 B x (3,584 + 28 / tp 2 heads x 128 + 4 / 2 KV heads x 128
+    # + 18,944 / 2) + 2 B x 14 heads x 1,280^2); the head's chunk fits in the embedding's float32 gradient, not counted]
+    # + the bfloat16 gradients of the untied embedding and head (2 B x 2 x 152,064 x 3,584 / (fsdp 4 x tp 2)) + the
+    # accumulation of 32 micro-batches (0.1 x the float32 master): 1.05 GB; the update allocates nothing beside the
+    # gradient (a float32 first moment: rlsched.config.plan.UPDATE_COPIES)
+    activations = 1 * (28 * 2 * 1280 * 3584 + 4 * 1280 * 3584 + 1280 * 4 * (3584 + 1792 + 256 + 9472)
+                       + 2 * 14 * 1280**2) + 2 * 2 * 152_064 * 3584 // 8 + int(0.1 * 2 * actor_params)
+    assert activations == 1_051_829_248
     kv = 128 * 1280 * 28 * 2 * 1 * 128 * 2  # 128 rows x 1,280 slots x 28 layers x (k, v) x 1 head x 128 x bf16
     actor, engine = plan.roles
     assert (actor.devices, engine.devices) == (list(range(8)), [0, 1, 2, 3])
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    # 10 x 1,904,358,400 + 8 of state + 1,029,701,632 of activations
-    assert (actor.total, engine.total) == (20_073_285_640, 6_156_924_928)  # 18.7 GiB, 5.7 GiB
+    # 10 x 1,904,358,400 + 8 of state + 1,051,829,248 of activations
+    assert (actor.total, engine.total) == (20_095_413_256, 6_156_924_928)  # 18.7 GiB, 5.7 GiB
     assert plan.per_device == [actor.total + engine.total] * 4 + [actor.total] * 4
     (group,) = plan.groups
-    assert group.fits == "yes" and group.resident == 26_230_210_568 < 64 * 2**30  # 24.4 GiB
+    assert group.fits == "yes" and group.resident == 26_252_338_184 < 64 * 2**30  # 24.4 GiB
 
 
 def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
@@ -367,32 +376,36 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
     actor_params = (experts // 8 + (rest - kv_proj) // 8 + kv_proj + whole) * 2  # tp 8
     engine_params = (experts // 8 + rest // 2 + whole) * 2  # ep 4 x tp 2
     assert actor_params == 7_831_580_672 and engine_params == 8_801_644_544
-    # micro-batch 1 = 1 row x [48 layers' inputs (3 B x 1,280 x 2,048) + one layer's scores (21 B x 32 / tp 8 heads x
-    # 1,280^2; a bfloat16 layer recomputed keeps next to nothing per token beside them) + the rest (10 B x 1,280 x
-    # 2,048) + 128 positions (a chunk) x 12 B x 151,936 / 8]: 0.57 GB, the activations (the update allocates nothing
-    # beside the gradient with a float32 first moment)
-    activations = 1 * (48 * 3 * 1280 * 2048 + 21 * 4 * 1280**2 + 10 * 1280 * 2048 + 128 * 12 * 18_992)
-    assert activations == 570_499_072
+    # XLA:GPU's count: micro-batch 1 = 1 row x [48 layers' inputs (2 B x 1,280 x 2,048) + the rest (4 B x 1,280 x
+    # 2,048) + one layer recomputed (1,280 tokens x (4 B x (2,048 + 32 / tp 8 heads x 128 + 4 KV heads x 128, whole:
+    # 4 does not split over 8) + the MoE's 4 B x 12 values x 128 experts x 768 / tp 8) + 2 B x 4 heads x 1,280^2); the
+    # head's chunk fits in the embedding's float32 gradient] + the bfloat16 gradients of the untied embedding and head
+    # (2 B x 2 x 151,936 x 2,048 / tp 8) + the accumulation of 128 micro-batches (0.1 x the float32 master): 2.6 GiB,
+    # the activations (the update allocates nothing beside the gradient with a float32 first moment)
+    activations = 1 * (48 * 2 * 1280 * 2048 + 4 * 1280 * 2048
+                       + 1280 * (4 * (2048 + 512 + 512) + 4 * 12 * 128 * 768 // 8) + 2 * 4 * 1280**2) \
+        + 2 * 2 * 151_936 * 2048 // 8 + int(0.1 * 2 * actor_params)
+    assert activations == 2_767_853_158
     kv = 32 * 1280 * 48 * 2 * 2 * 128 * 2  # 128 rows / ep 4 x 1,280 slots x 48 layers x (k, v) x 4 / tp 2 heads
     actor, engine = plan.roles
     assert (actor.mesh, engine.mesh) == ({"dp": 1, "fsdp": 1, "ep": 1, "tp": 8}, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 2})
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    # actor: 10 x 7,831,580,672 + 8 = 78,315,806,728 of state (72.9 GiB) + activations 570,499,072:
-    # 78,886,305,800 (73.5 GiB)
-    assert (actor.total, engine.total) == (78_886_305_800, 10_814_910_464)  # 73.5 GiB, 10.1 GiB
+    # actor: 10 x 7,831,580,672 + 8 = 78,315,806,728 of state (72.9 GiB) + activations 2,767,853,158:
+    # 81,083,659,886 (75.5 GiB)
+    assert (actor.total, engine.total) == (81_083_659_886, 10_814_910_464)  # 75.5 GiB, 10.1 GiB
     (group,) = plan.groups
-    # 78,886,305,800 + 10,814,910,464 = 89,701,216,264 (83.5 GiB) <= 112 GiB: no role need offload
-    assert (group.resident, group.largest_role, group.fits) == (89_701_216_264, actor.total, "yes")
+    # 81,083,659,886 + 10,814,910,464 = 91,898,570,350 (85.6 GiB) <= 112 GiB: no role need offload
+    assert (group.resident, group.largest_role, group.fits) == (91_898_570_350, actor.total, "yes")
     assert group.resident <= 112 * 2**30 and plan.runnable
 
     # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal). Each is
     # over 64 GiB by its state alone; e.g. fsdp 2 x ep 4: params (experts / 8 + rest / fsdp 2 + routers / 2 + norms
-    # 210,944) x 2 B = 8,789,061,632 -> 10 x that + 8 = 87,890,616,328, activations 1 row x (48 x 3 x 1,280 x 2,048 +
-    # 21 x 32 heads x 1,280^2 + 10 x 1,280 x 2,048 + 128 x 12 x 151,936) = 1,738,080,256: 89,628,696,584 = 83.5 GiB.
-    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 83.5), ("{fsdp: 2, ep: 2, tp: 2}", 4, 75.7),
-                             ("{ep: 2, tp: 4}", 2, 75.5), ("{tp: 8}", 1, 73.5)):
+    # 210,944) x 2 B = 8,789,061,632 -> 10 x that + 8 = 87,890,616,328, + activations of 4 rows per device (micro-batch
+    # 8 / fsdp 2) 8,821,020,262: 96,711,636,590 = 90.1 GiB.
+    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 90.1), ("{fsdp: 2, ep: 2, tp: 2}", 4, 79.6),
+                             ("{ep: 2, tp: 4}", 2, 78.3), ("{tp: 8}", 1, 75.5)):
         cfg = load_config(CONFIGS / "gsm8k_qwen3_30b_a3b.yaml", [
             f"tasks.0.model.path={tmp_path}", f"tasks.0.actor.mesh={mesh}", f"tasks.0.grpo.micro_batch_size={micro}",
             "cluster.memory_budget_gb=64"])
@@ -402,34 +415,34 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
 
 def test_moe_activations_count_experts_only_in_moe_layers():
     """tiny-qwen3moe: hidden 64, dense MLP 192 in layer 0, 4 experts of width 48 in layer 1, 2 heads, 1 KV head of 128,
-    float32. Per token, the tp-split widths: q 16 B x 2 x 128 / tp, kv 25 B x 128 (one KV head: whole), and the MLP:
-    dense 19 B x 192 / tp, MoE 4 B x 12 x 4 experts x 48 / tp (ep splits the experts but gathers its rows: each
-    device's rows meet every expert)."""
+    float32, XLA:CPU's count of a layer kept (remat off). Per token, the tp-split widths: q 16 B x 2 x 128 / tp, kv 16
+    B x 128 (one KV head: whole), and the MLP: dense 22 B x 192 / tp, MoE 4 B x 12 x 4 experts x 48 / tp (ep splits
+    the experts but gathers its rows: each device's rows meet every expert)."""
     from workers.models.presets import preset_config
 
     model = preset_config("tiny-qwen3moe", vocab_size=384)
     assert [model.moe_layer(i) for i in range(2)] == [False, True]
-    per = LAYER_BYTES["float32"]
+    per = FIT["cpu"]["float32"].layer
     ep2_tp2 = {"dp": 1, "fsdp": 1, "ep": 2, "tp": 2}
-    assert [layer_width_bytes(model, ep2_tp2, per, i) for i in range(2)] == [2_048 + 3_200 + 1_824,
-                                                                            2_048 + 3_200 + 4_608]
+    assert [layer_width_bytes(model, ep2_tp2, per, i) for i in range(2)] == [2_048 + 2_048 + 2_112,
+                                                                            2_048 + 2_048 + 4_608]
     ep4 = {"dp": 1, "fsdp": 1, "ep": 4, "tp": 1}
-    assert [layer_width_bytes(model, ep4, per, i) for i in range(2)] == [4_096 + 3_200 + 3_648, 4_096 + 3_200 + 9_216]
+    assert [layer_width_bytes(model, ep4, per, i) for i in range(2)] == [4_096 + 2_048 + 4_224, 4_096 + 2_048 + 9_216]
 
 
 def test_budget_verdicts(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_1P7B))
     recipe = [str(CONFIGS / "gsm8k_qwen3_1p7b_mesh.yaml"), "--set", f"tasks.0.model.path={tmp_path}"]
-    # Device 0 holds the actor, 5,580,312,584 B (5.2 GiB), and the engine, 6,418,319,360 B (6.0 GiB): 11,998,631,944 B
-    # (11.2 GiB) resident (test_qwen3_1p7b_recipe_plan_by_hand's bytes). 12 GiB: both at once.
+    # Device 0 holds the actor, 4,902,628,155 B (4.6 GiB), and the engine, 6,418,319,360 B (6.0 GiB): 11,320,947,515 B
+    # (10.5 GiB) resident (test_qwen3_1p7b_recipe_plan_by_hand's bytes). 12 GiB: both at once.
     assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=12"]) == 0
     out = capsys.readouterr().out
-    assert "group shared (devices 0-7): 11.2 GiB on device 0 with every role resident; largest role 6.0 GiB; " \
+    assert "group shared (devices 0-7): 10.5 GiB on device 0 with every role resident; largest role 6.0 GiB; " \
            "fits\n" in out
     assert "gsm8k  actor   fsdp 4 x tp 2  0-7" in out and "gsm8k  engine  tp 2           0-1" in out
     # 8 GiB: not both at once, each alone.
     assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=8"]) == 0
-    assert "11.2 GiB on device 0 with every role resident; largest role 6.0 GiB; fits one role at a time (idle roles " \
+    assert "10.5 GiB on device 0 with every role resident; largest role 6.0 GiB; fits one role at a time (idle roles " \
            "offload)" in capsys.readouterr().out
     # 5.8 GiB (6,227,702,579 B): the actor alone fits, the engine alone does not.
     assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=5.8"]) == 1
@@ -559,10 +572,10 @@ def test_the_moe_recipe_plans_through_the_cli(tmp_path):
                         f"heads ({tmp_path / 'config.json'})")
     # columns padded to their widths; the bytes test_qwen3_30b_a3b_recipe_plan_by_hand counts
     assert [" ".join(line.split()) for line in lines[4:6]] == [
-        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 544.1 MiB 73.5 GiB",
+        "gsm8k actor tp 8 0-7 21.9 GiB 14.6 GiB 29.2 GiB 7.3 GiB - 2.6 GiB 75.5 GiB",
         "gsm8k engine ep 4 x tp 2 0-7 8.2 GiB - - - 1.9 GiB - 10.1 GiB"]
-    assert lines[6] == ("group shared (devices 0-7): 83.5 GiB on device 0 with every role resident; largest role "
-                        "73.5 GiB; fits")
+    assert lines[6] == ("group shared (devices 0-7): 85.6 GiB on device 0 with every role resident; largest role "
+                        "75.5 GiB; fits")
 
 
 def test_the_memory_line_puts_each_measured_kind_beside_the_plans():

@@ -22,15 +22,16 @@ SHAPES = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 768, "
           "max_position_embeddings": 4096}
 
 
-def _task(tmp_path, *, layers: int, dtype: str, remat: str, rows: int, positions: int, mu: str = "float32"):
-    """configs/gsm8k_qwen3.yaml's task on one device, with a model of SHAPES and one micro-batch per update (`mu`:
-    actor.adam_mu_dtype)."""
+def _task(tmp_path, *, layers: int, dtype: str, remat: str, rows: int, positions: int, mu: str = "float32",
+          accumulate: int = 1):
+    """configs/gsm8k_qwen3.yaml's task on one device, with a model of SHAPES and `accumulate` micro-batches of `rows`
+    per update (`mu`: actor.adam_mu_dtype)."""
     (tmp_path / "config.json").write_text(json.dumps({**SHAPES, "num_hidden_layers": layers, "torch_dtype": dtype}))
     cfg = load_config(CONFIGS / "gsm8k_qwen3.yaml", [
         f"tasks.0.model.path={tmp_path}", f"tasks.0.model.dtype={dtype}", f"tasks.0.actor.remat='{remat}'",
         "tasks.0.grpo.max_prompt_len=64", f"tasks.0.grpo.max_new_tokens={positions - 64}", "tasks.0.grpo.beta=0",
-        f"tasks.0.grpo.prompts_per_step={rows // 2}", "tasks.0.grpo.num_generations=2",
-        f"tasks.0.grpo.mini_batch_size={rows}", f"tasks.0.grpo.micro_batch_size={rows}",
+        f"tasks.0.grpo.prompts_per_step={rows * accumulate // 2}", "tasks.0.grpo.num_generations=2",
+        f"tasks.0.grpo.mini_batch_size={rows * accumulate}", f"tasks.0.grpo.micro_batch_size={rows}",
         f"tasks.0.actor.adam_mu_dtype={mu}"])
     return cfg, ModelConfig.from_dir(tmp_path).replace(dtype=dtype)
 
@@ -59,7 +60,7 @@ def _planned_and_temporaries(tmp_path, **point) -> tuple[int, int, int, int]:
     activations (`_temporaries`)."""
     (tmp_path / point["remat"]).mkdir(parents=True)
     cfg, model = _task(tmp_path / point["remat"], **point)
-    planned = actor_bytes(cfg.tasks[0], model)
+    planned = actor_bytes(cfg.tasks[0], model, backend="cpu")  # XLA:CPU's count: the compiler here
     temp, update = _temporaries(cfg, model, point["positions"])
     counted = planned["grads"] + planned["activations"]
     print(f"{point}: temporaries {temp / 2**20:.1f} MiB, planned {counted / 2**20:.1f} MiB ({counted / temp:.3f})")
@@ -67,12 +68,14 @@ def _planned_and_temporaries(tmp_path, **point) -> tuple[int, int, int, int]:
 
 
 def test_plan_counts_what_the_train_program_allocates(tmp_path):
-    """Within 10 % of XLA's count, remat layers and off, float32 and bfloat16 (measured 0.975-1.096); and layers
-    plans fewer bytes than off, as XLA allocates fewer (float32, 2 layers, 4 x 256: 73.6 MiB against 127.6). Where
-    the micro-batch is small beside the params (4 layers, 2 rows of 72 positions: a 4B model's case), the
-    optimizer's step allocates nothing beside the gradient with a float32 first moment (the clipped gradient is
-    written over the gradient: workers.actor `update`), and half a float32 copy of the params with a bfloat16 one,
-    which is then the peak, as the plan counts it (rlsched.config.plan.UPDATE_COPIES: 1.000 there)."""
+    """Within 10 % of XLA:CPU's count (`rlsched plan --backend cpu`), remat layers and off, float32 and bfloat16, one
+    micro-batch a step and four (measured 0.966-1.022 at one); and layers plans fewer bytes than off, as XLA allocates
+    fewer (float32, 2 layers, 4 x 256: 73.6 MiB against 127.6). Where the micro-batch is small beside the params (4
+    layers, 2 rows of 72 positions: a 4B model's case), the optimizer's step allocates nothing beside the gradient
+    with a float32 first moment (the clipped gradient is written over the gradient: workers.train_step `update`), and
+    half a float32 copy of the params with a bfloat16 one, which is then the peak, as the plan counts it
+    (rlsched.config.plan.UPDATE_COPIES). A bfloat16 actor accumulating 4 micro-batches a step allocates ~1.7 x the
+    float32 master more than with one (XLA:CPU's float32 copy of the weights through the loop: ACCUMULATION_COPIES)."""
     point = {"layers": 2, "dtype": "float32", "rows": 4, "positions": 256}
     layers, off = (_planned_and_temporaries(tmp_path, **point, remat=remat) for remat in ("layers", "off"))
     assert layers[1] < off[1] and layers[0] < off[0]
@@ -82,5 +85,8 @@ def test_plan_counts_what_the_train_program_allocates(tmp_path):
                                                 positions=72, remat="layers", mu=mu) for mu in ("float32", "bfloat16"))
     assert f32_mu[2] < 0.01 * f32_mu[3]  # the update's temporaries: under 1 % of the float32 params (0.001 measured)
     assert 0.45 * bf16_mu[3] < bf16_mu[2] < 0.55 * bf16_mu[3]
-    for planned, temp, *_ in (layers, off, bf16, bf16_mu):
+    one, four = (_planned_and_temporaries(tmp_path / "accumulate" / str(a), layers=4, dtype="bfloat16", rows=2,
+                                          positions=256, remat="layers", accumulate=a) for a in (1, 4))
+    assert four[1] - one[1] > 1.5 * four[3]  # XLA:CPU's weights in float32 through the accumulation loop
+    for planned, temp, *_ in (layers, off, bf16, f32_mu, bf16_mu, one, four):
         assert 0.9 * temp <= planned <= 1.1 * temp, (planned, temp)

@@ -119,8 +119,8 @@ MOE_VALUES_PER_EXPERT = 12  # per token and MoE layer, x experts x expert width 
 
 
 class LayerBytes(NamedTuple):
-    """Bytes a decoder layer's backward keeps per token, by width (a row's layer: T x (hidden H + q Q + kv KV +
-    mlp I) + scores x N T^2): XLA's temporaries of the compiled train step, fitted (module docstring)."""
+    """Bytes a decoder layer keeps per token, by width (a row's layer: T x (hidden H + q Q + kv KV + mlp I) +
+    scores x N T^2): XLA's temporaries of the compiled train step, fitted (module docstring)."""
 
     hidden: int  # x H: the residual stream, both norms' inputs and outputs
     q: int  # x heads x head_dim / tp: the query before and after its norm and rotary embedding, attention's output
@@ -129,27 +129,54 @@ class LayerBytes(NamedTuple):
     scores: int  # per (head, query, key): float32 scores and probabilities (the (B, N, T, T) arrays)
 
 
-# Fitted to XLA:CPU's memory analysis (module docstring), by the model's dtype: a bfloat16 model keeps its scores and
-# its norms' statistics in float32, its projections in bfloat16.
-LAYER_BYTES = {"float32": LayerBytes(hidden=19, q=16, kv=25, mlp=19, scores=12),
-               "bfloat16": LayerBytes(hidden=27, q=12, kv=16, mlp=11, scores=12)}
-# remat layers: each layer's input kept, per token x hidden (XLA:CPU keeps a bfloat16 input near float32's width)
-REMAT_INPUT_BYTES = {"float32": 4, "bfloat16": 3}
-# remat layers: the layer being recomputed, its per-token bytes x this share (its recompute is freed as its backward
-# goes: half of them at once in float32, next to none beside the scores in bfloat16) plus its (B, N, T, T) arrays:
-# the scores, the probabilities and both their gradients, about five float32 values per (head, query, key)
-REMAT_WORK_SHARE = {"float32": 0.5, "bfloat16": 0.0}
-REMAT_SCORE_BYTES = {"float32": 18, "bfloat16": 21}
-HEAD_BYTES = 12  # per (row, chunk position, vocab entry / tp): a chunk's float32 logits, softmax and gradient
+class ActivationFit(NamedTuple):
+    """What the gradient's program allocates per row beside the gradient, by the model's dtype (module docstring)."""
+
+    layer: LayerBytes  # remat off: every layer's values, kept from its forward to its backward
+    remat_input: int  # remat layers: each layer's input, per token x hidden
+    remat_work: LayerBytes  # remat layers: the one layer recomputed, with its backward's own values
+    rest: int  # per token x hidden: the embedding's output, the final norm, their gradients
+    head: int  # per (chunk position, vocab entry / tp): a chunk's float32 logits, softmax and their gradient
+    vocab_grad: int = 0  # per vocabulary parameter (embedding, untied head): their gradient in the model's dtype
+    # whether the head's chunk is left out where it fits inside the embedding's float32 gradient (2 x rows x chunk <=
+    # hidden): XLA:GPU puts it in that output's buffer before the backward writes the gradient there
+    head_in_gradient: bool = False
+
+
+# Fitted to each compiler's memory analysis (module docstring), by backend and the model's dtype: least squares over
+# the programs of each (dtype, remat), rounded to whole bytes
+FIT = {
+    "cpu": {"float32": ActivationFit(layer=LayerBytes(hidden=20, q=16, kv=16, mlp=22, scores=12), remat_input=4,
+                                     remat_work=LayerBytes(hidden=8, q=16, kv=17, mlp=33, scores=12), rest=24,
+                                     head=12),
+            "bfloat16": ActivationFit(layer=LayerBytes(hidden=23, q=16, kv=13, mlp=12, scores=11), remat_input=2,
+                                      remat_work=LayerBytes(hidden=7, q=19, kv=12, mlp=21, scores=12), rest=21,
+                                      head=15)},
+    # XLA:GPU keeps far less: bfloat16 in bfloat16, the head's softmax fused (two float32 arrays of the chunk),
+    # one layer's recompute small beside its input; its own fit (module docstring)
+    "gpu": {"float32": ActivationFit(layer=LayerBytes(hidden=4, q=4, kv=4, mlp=4, scores=6), remat_input=4,
+                                     remat_work=LayerBytes(hidden=8, q=8, kv=8, mlp=8, scores=2), rest=8, head=8,
+                                     head_in_gradient=True),
+            "bfloat16": ActivationFit(layer=LayerBytes(hidden=2, q=2, kv=2, mlp=2, scores=6), remat_input=2,
+                                      remat_work=LayerBytes(hidden=4, q=4, kv=4, mlp=4, scores=2), rest=4, head=8,
+                                      vocab_grad=2, head_in_gradient=True)},
+}
+BACKENDS = tuple(FIT)  # `rlsched plan --backend`: whose compiler's count (a TPU's is not measured)
+VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.kernel")  # (vocab, hidden) parameters: ActivationFit.vocab_grad
 # The optimizer's step (workers.train_step.update, a program of its own) allocates this many float32 copies of the
-# trained params beside the gradient, its argument, by actor.adam_mu_dtype: none with a float32 first moment (the
-# clipped gradient is written over the gradient, the moments and the params over themselves), half a copy with a
-# bfloat16 one (the moment is made in float32, then rounded to be stored). XLA:CPU's temporaries of that program,
-# bfloat16 models of the `small` widths, 2 and 4 layers: 0.001 and 0.500 x the master, every one. (optax's clip inside
-# the chain, as one transformation, kept its clipped gradient as a temporary: 1.0 and 1.5; the step and the gradient
-# in one program, skipping a non-finite step by a select of the new state against the old, 1.27 x at 4 layers.)
-UPDATE_COPIES = {"float32": 0.0, "bfloat16": 0.5}
-REST_BYTES = {"float32": 18, "bfloat16": 10}  # per token x hidden: embedding output, final norm, their gradients
+# trained params beside the gradient, its argument, by backend and actor.adam_mu_dtype: none with a float32 first
+# moment (the clipped gradient is written over the gradient, the moments and the params over themselves); with a
+# bfloat16 one XLA:CPU makes the moment in float32 before rounding it (half a copy), XLA:GPU fuses the rounding in.
+# XLA:CPU's temporaries of that program, bfloat16 models of the `small` widths, 2 and 4 layers: 0.001 and 0.500 x the
+# master; XLA:GPU's (an H100, Qwen3-0.6B): 231 KiB either way. (optax's clip inside the chain, as one transformation,
+# kept its clipped gradient: 1.0 and 1.5 on XLA:CPU; a branch on the step's finiteness, 4.0 on XLA:GPU.)
+UPDATE_COPIES = {"cpu": {"float32": 0.0, "bfloat16": 0.5}, "gpu": {"float32": 0.0, "bfloat16": 0.0}}
+# Accumulating micro-batches (mini_batch_size > micro_batch_size: workers.train_step.gradients' loop) allocates this
+# many float32 copies of the trained params more in the gradient's program, by backend and the model's dtype: XLA:CPU
+# computes bfloat16 dots in float32 and converts every weight before the loop, a float32 copy of them alive through it
+# (4 layers of the `small` widths: 1.7 x; Qwen3-0.6B at 8 micro-batches 1.65 x, Qwen3-4B at 16 1.86 x); XLA:GPU keeps
+# bfloat16 and adds little (Qwen3-0.6B 0.02 x, Qwen3-4B 0.09 x; float32 not measured there)
+ACCUMULATION_COPIES = {"cpu": {"float32": 0.15, "bfloat16": 1.7}, "gpu": {"float32": 0.1, "bfloat16": 0.1}}
 GiB = 2**30
 
 
@@ -159,8 +186,9 @@ def param_bytes(shapes: dict[str, tuple[int, ...]], mesh: dict[str, int], *, kv_
     return sum(sharding.shard_bytes(shape, specs[name], mesh, itemsize) for name, shape in shapes.items())
 
 
-def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
-    """Per device of the actor's mesh, by kind (see the module docstring)."""
+def actor_bytes(task: TaskConfig, model: ModelConfig, *, backend: str = "gpu") -> dict[str, int]:
+    """Per device of the actor's mesh, by kind (see the module docstring); activations as `backend`'s compiler
+    allocates them ("gpu" or "cpu": BACKENDS)."""
     mesh, item = task.actor.mesh.as_dict(), ITEMSIZE[task.model.dtype]
     params = param_bytes(model.param_shapes(), mesh, kv_heads=model.num_key_value_heads, itemsize=item)
     mu = ITEMSIZE[task.actor.adam_mu_dtype]  # AdamW's first moment; its second is float32
@@ -177,18 +205,29 @@ def actor_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
         out["reference"] = params
     rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
     positions = task.grpo.max_prompt_len + task.grpo.max_new_tokens
-    # the output head runs on chunks of positions (workers.token_logprobs): one chunk's float32 logits are alive at a
-    # time, over the vocab shard (a LoRA adapter on the head adds its float32 delta)
+    # the output head runs on chunks of positions (workers.token_logprobs), a run's batches on their completion
+    # windows of max_new_tokens (workers.batch): one chunk's float32 logits are alive at a time, over the vocab shard
+    # (a LoRA adapter on the head adds its float32 delta)
     vocab = -(-model.vocab_size // mesh["tp"])
-    head = HEAD_BYTES * vocab + (4 * vocab if task.lora is not None and "lm_head" in task.lora.targets else 0)
+    lora_head = 4 * vocab if task.lora is not None and "lm_head" in task.lora.targets else 0
+    fit, chunk = FIT[backend][task.model.dtype], head_chunk(task.grpo.max_new_tokens)
+    head = chunk * (fit.head * vocab + lora_head)
+    if fit.head_in_gradient and task.lora is None and 2 * rows * chunk <= model.hidden_size:
+        head = 0  # in the embedding's float32 gradient's buffer, before the backward writes it (ActivationFit)
+    # a bfloat16 model's gradient of its vocabulary matrices (the embedding, an untied head), laid out as they are,
+    # before their float32 sum (none for a LoRA actor's frozen base)
+    matrices = {k: v for k, v in model.param_shapes().items() if k in VOCAB_MATRICES}
+    vocab_grads = 0 if task.lora is not None or not fit.vocab_grad else \
+        param_bytes(matrices, mesh, kv_heads=model.num_key_value_heads, itemsize=fit.vocab_grad)
     # a bfloat16 model's forward reads the copy it serves (workers.actor): a second one, cast for each further
     # optimizer step of a GRPO step, while the first waits in the channel
     several = task.batch_plan().optimizer_steps_per_step > 1
     cast = params if task.lora is None and item != ITEMSIZE[MASTER_DTYPE] and several else 0
-    # a run's batches carry completion windows (workers.batch): the head runs on max_new_tokens positions a row
-    micro_batch = rows * (activation_bytes(model, mesh, positions, task.model.dtype, task.actor.remat)
-                          + min(LOGPROB_CHUNK, task.grpo.max_new_tokens) * head)
-    out["activations"] = max(micro_batch, int(UPDATE_COPIES[task.actor.adam_mu_dtype] * trained)) + cast
+    micro_batch = rows * activation_bytes(model, mesh, positions, task.model.dtype, task.actor.remat, head=head,
+                                          backend=backend) + vocab_grads
+    if task.batch_plan().mini_batch_size > task.batch_plan().micro_batch_size:  # several micro-batches a step
+        micro_batch += int(ACCUMULATION_COPIES[backend][task.model.dtype] * trained)
+    out["activations"] = max(micro_batch, int(UPDATE_COPIES[backend][task.actor.adam_mu_dtype] * trained)) + cast
     return out
 
 
@@ -200,22 +239,32 @@ def lora_bytes(task: TaskConfig, model: ModelConfig) -> int:
     return adapter_bytes(model, spec, itemsize=4)
 
 
-def activation_bytes(model: ModelConfig, mesh: dict[str, int], positions: int, dtype: str, remat: str) -> int:
-    """Bytes the actor's train step allocates for one row of `positions` tokens besides its output head's chunk
-    (see the module docstring): the layers' activations as `remat` keeps them, and the rest."""
-    per = LAYER_BYTES[dtype]
+def head_chunk(width: int) -> int:
+    """Positions per chunk of the output head over `width` positions: workers.token_logprobs' chunks, as few as
+    LOGPROB_CHUNK allows, each as short as they can be (a window of 192 runs two chunks of 96)."""
+    chunks = -(-width // LOGPROB_CHUNK)
+    return -(-width // chunks)
+
+
+def activation_bytes(model: ModelConfig, mesh: dict[str, int], positions: int, dtype: str, remat: str, *,
+                     head: int, backend: str) -> int:
+    """Bytes the actor's gradient program allocates for one row of `positions` tokens beside the gradient (see the
+    module docstring), its output head's chunk `head` bytes a row: the layers' activations as `remat` keeps them,
+    the rest, and the head. Remat off: the head's backward runs while every layer's values wait for theirs (a sum);
+    remat layers: only the layers' inputs wait, and one layer's recompute follows the head's (the larger of the two)."""
+    fit = FIT[backend][dtype]
+    per = fit.layer if remat == "off" else fit.remat_work
     tokens, scores = [], []  # per layer: bytes a token keeps, bytes of one row's (heads, T, T) arrays
     for layer in range(model.num_hidden_layers):
         tokens.append(per.hidden * model.hidden_size + layer_width_bytes(model, mesh, per, layer))
         scores.append(model.num_attention_heads // mesh["tp"] * positions * positions)
-    rest = REST_BYTES[dtype] * positions * model.hidden_size
-    if remat == "off":  # every layer's internals, kept until the backward reaches it
-        return sum(positions * t + per.scores * s for t, s in zip(tokens, scores, strict=True)) + rest
+    rest = fit.rest * positions * model.hidden_size
+    if remat == "off":  # every layer's values, kept until the backward reaches it
+        return sum(positions * t + per.scores * s for t, s in zip(tokens, scores, strict=True)) + rest + head
     # each layer's input kept; the backward recomputes one layer at a time: the largest one's working set
-    kept = model.num_hidden_layers * REMAT_INPUT_BYTES[dtype] * positions * model.hidden_size
-    work = max(int(REMAT_WORK_SHARE[dtype] * positions * t) + REMAT_SCORE_BYTES[dtype] * s
-               for t, s in zip(tokens, scores, strict=True))
-    return kept + work + rest
+    kept = model.num_hidden_layers * fit.remat_input * positions * model.hidden_size
+    work = max(positions * t + per.scores * s for t, s in zip(tokens, scores, strict=True))
+    return kept + rest + max(work, head)
 
 
 def layer_width_bytes(model: ModelConfig, mesh: dict[str, int], per: LayerBytes, layer: int) -> int:
@@ -281,6 +330,7 @@ class DevicePlan:
     groups: list[GroupPlan]
     rollout_batches: list[SharedHold] = dataclasses.field(default_factory=list)  # co-batched rollouts
     train_batches: list[SharedHold] = dataclasses.field(default_factory=list)  # co-batched updates
+    backend: str = "gpu"  # whose compiler the activations are counted for (BACKENDS)
 
     @property
     def runnable(self) -> bool:
@@ -288,7 +338,7 @@ class DevicePlan:
 
     def as_dict(self) -> dict[str, Any]:
         roles = [dataclasses.asdict(r) | {"bytes": r.bytes | {"total": r.total}} for r in self.roles]
-        return {"placement": self.placement, "num_devices": self.num_devices,
+        return {"placement": self.placement, "backend": self.backend, "num_devices": self.num_devices,
                 "num_devices_from": self.num_devices_from, "memory_budget_bytes": self.budget,
                 "models": self.models, "roles": roles, "per_device": self.per_device,
                 "groups": [dataclasses.asdict(g) for g in self.groups], "runnable": self.runnable,
@@ -299,7 +349,9 @@ class DevicePlan:
         budget = "no memory budget" if self.budget is None else f"memory budget {_size(self.budget)} per device"
         lines = [f"{self.placement}, {_count(self.num_devices, 'device')} (from {self.num_devices_from}), {budget}"]
         lines += [f"task {task}: {text}" for task, text in self.models.items()]
-        lines.append("bytes per device of each role's mesh (activations: an estimate, see rlsched/config/plan.py):")
+        compiler = {"gpu": "XLA:GPU", "cpu": "XLA:CPU"}[self.backend]
+        lines.append(f"bytes per device of each role's mesh (activations: {compiler}'s, an estimate, see "
+                     "rlsched/config/plan.py):")
         header = ["task", "role", "mesh", "devices", *(k.replace("_", " ") for k in KINDS), "total"]
         rows = [[r.task, r.role + (" (lora)" if r.lora else ""), sharding.describe(r.mesh), _ranges(r.devices),
                  *(_size(r.bytes[k]) if k in r.bytes else "-" for k in KINDS), _size(r.total)] for r in self.roles]
@@ -424,8 +476,9 @@ def base_share(plan_bytes: dict[str, dict[str, int]], base: int) -> dict[str, di
     return {role: {**kinds, "params": kinds["params"] - base} for role, kinds in plan_bytes.items()}
 
 
-def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None) -> DevicePlan:
-    """Every task's roles: their meshes, devices and bytes per device; then each device group's peak.
+def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None, *, backend: str = "gpu") -> DevicePlan:
+    """Every task's roles: their meshes, devices and bytes per device; then each device group's peak. The actors'
+    activations as `backend`'s compiler allocates them (BACKENDS).
 
     model_config(task, index) -> its architecture, for every task; default: its config.json or init_preset
     (rlsched.config.meshes.read_model_config). Raises ConfigError when a mesh does not split its model or a
@@ -440,7 +493,7 @@ def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None)
     for task in cfg.tasks:
         devices = role_devices(placement, n, task.actor.mesh.as_dict(), task.rollout.mesh.as_dict())
         model = models[task.name]
-        for role, mesh, nbytes in (("actor", task.actor.mesh, actor_bytes(task, model)),
+        for role, mesh, nbytes in (("actor", task.actor.mesh, actor_bytes(task, model, backend=backend)),
                                    ("engine", task.rollout.mesh, engine_bytes(task, model))):
             shared = base_of.get((task.name, role), 0)
             roles.append(RolePlan(task=task.name, role=role, mesh=mesh.as_dict(), devices=devices[role],
@@ -464,7 +517,7 @@ def device_plan(cfg: ExperimentConfig, model_config: ModelConfigs | None = None)
         num_devices_from="the meshes" if cfg.cluster.num_devices is None else "cluster.num_devices",
         budget=budget, models={t.name: _describe_model(t, models[t.name]) for t in cfg.tasks}, roles=roles,
         per_device=per_device, groups=groups, rollout_batches=rollout_batches(cfg, bases),
-        train_batches=train_batches(cfg, bases))
+        train_batches=train_batches(cfg, bases), backend=backend)
 
 
 def _group(name: str, devices: list[int], roles: list[RolePlan], per_device: list[int],
