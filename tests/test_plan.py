@@ -690,3 +690,22 @@ def test_plan_of_an_absent_model_takes_published_shapes_as_check_does(tmp_path):
                                      "its shapes are unknown: give --model NAME (one of qwen3-0.6b, ")
     unknown = cli("plan", recipe, "--set", f"tasks.0.model.path={tmp_path / 'absent'}", "--model", "qwen9")
     assert unknown.returncode == 2 and "no published shapes for 'qwen9'; known: qwen3-0.6b" in unknown.stderr
+
+
+def test_plan_counts_activations_for_the_backend_asked(tmp_path, capsys):
+    """`rlsched plan --backend cpu` counts XLA:CPU's activations, which keep more than XLA:GPU's (the default): the
+    1.7B recipe's actor, bfloat16 and accumulating 16 micro-batches, holds a float32 copy of its weights through the
+    loop on XLA:CPU (1.7 x the float32 master, ACCUMULATION_COPIES); only the activations differ."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1P7B))
+    recipe = [str(CONFIGS / "gsm8k_qwen3_1p7b_mesh.yaml"), "--set", f"tasks.0.model.path={tmp_path}"]
+    plans = {}
+    for backend in ("gpu", "cpu"):
+        assert main(["plan", *recipe, "--backend", backend, "--json"]) == 0
+        plans[backend] = json.loads(capsys.readouterr().out)
+        assert plans[backend]["backend"] == backend
+    gpu, cpu = (plans[b]["roles"][0]["bytes"] for b in ("gpu", "cpu"))
+    assert {k: v for k, v in gpu.items() if k not in ("activations", "total")} == \
+        {k: v for k, v in cpu.items() if k not in ("activations", "total")}
+    assert cpu["activations"] > gpu["activations"] + 1.6 * gpu["grads"]  # the float32 copy through the loop
+    assert main(["plan", *recipe, "--backend", "cpu"]) == 0
+    assert "(activations: XLA:CPU's, an estimate, see rlsched/config/plan.py)" in capsys.readouterr().out

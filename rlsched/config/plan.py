@@ -20,68 +20,70 @@ Per role and device, by kind (bytes on one device of the role's mesh, laid out b
                  max_new_tokens) slots x layers x 2 (k and v) x KV heads x head_dim, split as the KV_CACHE rule:
                  the cache of every step under grpo.prompt_padding max, the largest one under bucket
     activations  actor: what the train programs allocate beside their arguments for one micro-batch, or for the
-                 optimizer's step, the count below (XLA's own memory analysis of the compiled programs, matched
-                 within 10 %)
+                 optimizer's step, the count below, by backend (`rlsched plan --backend`: XLA:GPU's by default,
+                 or XLA:CPU's), fitted to that compiler's own memory analysis of the compiled programs
 The activations follow the actor's real train program (workers.train_step.gradients: the GRPO loss over one
 micro-batch, the output head by chunks of workers.token_logprobs, each decoder layer rematerialised or not as
-`actor.remat` says), fitted to XLA's `memory_analysis().temp_size_in_bytes` of that compiled program on CPU. Per
-device: rows = micro-batch / (dp x fsdp x ep), T = max_prompt_len + max_new_tokens positions, L layers, H hidden,
-Q = heads x head_dim and KV = KV heads x head_dim and I the MLP's width (each / tp where tp splits it), N heads / tp:
-    a layer, per row      T x (h H + q Q + k KV + m I) + s N T^2 bytes (LAYER_BYTES by the model's dtype: the
-                          values its backward reads, q/k/v, the norms, the MLP's gate, up and product, attention's
-                          float32 scores and probabilities of every (head, query, key))
-    remat off             L layers kept at once
-    remat layers          each layer's input (REMAT_INPUT_BYTES x T x H a row) kept, and one layer recomputed at a
-                          time: REMAT_WORK_SHARE of a layer's per-token bytes + REMAT_SCORE_BYTES x N T^2
-    output head           HEAD_BYTES x one chunk of positions (at most 128, and at most max_new_tokens: a run's
-                          batches run the head on their completion windows alone) x vocab / tp: three float32
-                          arrays of that chunk's logits (never the whole [rows, positions, vocab])
-    the rest              REST_BYTES x T x H (the embedding's output, the final norm and their gradients)
+`actor.remat` says), fitted to XLA's `memory_analysis().temp_size_in_bytes` of that compiled program. Per device:
+rows = micro-batch / (dp x fsdp x ep), T = max_prompt_len + max_new_tokens positions, L layers, H hidden, Q = heads
+x head_dim and KV = KV heads x head_dim and I the MLP's width (each / tp where tp splits it), N heads / tp; the
+constants are FIT[backend][the model's dtype] (ActivationFit):
+    a layer, per row      T x (h H + q Q + k KV + m I) + s N T^2 bytes (the values its backward reads, q/k/v, the
+                          norms, the MLP's gate, up and product, attention's scores and probabilities of every
+                          (head, query, key))
+    remat off             L layers kept at once (`layer`), and the output head's chunk beside them (its backward
+                          comes first, while every layer's values wait)
+    remat layers          each layer's input (`remat_input` x T x H a row) kept, and the larger of one layer
+                          recomputed with its backward (`remat_work`, the same form) and the head's chunk
+    output head           `head` x one chunk of positions (workers.token_logprobs' chunks: at most 128, as even as
+                          they split a run's completion window of max_new_tokens) x vocab / tp: the chunk's float32
+                          logits, softmax and gradient, never the whole [rows, positions, vocab]. XLA:GPU places
+                          it inside the embedding's float32 gradient, before writing that, where it fits
+                          (2 x rows x chunk <= H): not counted there (`head_in_gradient`)
+    the rest              `rest` x T x H (the embedding's output, the final norm and their gradients)
+    vocabulary gradients  XLA:GPU, a bfloat16 model: its embedding's (and an untied head's) gradient in bfloat16,
+                          before the float32 sum (`vocab_grad` bytes a parameter of their shards)
+    accumulation          several micro-batches a step (mini_batch_size > micro_batch_size): ACCUMULATION_COPIES x
+                          the trained params' float32 bytes (XLA:CPU keeps a float32 copy of bfloat16 weights
+                          through the loop: 1.7 x; XLA:GPU little: 0.1 x)
     the update         the optimizer's step after the micro-batches, a program of its own (workers.train_step.update):
-                       UPDATE_COPIES (by actor.adam_mu_dtype) x the trained params' float32 bytes (the master's,
-                       or a LoRA adapter's): nothing with a float32 first moment (the clipped gradient is written
-                       over the gradient), the float32 moment before its rounding with a bfloat16 one; the
-                       activations are the larger of the micro-batch's and the update's, as one program follows
-                       the other
+                       UPDATE_COPIES (by backend and actor.adam_mu_dtype) x the trained params' float32 bytes (the
+                       master's, or a LoRA adapter's): nothing but XLA:CPU's float32 moment before its rounding to
+                       a bfloat16 one; the activations are the larger of the micro-batch's and the update's, as one
+                       program follows the other
     (a LoRA adapter on the head adds its float32 delta over the vocab shard. A bfloat16 model's forward reads the
     copy it serves, counted in `params`, rather than casting the master in the step; an update of several optimizer
     steps a GRPO step (mini-batches, epochs) casts the master again before each further one while the first copy
     waits in the task's channel, published: the params' shard in the model's dtype more, counted here)
 What the compiled programs allocate beside those is the gradient of the master (the `grads` kind): the gradient
-program's output, the update program's argument. XLA's temporaries are grads + activations. Measured on CPU (jax
-0.7, XLA:CPU), a 4.5M-parameter model of the `small` preset's shapes (hidden 256, MLP 768, 4 heads, 2 KV heads,
-head_dim 128, vocab 4,096), float32 and bfloat16, remat layers and off, 2 and 4 layers, micro-batches of 4 and 8
-rows of 256 and 512 positions, and variants of every width (MLP 1,536, hidden 128, 8 heads, 4 KV heads, head_dim
-64), an accumulation of 2 micro-batches and 384 positions: 55 programs, grads + activations within 7.1 % of the
-temporaries of every one (mean +0.7 %).
-Examples (temporaries, float32, 4 layers, 8 x 512): remat off 997 MiB, layers 316 MiB; the count 984 and 302 MiB.
-That fit predates the forward reading the served copy and the update in a program of its own (UPDATE_COPIES);
-since them, tests/test_plan_memory.py's four points are within 0.975-1.096 of the count (float32, remat layers,
-1.096: the gradient's program alone allocates 73.6 MiB where the one program of both allocated 76.8; the
-update-bound one, a bfloat16 first moment at 4 layers, 1.000), and the 55 were not measured again. Where a bfloat16
-model's micro-batch is small beside its params (2 rows of 72 positions) the count is short: the gradient's program
-allocates 6.7 MiB (4.4 more than counted, whatever the layers: its embedding's and head's bfloat16 gradients before
-their float32 sum, 2 to 7 bytes a vocabulary parameter, more for tied embeddings), 0.853 of the temporaries in all
-there; at 512 positions the activations' peak hides it. What it misses most: a bfloat16 actor accumulating
-micro-batches (mini_batch_size > micro_batch_size) allocates ~1.7 x the float32 master more in the gradient's program
-than with one micro-batch a step (4 layers of the `small` widths, 2 x 256: 22.8 -> 61.8 MiB; a float32 model's grow
-25.6 -> 28.9 MiB), not counted: at Qwen3-4B's real shapes, 16 micro-batches of 8 x 512, XLA:CPU's temporaries are
-35.6 GiB against the count's 4.2 of activations. Part of that is XLA:CPU's: its dots compute bfloat16 in float32, and
-in the compiled loop every bfloat16 weight is converted to float32 once, before the loop, a float32 copy of the
-weights alive through it (a GPU's bfloat16 dots need no such copy; not measured there).
-What it leaves out: another backend's fusions (a GPU's XLA fuses more, and keeps bfloat16 where XLA:CPU keeps
-float32: the count errs high there), the fsdp all-gathered weights of the layer in flight, and a LoRA adapter's
-own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe) runs every expert on every token,
-so instead of the MLP's share it keeps (B, T, E, I) intermediates: the ep group's rows (gathered over ep) x E / ep
-experts x I / tp, which per device is the device's own rows x E x I / tp; MOE_VALUES_PER_EXPERT float32 values of
-them per token. That count is XLA's, not the block's three (gate, up, their product): the compiled train step of
-a 2- and a 4-layer model of Qwen3-30B-A3B's shapes on 8 CPU devices (`memory_analysis()`, float32, remat off)
-holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x tp 2, ep 4 x tp 2 and fsdp 2 x ep 4. The MoE share is not
-fitted to the remat-aware program yet: on one device, 16 experts 256 wide (hidden 256, 2-4 layers, 2-8 rows of 256
-positions), XLA's temporaries were 1.4-1.9 x grads + activations with remat layers (one layer's recompute of its
-(B, T, E, I) values, which the bfloat16 share counts as none, and per further layer 0.3-0.4 x its float32 gradient
-more in bfloat16, the same at 2 and 8 rows, 1.6 x in float32) and 0.5-0.8 x with remat off (float32: about 8 values
-per expert and token, not 12). The KV cache is jax_sampler's, the most it can hold.
+program's output, the update program's argument. XLA's temporaries are grads + activations, against which the fits
+were measured (jax 0.10, benchmarks/plan_fit.py):
+- XLA:CPU, least squares over 11 programs of each (dtype, remat) at small widths (the `small` preset's: hidden 256,
+  MLP 768, 4 heads, 2 KV heads, head_dim 128, vocab 4,096, 2 layers, 4 x 512, and one variant each: MLP 1,536,
+  hidden 128, 8 heads, 4 KV heads, head_dim 64, vocab 16k and 64k, 8 rows, 384 positions, 4 layers); with 20 more
+  (vocab 4k-64k, 2-8 rows of 256-512 positions): 0.958-1.059 on 64 programs. tests/test_plan_memory.py: 7 points,
+  0.966-1.040, including a bfloat16 actor accumulating 4 micro-batches (XLA:CPU computes bfloat16 dots in float32
+  and converts every weight before the compiled loop: 1.7 x the float32 master more than with one; Qwen3-0.6B at 8
+  micro-batches 1.65 x, Qwen3-4B at 16 1.86 x).
+- XLA:GPU, compiled for an H100 without one (deviceless: benchmarks/gpu_memory.py's targets), fitted to 14 programs
+  of Qwen3 0.6B, 1.7B and 4B shapes (2-32 rows of 256-2,048 positions, remat layers and off, one float32): 0.93-1.28
+  x, 0.99-1.06 on 11. Where it over-counts (1.7B, 16 rows of 256 positions: 1.28; 4B remat off: 1.15) XLA put the
+  head's chunk inside gradients' buffers where the count's rule does not expect it; where it under-counts (4B, 2
+  rows: 0.93) it kept more than at 8 rows. Small widths allocate relatively more there (split-K partial sums: 0.5-1.4
+  x of the count at the `small` widths), which matters little in bytes. No GPU's allocator measured it at run time.
+What it leaves out: a TPU's compiler, the fsdp all-gathered weights of the layer in flight (meshes were measured on
+one device), and a LoRA adapter's own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe)
+runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I) intermediates: the ep group's
+rows (gathered over ep) x E / ep experts x I / tp, which per device is the device's own rows x E x I / tp;
+MOE_VALUES_PER_EXPERT float32 values of them per token. That count is XLA:CPU's, not the block's three (gate, up,
+their product): the compiled train step of a 2- and a 4-layer model of Qwen3-30B-A3B's shapes on 8 CPU devices
+(`memory_analysis()`, float32, remat off) holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x tp 2, ep 4 x tp 2
+and fsdp 2 x ep 4. The MoE share is not fitted to the remat-aware program nor to XLA:GPU: on one device, 16 experts
+256 wide (hidden 256, 2-4 layers, 2-8 rows of 256 positions), XLA:CPU's temporaries were 1.4-1.9 x grads +
+activations with remat layers, by the count before its refit (one layer's recompute of its (B, T, E, I) values, and
+per further layer 0.3-0.4 x its float32 gradient more in bfloat16, the same at 2 and 8 rows, 1.6 x in float32) and
+0.5-0.8 x with remat off (float32: about 8 values per expert and token, not 12). The KV cache is jax_sampler's,
+the most it can hold.
 
 LoRA tasks of one base group (the same base, dtype and role mesh) in a device group's process share one copy of
 the base (workers.shared_base): their rows show the adapter, and one row `base` holds the base, resident for the
