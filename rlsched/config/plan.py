@@ -64,7 +64,9 @@ were measured (jax 0.10, benchmarks/plan_fit.py):
   (vocab 4k-64k, 2-8 rows of 256-512 positions): 0.958-1.059 on 64 programs. tests/test_plan_memory.py: 7 points,
   0.966-1.040, including a bfloat16 actor accumulating 4 micro-batches (XLA:CPU computes bfloat16 dots in float32
   and converts every weight before the compiled loop: 1.7 x the float32 master more than with one; Qwen3-0.6B at 8
-  micro-batches 1.65 x, Qwen3-4B at 16 1.86 x).
+  micro-batches 1.65 x, Qwen3-4B at 16 1.86 x). At real sizes XLA:CPU keeps more than the fit of small widths says
+  (its float32 copies of the weights): Qwen3-0.6B, 16 x 512, 0.91 and 0.95 (1 and 8 micro-batches); Qwen3-4B, 8 x
+  512, 0.79 and 0.86 (1 and 16; benchmarks/results/gpu_memory-cpu-*).
 - XLA:GPU, compiled for an H100 without one (deviceless: benchmarks/gpu_memory.py's targets), fitted to 14 programs
   of Qwen3 0.6B, 1.7B and 4B shapes (2-32 rows of 256-2,048 positions, remat layers and off, one float32): 0.93-1.28
   x, 0.99-1.06 on 11. Where it over-counts (1.7B, 16 rows of 256 positions: 1.28; 4B remat off: 1.15) XLA put the
