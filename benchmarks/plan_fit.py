@@ -13,12 +13,13 @@ tests/test_plan_memory.py compares them. The summary: the ratio plan / allocated
 many points are within 10 % of 1.
 
 --grid real (the default on a GPU target): Qwen3 0.6B, 1.7B and 4B, bfloat16 (one float32), remat layers and off,
-2 to 32 rows of 256 to 2,048 positions, beta 0.08 (the batch carries ref_logp); ~9 min for an H100 on 2 cores.
+2 to 32 rows of 256 to 2,048 positions, beta 0.08 (the batch carries ref_logp); for an H100, 28 min on 2 cores
+shared with the small grid's run (26 min of it XLA's compiles, results.json's compile_s).
 --grid small (the default with --target present, the CPU): the `small` preset's widths (hidden 256, MLP 768, 4
 heads, 2 KV heads, head_dim 128) over a 4,096-token vocabulary and 2 layers, tests/test_plan_memory.py's model,
 one width at a time varied, more rows, positions and layers, larger vocabularies; float32 and bfloat16, remat layers
-and off; 64-token prompts, beta 0; ~6 min on 2 cores. The GPU targets need the CUDA plugin's venv
-(benchmarks/gpu_memory.py's docstring):
+and off; 64-token prompts, beta 0; 19 min on 2 cores shared with the real grid's run (18 of them compiling).
+The GPU targets need the CUDA plugin's venv (benchmarks/gpu_memory.py's docstring):
     JAX_PLATFORMS=cpu PYTHONPATH=. gpuaot/bin/python -m benchmarks.plan_fit --target h100
 """
 
@@ -76,8 +77,9 @@ VARIANTS = [("base", {}), ("mlp1536", {"intermediate_size": 1536}), ("hidden128"
             ("v16k", {"vocab_size": 16384}), ("v64k", {"vocab_size": 65536})]
 SHAPES = [(n, f, 4, 512) for n, f in VARIANTS] + [
     ("rows8", {}, 8, 512), ("pos384", {}, 4, 384), ("L4", {"num_hidden_layers": 4}, 4, 512)]
-# ... and where the output head's chunk and the layers trade places: vocabularies of 4k-64k at fewer positions, more
-# rows, more layers (the cases the fit got wrong before the head's chunk and a layer's recompute were a max, not a sum)
+# ... and vocabularies of 4k-32k at fewer positions, more rows, more layers (dtype, remat, vocab, rows, positions,
+# layers): the output head's chunk grows with the vocabulary, a layer's activations with rows x positions, and the
+# plan counts the larger of the two with remat layers, so the grid covers each side of that line
 SURVEY = [("float32", "layers", 4096, 4, 256, 2), ("float32", "off", 4096, 4, 256, 2),
           ("bfloat16", "layers", 4096, 2, 512, 2), ("bfloat16", "layers", 16384, 8, 512, 4),
           ("bfloat16", "layers", 32768, 4, 512, 2), ("bfloat16", "layers", 4096, 8, 512, 4),
