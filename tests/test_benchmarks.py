@@ -53,6 +53,8 @@ SMALLEST = {
     # the present backend (the CPU): what CI can run; --target h100 needs the CUDA plugin (its docstring)
     "gpu_memory": (["--preset", "tiny", "--vocab-size", "256", "--micro-batch", "2", "--accumulate", "1,2",
                     "--prompt-len", "8", "--new-tokens", "8", "--target", "present"], "runs"),
+    # two points of the small grid on the present backend (the CPU): XLA:CPU's compiles and the plan's --backend cpu
+    "plan_fit": (["--target", "present", "--grid", "small", "--points", "2"], "summary"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }
@@ -194,9 +196,34 @@ def check_gpu_memory(results: dict, out: Path) -> None:
         assert run["plan"]["activations"] > 0 and run["gradient"]["temp_bytes"] > 0
 
 
+def check_plan_fit(results: dict, out: Path) -> None:
+    """benchmarks/plan_fit.py: every point's fields written, and its ratio is rlsched.config.plan.actor_bytes of the
+    point's config (XLA:CPU's count) over what the programs it compiled allocate, recomputed here from their bytes."""
+    from benchmarks import plan_fit
+    from rlsched.config.plan import actor_bytes
+
+    runs = results["runs"]
+    assert results["backend"] == "cpu" and [r["name"] for r in runs] == [p.name for p in plan_fit.SMALL[:2]]
+    for run, point in zip(runs, plan_fit.SMALL, strict=False):
+        assert all(run[k] is not None for k in (*plan_fit.Point.__dataclass_fields__, "positions", "layers",
+                                                "vocab_size", "allocated_bytes", "ratio")), run
+        for program in ("gradient", "update"):
+            assert set(run[program]) >= {"temp_bytes", "output_bytes", "argument_bytes", "peak_bytes", "compile_s"}
+        assert run["gradient"]["temp_bytes"] > 0 and run["gradient"]["output_bytes"] > 0
+        allocated = max(run["gradient"]["temp_bytes"], run["update"]["temp_bytes"]) + run["gradient"]["output_bytes"]
+        assert run["allocated_bytes"] == allocated
+        plan = actor_bytes(*plan_fit.point_config(point), backend="cpu")
+        assert run["plan"] == {"grads": plan["grads"], "activations": plan["activations"]}
+        assert run["ratio"] == (plan["grads"] + plan["activations"]) / allocated
+    ratios = [r["ratio"] for r in runs]
+    assert results["summary"]["min"] == min(ratios) and results["summary"]["max"] == max(ratios)
+    assert results["summary"]["within_10_percent"] == sum(abs(r - 1) <= 0.10 for r in ratios)
+    assert f"over {len(runs)} points: min {min(ratios):.3f}" in (out / "report.md").read_text()
+
+
 # module -> a check of its results beyond their presence
 DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain, "gpu": check_gpu,
-          "startup": check_startup, "gpu_memory": check_gpu_memory}
+          "startup": check_startup, "gpu_memory": check_gpu_memory, "plan_fit": check_plan_fit}
 
 
 def test_every_benchmark_has_a_smallest_setting():
