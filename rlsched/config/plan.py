@@ -60,8 +60,8 @@ program's output, the update program's argument. XLA's temporaries are grads + a
 were measured (jax 0.10, benchmarks/plan_fit.py):
 - XLA:CPU, least squares over 11 programs of each (dtype, remat) at small widths (the `small` preset's: hidden 256,
   MLP 768, 4 heads, 2 KV heads, head_dim 128, vocab 4,096, 2 layers, 4 x 512, and one variant each: MLP 1,536,
-  hidden 128, 8 heads, 4 KV heads, head_dim 64, vocab 16k and 64k, 8 rows, 384 positions, 4 layers); with 20 more
-  (vocab 4k-64k, 2-8 rows of 256-512 positions): 0.958-1.059 on 64 programs. tests/test_plan_memory.py: 7 points,
+  hidden 128, 8 heads, 4 KV heads, head_dim 64, vocab 16k and 64k, 8 rows, 384 positions, 4 layers); with 12 more
+  (vocab 4k-64k, 2-8 rows of 256-512 positions), 56 programs in all: 0.958-1.059. tests/test_plan_memory.py: 7 points,
   0.966-1.040, including a bfloat16 actor accumulating 4 micro-batches (XLA:CPU computes bfloat16 dots in float32
   and converts every weight before the compiled loop: 1.7 x the float32 master more than with one; Qwen3-0.6B at 8
   micro-batches 1.65 x, Qwen3-4B at 16 1.86 x). At real sizes XLA:CPU keeps more than the fit of small widths says
