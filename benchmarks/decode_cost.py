@@ -10,11 +10,13 @@ the venv with the CUDA plugin). Reported:
 - the program's memory analysis (arguments, outputs, temporaries: the KV cache lives in the temporaries);
 - XLA's cost analysis of the whole program where the backend gives one (XLA:CPU does; the deviceless XLA:GPU
   compile returns none);
-- one decode step: the top-level ops of the while loop's body in the optimized HLO, each counted as the bytes of
-  its operands plus its output (what a memory-bound kernel moves), except where the fused computation says less is
-  touched: a dynamic-update-slice into an operand writes only the update (the operand is the output's buffer, in
-  place), a gather or dynamic-slice of an operand reads only what it takes. Summed, beside the floor of one step
-  (the weights once, the KV cache of the filled slots once) and the time both take at the target's bandwidth.
+- one decode step: the top-level ops of the decode loop's body in the optimized HLO (the mean of the loops' where
+  the program has one per segment of the new tokens), each counted as the bytes of its operands plus its output
+  (what a memory-bound kernel moves), except where the fused computation says less is touched: a
+  dynamic-update-slice into an operand writes only the update (the operand is the output's buffer, in place), a
+  slice, gather or dynamic-slice of an operand (its only use) reads only what it takes. Summed, beside the floor
+  of one step (the weights once, the KV cache of the filled slots once) and the time both take at the target's
+  bandwidth.
 This is an estimate of HBM traffic from shapes, not a profile: caches, re-reads inside a kernel and a kernel's own
 efficiency are not in it. It says which ops move the bytes.
 """
@@ -75,22 +77,26 @@ def computations(hlo: str) -> dict[str, list[dict]]:
     return comps
 
 
-def _touched(fused: list[dict]) -> tuple[dict[int, int], int | None]:
-    """In a fused computation: {parameter number: bytes read of it, where less than the whole} and, for a
-    dynamic-update-slice into a parameter, (that parameter's number, the update's bytes)."""
+def _touched(fused: list[dict]) -> tuple[dict[int, int], tuple[int, int] | None]:
+    """In a fused computation: {parameter number: bytes read of it} for a parameter only sliced, gathered or
+    dynamic-sliced (what those take), and, for a dynamic-update-slice into a parameter, (that parameter's
+    number, the update's bytes)."""
     by_name = {i["name"]: i for i in fused}
     partial_reads: dict[int, int] = {}
+    whole: set[int] = set()
     in_place = None
     for inst in fused:
-        if inst["op"] in ("gather", "dynamic-slice") and inst["operands"]:
-            p = _param_number(by_name, inst["operands"][0])
-            if p is not None:
+        for k, operand in enumerate(inst["operands"]):
+            p = _param_number(by_name, operand) if inst["op"] != "bitcast" else None
+            if p is None:
+                continue
+            if k == 0 and inst["op"] in ("gather", "dynamic-slice", "slice"):
                 partial_reads[p] = partial_reads.get(p, 0) + shape_bytes(inst["shape"])
-        if inst["op"] == "dynamic-update-slice" and len(inst["operands"]) > 1:
-            p = _param_number(by_name, inst["operands"][0])
-            if p is not None:
+            elif k == 0 and inst["op"] == "dynamic-update-slice":
                 in_place = (p, shape_bytes(by_name[inst["operands"][1]]["shape"]))
-    return partial_reads, in_place
+            else:
+                whole.add(p)
+    return {p: n for p, n in partial_reads.items() if p not in whole}, in_place
 
 
 def _param_number(by_name: dict, name: str) -> int | None:
@@ -120,21 +126,22 @@ def _label(attrs: str, op: str) -> str:
     return re.sub(r"^jit\([^)]*\)/(while/body/)?", "", m.group(1))
 
 
-def loop_body(comps: dict[str, list[dict]]) -> str:
-    """The body of the entry computation's while loop with the largest carry (the decode loop's)."""
+def loop_bodies(comps: dict[str, list[dict]]) -> list[str]:
+    """The bodies of the entry computation's while loops with the largest carry (the decode loops: one, or one
+    per segment of the new tokens), in program order."""
     loops = [i for i in comps["ENTRY"] if i["op"] == "while"]
     if not loops:
         raise ValueError("the program has no while loop in its entry computation")
-    largest = max(loops, key=lambda i: shape_bytes(i["shape"]))
-    return re.search(r"body=%([^\s,]+)", largest["attrs"]).group(1)
+    largest = max(shape_bytes(i["shape"]) for i in loops)
+    return [re.search(r"body=%([^\s,]+)", i["attrs"]).group(1) for i in loops if shape_bytes(i["shape"]) == largest]
 
 
-def step_ops(hlo: str) -> list[dict]:
-    """The decode loop body's kernels: per top-level op, {name, op, label, read, written} in bytes (see the module
-    docstring for what is counted)."""
+def step_ops(hlo: str, loop: int = 0) -> list[dict]:
+    """The kernels of decode loop `loop`'s body: per top-level op, {name, op, label, read, written} in bytes (see
+    the module docstring for what is counted)."""
     comps = computations(hlo)
     _number_parameters(comps, hlo)
-    body = comps[loop_body(comps)]
+    body = comps[loop_bodies(comps)[loop]]
     shapes = {i["name"]: i["shape"] for i in body}
     ops = []
     for inst in body:
@@ -224,14 +231,20 @@ def main(argv=None) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     program_cost = None if not cost else {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}
-    ops = step_ops(compiled.as_text())
+    hlo = compiled.as_text()
+    # the decode loops (one per segment of the new tokens, workers.rollout.jax_sampler._segment_ends: equal
+    # parts, so a step's mean is the loops' mean)
+    loops = [step_ops(hlo, i) for i in range(len(loop_bodies(computations(hlo))))]
     by_label: dict[str, dict] = defaultdict(lambda: dict(read=0, written=0, ops=0))
-    for op in ops:
-        entry = by_label[op["label"]]
-        entry["read"] += op["read"]
-        entry["written"] += op["written"]
-        entry["ops"] += 1
-    step = sum(op["read"] + op["written"] for op in ops)
+    for ops in loops:
+        for op in ops:
+            entry = by_label[op["label"]]
+            entry["read"] += op["read"] / len(loops)
+            entry["written"] += op["written"] / len(loops)
+            entry["ops"] += 1 / len(loops)
+    loop_bytes = [sum(op["read"] + op["written"] for op in ops) for ops in loops]
+    step = sum(loop_bytes) / len(loops)
+    ops = loops[0]
     slots = args.prompt_len + args.new_tokens
     kv_full = kv_bytes(config, args.batch, slots)
     kv_mean = kv_bytes(config, args.batch, args.prompt_len + (args.new_tokens + 1) // 2)  # filled, on average
@@ -242,11 +255,11 @@ def main(argv=None) -> dict:
     results = dict(
         args={k: str(v) for k, v in vars(args).items()}, env=environment(device, args.target), memory=memory,
         program_cost=program_cost, weight_bytes=weight_bytes, kv_cache_bytes=kv_full, kv_filled_mean_bytes=kv_mean,
-        step=dict(bytes=step, ops=len(ops), floor_bytes=floor, bytes_over_floor=step / floor,
+        step=dict(bytes=step, ops=len(ops), loop_bytes=loop_bytes, floor_bytes=floor, bytes_over_floor=step / floor,
                   ms_at_bandwidth=ms(step), floor_ms_at_bandwidth=ms(floor)),
         step_by_source=[dict(label=k, **v) for k, v in top],
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
-    rows = [f"| {k} | {v['ops']} | {format_bytes(v['read'])} | {format_bytes(v['written'])} |" for k, v in top]
+    rows = [f"| {k} | {v['ops']:.0f} | {format_bytes(v['read'])} | {format_bytes(v['written'])} |" for k, v in top]
     at = (lambda n: "") if bandwidth is None else (lambda n: f" ({ms(n):.2f} ms at {bandwidth / 1e12:.2f} TB/s)")
     report = "\n".join([
         f"{args.preset} ({args.dtype}) generate program, batch {args.batch}, {args.prompt_len} prompt + "
@@ -255,7 +268,9 @@ def main(argv=None) -> dict:
         *(f"| {k} | {format_bytes(memory[k])} |" for k in ("argument_bytes", "output_bytes", "temp_bytes")),
         f"| weights | {format_bytes(weight_bytes)} |", f"| KV cache ({slots} slots) | {format_bytes(kv_full)} |",
         "", f"XLA cost analysis of the whole program: {program_cost or 'none from this backend'}", "",
-        f"One decode step (the while body, {len(ops)} kernels): {format_bytes(step)}{at(step)}; floor (weights + the "
+        f"One decode step (the mean of {len(loops)} decode loop bodies: "
+        f"{', '.join(format_bytes(n) for n in loop_bytes)}; {len(ops)} kernels): {format_bytes(step)}{at(step)}; "
+        f"floor (weights + the "
         f"KV cache of the filled slots, {args.prompt_len} + {(args.new_tokens + 1) // 2} on average): "
         f"{format_bytes(floor)}{at(floor)}; {step / floor:.2f} x the floor", "",
         "| source (jax op name) | kernels | read | written |", "|---|---:|---:|---:|", *rows])

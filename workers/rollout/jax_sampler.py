@@ -571,11 +571,27 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
         t, _, _, _, done, _, _ = c
         return (t < max_new) & ~jnp.all(done)
 
-    def body(c):
+    def body(c, slots):
         t, cache, out_tok, out_lp, done, length, stopped = c
         prev = out_tok[:, t - 1][:, None]  # (B, 1)
-        h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask, cache, plen + t - 1, adapters=adapters)
+        h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask[:, :slots], cache, plen + t - 1,
+                                 adapters=adapters)
         return (t + 1, cache, *emit(t, model.logits(h[:, 0], adapters), out_tok, out_lp, done, length, stopped))
 
-    _, _, out_tok, out_lp, _, length, stopped = jax.lax.while_loop(cond, body, (1, cache, *carry))
+    # Segments of the loop, each attending to the slots it can have written (static, the end of its last step):
+    # at batch 128 a step's KV cache reads are several times its weights', so a step reads what is filled
+    c = (1, cache, *carry)
+    for end in _segment_ends(new_bucket):
+        c = jax.lax.while_loop(lambda c, end=end: cond(c) & (c[0] < end), partial(body, slots=plen + end), c)
+    _, _, out_tok, out_lp, _, length, stopped = c
     return out_tok, out_lp, length, stopped
+
+
+_SEGMENTS = 4  # decode loops per program: more read less of the cache, and compile one loop body each
+
+
+def _segment_ends(new_bucket: int) -> list[int]:
+    """The last new-token slot + 1 of each decode segment: `_SEGMENTS` equal parts of the bucket (fewer when it is
+    small), the last ending at the bucket."""
+    parts = max(1, min(_SEGMENTS, new_bucket // 8))
+    return [new_bucket * (i + 1) // parts for i in range(parts)]
