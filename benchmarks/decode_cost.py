@@ -3,10 +3,11 @@
     python -m benchmarks.decode_cost [--preset qwen3-0.6b] [--batch 128] [--prompt-len 256] [--new-tokens 256]
                                      [--target h100 | h200 | present | FILE] [--top 15] [--out DIR]
 
-The sampler's generate program (workers.rollout.jax_sampler._program: prefill, then a `lax.while_loop` of decode
-steps over a KV cache of prompt-len + new-tokens slots) for `--batch` rows, compiled from abstract weights
-(nnx.eval_shape) for the target as benchmarks.gpu_memory does (deviceless for h100 / h200: see its docstring for
-the venv with the CUDA plugin). Reported:
+The sampler's generate program (workers.rollout.jax_sampler._program: prefill, then `lax.while_loop`s of decode
+steps, one per segment of the new tokens, over a KV cache of prompt-len + new-tokens slots) for `--batch` rows,
+compiled from abstract weights (nnx.eval_shape) for the target as benchmarks.gpu_memory does (deviceless for h100 /
+h200: see its docstring for the venv with the CUDA plugin, which also needs safetensors here: the sampler's module
+imports it). Reported:
 - the program's memory analysis (arguments, outputs, temporaries: the KV cache lives in the temporaries);
 - XLA's cost analysis of the whole program where the backend gives one (XLA:CPU does; the deviceless XLA:GPU
   compile returns none);
