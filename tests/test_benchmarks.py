@@ -55,6 +55,8 @@ SMALLEST = {
                     "--prompt-len", "8", "--new-tokens", "8", "--target", "present"], "runs"),
     # two points of the small grid on the present backend (the CPU): XLA:CPU's compiles and the plan's --backend cpu
     "plan_fit": (["--target", "present", "--grid", "small", "--points", "2"], "summary"),
+    "decode_cost": (["--preset", "tiny", "--vocab-size", "256", "--batch", "4", "--prompt-len", "8", "--new-tokens",
+                     "8", "--target", "present"], "step"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }
@@ -221,9 +223,93 @@ def check_plan_fit(results: dict, out: Path) -> None:
     assert f"over {len(runs)} points: min {min(ratios):.3f}" in (out / "report.md").read_text()
 
 
+def check_decode_cost(results: dict, out: Path) -> None:
+    """benchmarks/decode_cost.py compiles the sampler's own generate program: its memory analysis is, byte for
+    byte, that of the program JaxSampler.prepare compiles for the same shapes; a decode step reads the weights at
+    least once, and the KV cache it reads is the filled slots' at least (both summed from the loop body's ops)."""
+    from flax import nnx
+
+    from benchmarks import decode_cost
+    from workers.models.decoder import CausalLM
+    from workers.models.presets import preset_config
+    from workers.rollout.base import SamplingParams
+    from workers.rollout.jax_sampler import JaxSampler
+
+    args = decode_cost.parse_args(SMALLEST["decode_cost"][0])
+    config = preset_config(args.preset, dtype=args.dtype, vocab_size=args.vocab_size)
+    engine = JaxSampler(CausalLM(config, rngs=nnx.Rngs(0)), max_prompt_len=args.prompt_len,
+                        max_new_tokens=args.new_tokens, max_batch_size=args.batch, prompt_padding="max")
+    params = SamplingParams(n=args.batch, max_new_tokens=args.new_tokens, temperature=0.9, stop_token_ids=(1,))
+    assert engine.prepare([[5, 6, 7]], params) == 1
+    (program,) = engine._executables.values()
+    m = program.memory_analysis()
+    assert (m.temp_size_in_bytes, m.argument_size_in_bytes) == \
+        (results["memory"]["temp_bytes"], results["memory"]["argument_bytes"])
+    kv = decode_cost.kv_bytes(config, args.batch, args.prompt_len + args.new_tokens)
+    # (B, slots, K heads, head dim) keys and values of every layer
+    assert kv == 2 * config.num_hidden_layers * args.batch * 16 * config.num_key_value_heads * config.head_dim * \
+        (2 if args.dtype == "bfloat16" else 4)
+    assert results["step"]["bytes"] >= results["weight_bytes"] + results["kv_filled_mean_bytes"]
+    assert results["step_by_source"] and results["program_cost"]["bytes accessed"] > 0  # XLA:CPU gives a cost
+
+
+def test_decode_cost_counts_hlo_bytes():
+    """benchmarks/decode_cost.py's byte count of a loop body: an in-place dynamic-update-slice writes its update
+    only, a gather reads what it takes, a dot its operands and output."""
+    from benchmarks.decode_cost import shape_bytes, step_ops
+
+    assert shape_bytes("bf16[128,512,8,128]{3,1,2,0}") == 128 * 512 * 8 * 128 * 2
+    assert shape_bytes("(s32[], f32[2,3], pred[4])") == 4 + 24 + 4
+    hlo = """
+%fused_dus (p0: f32[16,8], p1: f32[1,8], p2: s32[]) -> f32[16,8] {
+  %p0 = f32[16,8]{1,0} parameter(0)
+  %p1 = f32[1,8]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %c = s32[] constant(0)
+  ROOT %d = f32[16,8]{1,0} dynamic-update-slice(%p0, %p1, %p2, %c)
+}
+
+%fused_gather (q0: bf16[100,8], q1: s32[4]) -> bf16[4,8] {
+  %q0 = bf16[100,8]{1,0} parameter(0)
+  %q1 = s32[4]{0} parameter(1)
+  ROOT %g = bf16[4,8]{1,0} gather(%q0, %q1), offset_dims={1}
+}
+
+%body (arg: (s32[], f32[16,8], bf16[100,8], s32[4], f32[1,8])) -> (s32[], f32[16,8], bf16[100,8], s32[4], f32[1,8]) {
+  %arg = (s32[], f32[16,8]{1,0}, bf16[100,8]{1,0}, s32[4]{0}, f32[1,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %cache = f32[16,8]{1,0} get-tuple-element(%arg), index=1
+  %table = bf16[100,8]{1,0} get-tuple-element(%arg), index=2
+  %ids = s32[4]{0} get-tuple-element(%arg), index=3
+  %new = f32[1,8]{1,0} get-tuple-element(%arg), index=4
+  %upd = f32[16,8]{1,0} fusion(%cache, %new, %i), kind=kLoop, calls=%fused_dus, metadata={op_name="dus"}
+  %emb = bf16[4,8]{1,0} fusion(%table, %ids), kind=kLoop, calls=%fused_gather, metadata={op_name="take"}
+  %dot = f32[16,4]{1,0} dot(%upd, %emb), lhs_contracting_dims={1}, metadata={op_name="jit(f)/while/body/dot"}
+  ROOT %t = (s32[], f32[16,8]{1,0}, bf16[100,8]{1,0}, s32[4]{0}, f32[1,8]{1,0}) tuple(%i, %upd, %table, %ids, %new)
+}
+
+%cond (c: (s32[], f32[16,8], bf16[100,8], s32[4], f32[1,8])) -> pred[] {
+  %c = (s32[], f32[16,8]{1,0}, bf16[100,8]{1,0}, s32[4]{0}, f32[1,8]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%ci, %ci), direction=LT
+}
+
+ENTRY %main (a: (s32[], f32[16,8], bf16[100,8], s32[4], f32[1,8])) -> (s32[], f32[16,8], bf16[100,8], ...) {
+  %a = (s32[], f32[16,8]{1,0}, bf16[100,8]{1,0}, s32[4]{0}, f32[1,8]{1,0}) parameter(0)
+  ROOT %w = (s32[], f32[16,8]{1,0}, bf16[100,8]{1,0}, s32[4]{0}, f32[1,8]{1,0}) while(%a), condition=%cond, body=%body
+}
+"""
+    ops = {op["label"]: (op["read"], op["written"]) for op in step_ops(hlo)}
+    # dus: reads the update (1 x 8 f32 = 32) and the index (4), writes the update (32); the cache is its buffer
+    # take: 4 rows of 8 bf16 = 64 read of the table, the 4 int32 ids (16); writes 4 x 8 bf16 = 64
+    # dot: 16 x 8 f32 (512) + 4 x 8 bf16 (64) read, 16 x 4 f32 (256) written
+    assert ops == {"dus": (36, 32), "take": (80, 64), "dot": (576, 256)}
+
+
 # module -> a check of its results beyond their presence
 DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain, "gpu": check_gpu,
-          "startup": check_startup, "gpu_memory": check_gpu_memory, "plan_fit": check_plan_fit}
+          "startup": check_startup, "gpu_memory": check_gpu_memory, "plan_fit": check_plan_fit,
+          "decode_cost": check_decode_cost}
 
 
 def test_every_benchmark_has_a_smallest_setting():

@@ -121,6 +121,28 @@ def test_results_do_not_depend_on_batching(tiny_model, prompt_ids):
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
+def test_decoding_in_segments_gives_the_tokens_of_one_loop(tiny_model, prompt_ids, monkeypatch):
+    """A GPU's generate program decodes in SEGMENTS["default"] loops, each attending to the cache slots it can have
+    written (the CPU's in one): run here in 4, greedy and sampled tokens are those of one loop over the whole cache,
+    their log-probs within float rounding, their finish reasons the same."""
+    from workers.rollout import jax_sampler
+
+    model, tok = tiny_model
+    runs = {}
+    for segments in (1, 4):
+        monkeypatch.setitem(jax_sampler.SEGMENTS, "cpu", segments)
+        engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=32)
+        runs[segments] = [engine.generate(prompt_ids, p) for p in (
+            SamplingParams(temperature=0, max_new_tokens=32, stop_token_ids=(tok.eos_token_id,)),
+            SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3))]
+    assert jax_sampler._segment_ends(32, 4) == [8, 16, 24, 32]
+    for one, four in zip(runs[1], runs[4], strict=True):
+        for x, y in zip(one.samples, four.samples, strict=True):
+            np.testing.assert_array_equal(x.token_ids, y.token_ids)
+            assert x.finish_reason == y.finish_reason
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
 def test_compiles_a_handful_of_programs_not_one_per_request(tiny_model):
     model, tok = tiny_model
     engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=32, max_batch_size=4)

@@ -141,6 +141,9 @@ class Attention(nnx.Module):
             kk = jax.lax.dynamic_update_slice_in_dim(cache.k, kk, cache_index, axis=1)
             v = jax.lax.dynamic_update_slice_in_dim(cache.v, v, cache_index, axis=1)
             cache = LayerCache(kk, v)
+            # Attend to the slots the mask covers, the cache's first S: a decode step reads the slots written so far,
+            # not the whole cache (the KV cache, not the weights, is most of a large batch's bytes per step)
+            kk, v = kk[:, : mask.shape[-1]], v[:, : mask.shape[-1]]
         # Grouped-query attention without materialising repeated kv heads: q -> (B, T, K, G, D).
         q = q.reshape(b, t, k, n // k, d)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, kk, preferred_element_type=jnp.float32) * d**-0.5
@@ -211,7 +214,8 @@ class CausalLM(nnx.Module):
     - `model.forward(input_ids, positions, kv_mask, cache, cache_index)`: KV-cached step used by the
       rollout engine. Writes the T new tokens' keys/values at slots [cache_index, cache_index + T)
       of every row and returns final hidden states (B, T, H) plus the new cache; `kv_mask` (B, S)
-      marks valid slots. Apply `model.logits(hidden, adapters)` to the positions you need (with the same
+      marks valid slots among the cache's first S, the only ones attended (S may be less than the
+      cache's slots). Apply `model.logits(hidden, adapters)` to the positions you need (with the same
       adapters: an adapter on the output head acts there).
     - `model.with_router_loss(...)`: see there.
     - Every call takes `adapters=` (workers.models.lora.AdapterBatch, one adapter index per batch row, -1 for

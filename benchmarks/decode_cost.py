@@ -1,0 +1,286 @@
+"""What one decode step of the built-in sampler reads and writes, from the compiled program, without a GPU.
+
+    python -m benchmarks.decode_cost [--preset qwen3-0.6b] [--batch 128] [--prompt-len 256] [--new-tokens 256]
+                                     [--target h100 | h200 | present | FILE] [--top 15] [--out DIR]
+
+The sampler's generate program (workers.rollout.jax_sampler._program: prefill, then `lax.while_loop`s of decode
+steps, one per segment of the new tokens, over a KV cache of prompt-len + new-tokens slots) for `--batch` rows,
+compiled from abstract weights (nnx.eval_shape) for the target as benchmarks.gpu_memory does (deviceless for h100 /
+h200: see its docstring for the venv with the CUDA plugin, which also needs safetensors here: the sampler's module
+imports it). Reported:
+- the program's memory analysis (arguments, outputs, temporaries: the KV cache lives in the temporaries);
+- XLA's cost analysis of the whole program where the backend gives one (XLA:CPU does; the deviceless XLA:GPU
+  compile returns none);
+- one decode step: the top-level ops of the decode loop's body in the optimized HLO (the mean of the loops' where
+  the program has one per segment of the new tokens), each counted as the bytes of its operands plus its output
+  (what a memory-bound kernel moves), except where the fused computation says less is touched: a
+  dynamic-update-slice into an operand writes only the update (the operand is the output's buffer, in place), a
+  slice, gather or dynamic-slice of an operand (its only use) reads only what it takes. Summed, beside the floor
+  of one step (the weights once, the KV cache of the filled slots once) and the time both take at the target's
+  bandwidth.
+This is an estimate of HBM traffic from shapes, not a profile: caches, re-reads inside a kernel and a kernel's own
+efficiency are not in it. It says which ops move the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+from benchmarks.common import save_results  # first: sets JAX to CPU, hubs offline
+from benchmarks.gpu_memory import TARGETS, environment, stats, target_device
+from rlsched.base.units import format_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+# `[ROOT ]%name = SHAPE op(operands), attributes`: SHAPE may be a tuple, operands are %names or literals
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>[^\s=]+) = (?P<shape>.*?) (?P<op>[a-z][a-z0-9-]*)"
+                          r"\((?P<args>[^)]*)\)(?P<attrs>.*)$")
+_FREE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant"}  # no kernel, no bytes moved
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string (a tuple's: the sum of its arrays')."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES[dtype]
+    return total
+
+
+def computations(hlo: str) -> dict[str, list[dict]]:
+    """Optimized HLO text -> {computation name: its instructions (name, shape, op, operands, attrs, root)}; the entry
+    computation is also under "ENTRY"."""
+    comps: dict[str, list[dict]] = {}
+    current: list[dict] | None = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%(\S+) .*\{$", line)
+        if head:
+            current = comps.setdefault(head.group(2), [])
+            if head.group(1):
+                comps["ENTRY"] = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        m = _INSTRUCTION.match(line) if current is not None else None
+        if m:
+            current.append(dict(name=m["name"], shape=m["shape"], op=m["op"], attrs=m["attrs"],
+                                operands=re.findall(r"%([^\s,)]+)", m["args"]), root=line.lstrip().startswith("ROOT")))
+    return comps
+
+
+def _touched(fused: list[dict]) -> tuple[dict[int, int], tuple[int, int] | None]:
+    """In a fused computation: {parameter number: bytes read of it} for a parameter only sliced, gathered or
+    dynamic-sliced (what those take), and, for a dynamic-update-slice into a parameter, (that parameter's
+    number, the update's bytes)."""
+    by_name = {i["name"]: i for i in fused}
+    partial_reads: dict[int, int] = {}
+    whole: set[int] = set()
+    in_place = None
+    for inst in fused:
+        for k, operand in enumerate(inst["operands"]):
+            p = _param_number(by_name, operand) if inst["op"] != "bitcast" else None
+            if p is None:
+                continue
+            if k == 0 and inst["op"] in ("gather", "dynamic-slice", "slice"):
+                partial_reads[p] = partial_reads.get(p, 0) + shape_bytes(inst["shape"])
+            elif k == 0 and inst["op"] == "dynamic-update-slice":
+                in_place = (p, shape_bytes(by_name[inst["operands"][1]]["shape"]))
+            else:
+                whole.add(p)
+    return {p: n for p, n in partial_reads.items() if p not in whole}, in_place
+
+
+def _param_number(by_name: dict, name: str) -> int | None:
+    inst = by_name.get(name)
+    while inst is not None and inst["op"] == "bitcast" and inst["operands"]:
+        inst = by_name.get(inst["operands"][0])
+    if inst is None or inst["op"] != "parameter":
+        return None
+    return inst["number"]
+
+
+def _number_parameters(comps: dict[str, list[dict]], hlo: str) -> None:
+    """Each parameter instruction's number (`parameter(3)`: the operand it binds)."""
+    numbers = dict(re.findall(r"%([^\s=]+) = [^\n]*? parameter\((\d+)\)", hlo))
+    for insts in comps.values():
+        for inst in insts:
+            if inst["op"] == "parameter":
+                inst["number"] = int(numbers.get(inst["name"], -1))
+
+
+def _label(attrs: str, op: str) -> str:
+    """The op's source, from its metadata: what jax named it, the program's prefix dropped; an op XLA added
+    (a copy, a layout change) has none: its kind, in parentheses."""
+    m = re.search(r'op_name="([^"]*)"', attrs)
+    if not m:
+        return f"({op})"
+    return re.sub(r"^jit\([^)]*\)/(while/body/)?", "", m.group(1))
+
+
+def loop_bodies(comps: dict[str, list[dict]]) -> list[str]:
+    """The bodies of the entry computation's while loops with the largest carry (the decode loops: one, or one
+    per segment of the new tokens), in program order."""
+    loops = [i for i in comps["ENTRY"] if i["op"] == "while"]
+    if not loops:
+        raise ValueError("the program has no while loop in its entry computation")
+    largest = max(shape_bytes(i["shape"]) for i in loops)
+    return [re.search(r"body=%([^\s,]+)", i["attrs"]).group(1) for i in loops if shape_bytes(i["shape"]) == largest]
+
+
+def step_ops(hlo: str, loop: int = 0) -> list[dict]:
+    """The kernels of decode loop `loop`'s body: per top-level op, {name, op, label, read, written} in bytes (see
+    the module docstring for what is counted)."""
+    comps = computations(hlo)
+    _number_parameters(comps, hlo)
+    body = comps[loop_bodies(comps)[loop]]
+    shapes = {i["name"]: i["shape"] for i in body}
+    ops = []
+    for inst in body:
+        if inst["op"] in _FREE:
+            continue
+        operand_bytes = [shape_bytes(shapes.get(o, "")) for o in inst["operands"]]
+        written = shape_bytes(inst["shape"])
+        called = re.search(r"calls=%([^\s,]+)", inst["attrs"])
+        if inst["op"] == "fusion" and called and called.group(1) in comps:
+            partial_reads, in_place = _touched(comps[called.group(1)])
+            for p, nbytes in partial_reads.items():
+                if 0 <= p < len(operand_bytes):
+                    operand_bytes[p] = min(operand_bytes[p], nbytes)
+            if in_place is not None and 0 <= in_place[0] < len(operand_bytes):
+                operand_bytes[in_place[0]] = 0  # the output's own buffer: only the update is written
+                written = in_place[1]
+        ops.append(dict(name=inst["name"], op=inst["op"], label=_label(inst["attrs"], inst["op"]),
+                        read=sum(operand_bytes), written=written))
+    return ops
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_cost", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3-0.6b", help="a workers.models.presets preset")
+    p.add_argument("--vocab-size", type=int, default=None, help="the vocabulary of a preset without its own (tiny...)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--batch", type=int, default=128, help="rows of one generate program (16 prompts x 8)")
+    p.add_argument("--prompt-len", type=int, default=256, help="the prompt's padded length (prompt_padding max)")
+    p.add_argument("--new-tokens", type=int, default=256, help="the new-token bucket: the loop's steps")
+    p.add_argument("--target", default="h100", help="h100, h200, present (the first device JAX sees) or a file")
+    p.add_argument("--top", type=int, default=15, help="the body's ops listed, largest first")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default benchmarks/results/decode_cost-<target, or the platform with present>-<preset>")
+    return p.parse_args(argv)
+
+
+def compile_generate(config, device, batch: int, prompt_len: int, new_tokens: int):
+    """The sampler's generate program for `batch` rows on one `device`, compiled from abstract weights."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from workers.models import sharding as S
+    from workers.models.decoder import CausalLM
+    from workers.rollout.jax_sampler import _STOP_SLOTS, _program
+
+    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
+    mesh = S.mesh({}, [device])
+    graphdef, state = nnx.split(model)
+    shardings = S.state_shardings(state, mesh, kv_heads=config.num_key_value_heads)
+    weights = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    sds = jax.ShapeDtypeStruct
+    rows, prompt = (batch,), (batch, prompt_len)
+    # as JaxSampler._joint_chunks makes them: tokens, mask, active, seed, prompt_idx, sample_idx, temperature,
+    # top_p, max_new, stop, adapters, the static new-token bucket
+    args = (sds(prompt, np.int32), sds(prompt, np.bool_), sds(rows, np.bool_), sds(rows, np.uint32),
+            sds(rows, np.int32), sds(rows, np.int32), sds((), np.float32), sds((), np.float32), sds((), np.int32),
+            sds((_STOP_SLOTS,), np.int32), None, new_tokens)
+    program = _program(graphdef, mesh, config.num_key_value_heads, shardings)
+    return program.lower(weights, *args).compile(), sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
+
+
+def kv_bytes(config, batch: int, slots: int) -> int:
+    """The KV cache of `slots` slots: keys and values of every layer."""
+    itemsize = 2 if config.dtype == "bfloat16" else 4
+    return 2 * config.num_hidden_layers * batch * slots * config.num_key_value_heads * config.head_dim * itemsize
+
+
+def target_bandwidth(target: str) -> float | None:
+    """The GPU's memory bandwidth in bytes/s, as its description gives it; None for the present backend."""
+    if target == "present":
+        return None
+    config = TARGETS[target] if target in TARGETS else Path(target).read_text()
+    return float(re.search(r"memory_bandwidth: (\d+)", config).group(1))
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from workers.models.presets import preset_config
+
+    device = target_device(args.target)
+    vocab = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
+    config = preset_config(args.preset, dtype=args.dtype, **vocab)
+    t0 = time.perf_counter()
+    compiled, weight_bytes = compile_generate(config, device, args.batch, args.prompt_len, args.new_tokens)
+    memory = stats(compiled, time.perf_counter() - t0)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    program_cost = None if not cost else {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}
+    hlo = compiled.as_text()
+    # the decode loops (one per segment of the new tokens, workers.rollout.jax_sampler._segment_ends: equal
+    # parts, so a step's mean is the loops' mean)
+    loops = [step_ops(hlo, i) for i in range(len(loop_bodies(computations(hlo))))]
+    by_label: dict[str, dict] = defaultdict(lambda: dict(read=0, written=0, ops=0))
+    for ops in loops:
+        for op in ops:
+            entry = by_label[op["label"]]
+            entry["read"] += op["read"] / len(loops)
+            entry["written"] += op["written"] / len(loops)
+            entry["ops"] += 1 / len(loops)
+    loop_bytes = [sum(op["read"] + op["written"] for op in ops) for ops in loops]
+    step = sum(loop_bytes) / len(loops)
+    ops = loops[0]
+    slots = args.prompt_len + args.new_tokens
+    kv_full = kv_bytes(config, args.batch, slots)
+    kv_mean = kv_bytes(config, args.batch, args.prompt_len + (args.new_tokens + 1) // 2)  # filled, on average
+    floor = weight_bytes + kv_mean
+    bandwidth = target_bandwidth(args.target)
+    ms = (lambda n: None) if bandwidth is None else (lambda n: 1e3 * n / bandwidth)
+    top = sorted(by_label.items(), key=lambda kv: -(kv[1]["read"] + kv[1]["written"]))[: args.top]
+    results = dict(
+        args={k: str(v) for k, v in vars(args).items()}, env=environment(device, args.target), memory=memory,
+        program_cost=program_cost, weight_bytes=weight_bytes, kv_cache_bytes=kv_full, kv_filled_mean_bytes=kv_mean,
+        step=dict(bytes=step, ops=len(ops), loop_bytes=loop_bytes, floor_bytes=floor, bytes_over_floor=step / floor,
+                  ms_at_bandwidth=ms(step), floor_ms_at_bandwidth=ms(floor)),
+        step_by_source=[dict(label=k, **v) for k, v in top],
+        timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
+    rows = [f"| {k} | {v['ops']:.0f} | {format_bytes(v['read'])} | {format_bytes(v['written'])} |" for k, v in top]
+    at = (lambda n: "") if bandwidth is None else (lambda n: f" ({ms(n):.2f} ms at {bandwidth / 1e12:.2f} TB/s)")
+    report = "\n".join([
+        f"{args.preset} ({args.dtype}) generate program, batch {args.batch}, {args.prompt_len} prompt + "
+        f"{args.new_tokens} new slots, compiled for {results['env']['target']} ({args.target})", "",
+        "| program | bytes |", "|---|---:|",
+        *(f"| {k} | {format_bytes(memory[k])} |" for k in ("argument_bytes", "output_bytes", "temp_bytes")),
+        f"| weights | {format_bytes(weight_bytes)} |", f"| KV cache ({slots} slots) | {format_bytes(kv_full)} |",
+        "", f"XLA cost analysis of the whole program: {program_cost or 'none from this backend'}", "",
+        f"One decode step (the mean of {len(loops)} decode loop bodies: "
+        f"{', '.join(format_bytes(n) for n in loop_bytes)}; {len(ops)} kernels): {format_bytes(step)}{at(step)}; "
+        f"floor (weights + the "
+        f"KV cache of the filled slots, {args.prompt_len} + {(args.new_tokens + 1) // 2} on average): "
+        f"{format_bytes(floor)}{at(floor)}; {step / floor:.2f} x the floor", "",
+        "| source (jax op name) | kernels | read | written |", "|---|---:|---:|---:|", *rows])
+    name = device.platform if args.target == "present" else args.target if args.target in TARGETS \
+        else Path(args.target).stem
+    out = args.out or ROOT / "benchmarks" / "results" / f"decode_cost-{name}-{args.preset}"
+    save_results(out, "One decode step of the sampler: bytes by XLA's compiled program", results, report)
+    return results
+
+
+if __name__ == "__main__":
+    main()
