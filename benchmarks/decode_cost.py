@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.common import save_results  # first: sets JAX to CPU, hubs offline
-from benchmarks.gpu_memory import TARGETS, environment, stats, target_device
+from benchmarks.gpu_memory import TARGETS, environment, stats, target_device, target_name
 from rlsched.base.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,9 +275,7 @@ def main(argv=None) -> dict:
         f"KV cache of the filled slots, {args.prompt_len} + {(args.new_tokens + 1) // 2} on average): "
         f"{format_bytes(floor)}{at(floor)}; {step / floor:.2f} x the floor", "",
         "| source (jax op name) | kernels | read | written |", "|---|---:|---:|---:|", *rows])
-    name = device.platform if args.target == "present" else args.target if args.target in TARGETS \
-        else Path(args.target).stem
-    out = args.out or ROOT / "benchmarks" / "results" / f"decode_cost-{name}-{args.preset}"
+    out = args.out or ROOT / "benchmarks" / "results" / f"decode_cost-{target_name(device, args.target)}-{args.preset}"
     save_results(out, "One decode step of the sampler: bytes by XLA's compiled program", results, report)
     return results
 

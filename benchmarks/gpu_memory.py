@@ -203,6 +203,11 @@ def compile_programs(model, settings, device, accumulate: int, length: int) -> d
     return out
 
 
+def target_name(device, target: str) -> str:
+    """What a results folder is named by: the present backend's platform, a named target, or a target file's stem."""
+    return device.platform if target == "present" else target if target in TARGETS else Path(target).stem
+
+
 def target_memory(target: str) -> int | None:
     """The GPU's memory in bytes, as its description gives it; None for the present backend."""
     import re
@@ -280,9 +285,7 @@ def main(argv=None) -> dict:
         "float32 gradient); plan = grads + activations (rlsched.config.plan.actor_bytes)"])
     results = dict(args={k: str(v) for k, v in vars(args).items()}, env=env, runs=runs,
                    timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
-    name = device.platform if args.target == "present" else args.target if args.target in TARGETS \
-        else Path(args.target).stem
-    out = args.out or ROOT / "benchmarks" / "results" / f"gpu_memory-{name}-{args.preset}"
+    out = args.out or ROOT / "benchmarks" / "results" / f"gpu_memory-{target_name(device, args.target)}-{args.preset}"
     save_results(out, "The actor's train programs: XLA's memory analysis beside the plan", results, report)
     return results
 

@@ -32,7 +32,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.common import save_results  # first: sets JAX to CPU, hubs offline
-from benchmarks.gpu_memory import TARGETS, compile_programs, environment, settings_of, target_device, task_config
+from benchmarks.gpu_memory import (
+    compile_programs,
+    environment,
+    settings_of,
+    target_device,
+    target_name,
+    task_config,
+)
 from rlsched.base.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,9 +197,7 @@ def main(argv=None) -> dict:
         "(rlsched.config.plan.actor_bytes for the same config)."])
     results = dict(args={k: str(v) for k, v in vars(args).items()}, grid=grid, backend=backend, env=env, summary=s,
                    runs=runs, timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
-    name = device.platform if args.target == "present" else args.target if args.target in TARGETS \
-        else Path(args.target).stem
-    out = args.out or ROOT / "benchmarks" / "results" / f"plan_fit-{name}-{grid}"
+    out = args.out or ROOT / "benchmarks" / "results" / f"plan_fit-{target_name(device, args.target)}-{grid}"
     save_results(out, "`rlsched plan`'s activations against what XLA allocates", results, report)
     return results
 
