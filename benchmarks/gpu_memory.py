@@ -118,22 +118,6 @@ def task_config(args, accumulate: int):
         f"tasks.0.grpo.mini_batch_size={rows}", f"tasks.0.grpo.micro_batch_size={args.micro_batch}"])
 
 
-def settings_of(task):
-    """workers.train_step.ActorSettings from the task's config, as rlsched.run.roles.actor_settings builds them
-    (that module imports Ray, which a venv made for the CUDA plugin need not have)."""
-    from workers.train_step import ActorSettings
-
-    g, o, plan = task.grpo, task.optim, task.batch_plan()
-    return ActorSettings(
-        lr=o.lr, total_steps=plan.total_optimizer_steps, warmup_steps=0, min_lr_ratio=o.min_lr_ratio,
-        weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, epsilon=g.epsilon,
-        epsilon_high=g.epsilon_high, beta=g.beta,
-        aggregation=g.loss_aggregation, temperature=g.temperature, micro_batch_size=plan.micro_batch_size,
-        mini_batch_size=plan.mini_batch_size, epochs=plan.epochs_per_step, router_aux_loss_coef=None,
-        kl_clamp=g.kl_clamp, max_new_tokens=g.max_new_tokens, remat=task.actor.remat,
-        adam_mu_dtype=task.actor.adam_mu_dtype)
-
-
 def stats(compiled, seconds: float) -> dict:
     """A compiled program's memory analysis; its peak is what its own buffers need at once (arguments, outputs
     not written over a donated argument, temporaries): arrays the device holds beside them (the master and the
@@ -241,6 +225,7 @@ def main(argv=None) -> dict:
     from flax import nnx
 
     from rlsched.config.plan import actor_bytes
+    from rlsched.config.spec import actor_settings
     from workers.models.decoder import CausalLM
     from workers.models.presets import preset_config
 
@@ -252,7 +237,7 @@ def main(argv=None) -> dict:
     runs = []
     for accumulate in (int(a) for a in args.accumulate.split(",")):
         task = task_config(args, accumulate).tasks[0]
-        programs = compile_programs(model, settings_of(task), device, accumulate, length)
+        programs = compile_programs(model, actor_settings(task), device, accumulate, length)
         plan = actor_bytes(task, config, backend="cpu" if device.platform == "cpu" else "gpu")
         grad, upd = programs["gradient"], programs["update"]
         # as tests/test_plan_memory.py: the gradient (the plan's grads, the gradient program's output) and the

@@ -35,7 +35,6 @@ from benchmarks.common import save_results  # first: sets JAX to CPU, hubs offli
 from benchmarks.gpu_memory import (
     compile_programs,
     environment,
-    settings_of,
     target_device,
     target_name,
     task_config,
@@ -143,11 +142,12 @@ def measure(point: Point, device) -> dict:
     from flax import nnx
 
     from rlsched.config.plan import actor_bytes
+    from rlsched.config.spec import actor_settings
     from workers.models.decoder import CausalLM
 
     task, config = point_config(point)
     model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
-    programs = compile_programs(model, settings_of(task), device, 1, point.prompt_len + point.new_tokens)
+    programs = compile_programs(model, actor_settings(task), device, 1, point.prompt_len + point.new_tokens)
     plan = actor_bytes(task, config, backend="cpu" if device.platform == "cpu" else "gpu")
     allocated = allocated_bytes(programs)
     return dict(**asdict(point), positions=point.prompt_len + point.new_tokens, layers=config.num_hidden_layers,

@@ -179,7 +179,7 @@ def check_gpu_memory(results: dict, out: Path) -> None:
     from flax import nnx
 
     from benchmarks import gpu_memory
-    from rlsched.run.roles import actor_settings
+    from rlsched.config.spec import actor_settings
     from workers.actor import ActorWorker
     from workers.models.decoder import CausalLM
     from workers.models.presets import preset_config
@@ -188,7 +188,7 @@ def check_gpu_memory(results: dict, out: Path) -> None:
     for run in results["runs"]:
         spec = gpu_memory.task_config(args, run["accumulate"]).task_specs()[0]
         model = CausalLM(preset_config(args.preset, dtype=args.dtype, vocab_size=args.vocab_size), rngs=nnx.Rngs(0))
-        worker = ActorWorker(model, actor_settings(spec))
+        worker = ActorWorker(model, actor_settings(spec.config))
         worker.prepare(spec.plan.mini_batch_size, run["positions"])
         for kind, name in (("train", "gradient"), ("update", "update")):
             (program,) = [p for key, p in worker._prepared.items() if key[0] == kind]

@@ -129,11 +129,11 @@ def test_every_setting_that_changes_results_is_a_config_key(tmp_path):
     that used to be hidden are in the run's resolved config."""
     import dataclasses
 
-    from rlsched.run.roles import actor_settings
+    from rlsched.config.spec import actor_settings
 
     over = ["tasks.0.optim.min_lr_ratio=0.25", "cluster.lease_timeout_s=30"]
     cfg = load_config(write(tmp_path, ADDITION), over)
-    settings = actor_settings(cfg.task_specs()[0])
+    settings = actor_settings(cfg.tasks[0])
     assert settings.min_lr_ratio == 0.25 and settings.lr == 1e-6 and settings.micro_batch_size == 64
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(settings))
     resolved = dump_resolved(cfg)

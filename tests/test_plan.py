@@ -249,14 +249,14 @@ def test_optimizer_bytes_are_what_optax_allocates(tmp_path):
     import jax
     import numpy as np
 
-    from rlsched.run.roles import actor_settings
+    from rlsched.config.spec import actor_settings
     from workers.train_step import make_optimizer
 
     for mu, per_param in (("float32", 4 + 4), ("bfloat16", 2 + 4)):  # actor.adam_mu_dtype: the first moment's
         cfg = _demo_mesh(tmp_path, ["tasks.0.actor.mesh={fsdp: 1, tp: 1}", f"tasks.0.actor.adam_mu_dtype={mu}"])
         task, model = cfg.tasks[0], read_model_config(cfg.tasks[0], 0)
         params = {name: jax.ShapeDtypeStruct(shape, np.float32) for name, shape in model.param_shapes().items()}
-        state = jax.eval_shape(make_optimizer(actor_settings(cfg.task_specs()[0])).init, params)
+        state = jax.eval_shape(make_optimizer(actor_settings(cfg.tasks[0])).init, params)
         allocated = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
         assert actor_bytes(task, model)["optimizer"] == allocated == 197_440 * per_param + 8, mu
 

@@ -41,12 +41,12 @@ def _temporaries(cfg, model: ModelConfig, positions: int) -> tuple[int, int]:
     analysis of its two programs): the gradient's program's temporaries and its output (the float32 gradient, and a
     few scalar metrics), or the update's program's temporaries beside that gradient, its argument, whichever is
     more; and the update's temporaries alone."""
-    from rlsched.run.roles import actor_settings
+    from rlsched.config.spec import actor_settings
     from workers.actor import ActorWorker
     from workers.models.decoder import CausalLM
 
     spec = cfg.task_specs()[0]
-    worker = ActorWorker(CausalLM(model, rngs=nnx.Rngs(0)), actor_settings(spec))
+    worker = ActorWorker(CausalLM(model, rngs=nnx.Rngs(0)), actor_settings(spec.config))
     worker.prepare(spec.plan.mini_batch_size, positions)
     (program,), (step,) = ([p for key, p in worker._prepared.items() if key[0] == kind] for kind in ("train", "update"))
     grads, update = program.memory_analysis(), step.memory_analysis()

@@ -47,7 +47,7 @@ from workers.token_logprobs import target_logprobs, window_logprobs
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ActorSettings:
     """Everything the update needs. No defaults here: the control plane builds it from a task's config
-    (rlsched.run.roles.actor_settings), so every value that changes results is a config key."""
+    (rlsched.config.spec.actor_settings), so every value that changes results is a config key."""
 
     lr: float
     total_steps: int  # optimizer steps over the whole run (schedule length)

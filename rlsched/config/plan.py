@@ -207,7 +207,8 @@ def actor_bytes(task: TaskConfig, model: ModelConfig, *, backend: str = "gpu") -
                "optimizer": master + param_bytes(shapes, mesh, kv_heads=kv_heads, itemsize=mu) + ADAM_COUNTS}
     if task.grpo.beta > 0 and task.lora is None and not task.actor.offload_reference:
         out["reference"] = params
-    rows = task.batch_plan().micro_batch_size // sharding.batch_rows(mesh)
+    batches = task.batch_plan()
+    rows = batches.micro_batch_size // sharding.batch_rows(mesh)
     positions = task.grpo.max_prompt_len + task.grpo.max_new_tokens
     # the output head runs on chunks of positions (workers.token_logprobs), a run's batches on their completion
     # windows of max_new_tokens (workers.batch): one chunk's float32 logits are alive at a time, over the vocab shard
@@ -225,11 +226,11 @@ def actor_bytes(task: TaskConfig, model: ModelConfig, *, backend: str = "gpu") -
         param_bytes(matrices, mesh, kv_heads=model.num_key_value_heads, itemsize=fit.vocab_grad)
     # a bfloat16 model's forward reads the copy it serves (workers.actor): a second one, cast for each further
     # optimizer step of a GRPO step, while the first waits in the channel
-    several = task.batch_plan().optimizer_steps_per_step > 1
+    several = batches.optimizer_steps_per_step > 1
     cast = params if task.lora is None and item != ITEMSIZE[MASTER_DTYPE] and several else 0
     micro_batch = rows * activation_bytes(model, mesh, positions, task.model.dtype, task.actor.remat, head=head,
                                           backend=backend) + vocab_grads
-    if task.batch_plan().mini_batch_size > task.batch_plan().micro_batch_size:  # several micro-batches a step
+    if batches.grad_accumulation > 1:  # several micro-batches a step
         micro_batch += int(ACCUMULATION_COPIES[backend][task.model.dtype] * trained)
     out["activations"] = max(micro_batch, int(UPDATE_COPIES[backend][task.actor.adam_mu_dtype] * trained)) + cast
     return out

@@ -98,3 +98,18 @@ class TaskSpec:
     def run_dir(self) -> Path:
         """The experiment's runs/<experiment>, which holds this task's directory."""
         return self.dir.parent.parent
+
+
+def actor_settings(task):
+    """The actor's update settings (workers.train_step.ActorSettings) from a task's config (rlsched.config.schema
+    .TaskConfig): the only place they are built. No Ray, no JAX: benchmarks compile the actor's programs from it."""
+    from workers.train_step import ActorSettings
+
+    plan, g, o = task.batch_plan(), task.grpo, task.optim
+    return ActorSettings(
+        lr=o.lr, total_steps=plan.total_optimizer_steps, warmup_steps=plan.warmup_steps, min_lr_ratio=o.min_lr_ratio,
+        weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation, temperature=g.temperature,
+        micro_batch_size=plan.micro_batch_size, mini_batch_size=plan.mini_batch_size, epochs=plan.epochs_per_step,
+        router_aux_loss_coef=task.actor.router_aux_loss_coef, kl_clamp=g.kl_clamp, max_new_tokens=g.max_new_tokens,
+        remat=task.actor.remat, adam_mu_dtype=task.actor.adam_mu_dtype)

@@ -39,22 +39,8 @@ from rlsched.cluster import exits
 from rlsched.cluster import pinning as pin
 from rlsched.cluster.comm import WeightChannel, WeightMessage, make_channel
 from rlsched.cluster.ray_cluster import RoleSites, enter_role_env, init_ray, own_process_resources, role_env
-from rlsched.config.spec import TaskSpec
+from rlsched.config.spec import TaskSpec, actor_settings
 from rlsched.observe.timeline import Timeline
-
-
-def actor_settings(spec: TaskSpec):
-    """The actor's update settings from the task's config: the only place they are built."""
-    from workers.train_step import ActorSettings
-
-    plan, g, o = spec.plan, spec.config.grpo, spec.config.optim
-    return ActorSettings(
-        lr=o.lr, total_steps=plan.total_optimizer_steps, warmup_steps=plan.warmup_steps, min_lr_ratio=o.min_lr_ratio,
-        weight_decay=o.weight_decay, grad_clip=o.grad_clip, b1=o.b1, b2=o.b2, epsilon=g.epsilon,
-        epsilon_high=g.epsilon_high, beta=g.beta, aggregation=g.loss_aggregation, temperature=g.temperature,
-        micro_batch_size=plan.micro_batch_size, mini_batch_size=plan.mini_batch_size, epochs=plan.epochs_per_step,
-        router_aux_loss_coef=spec.config.actor.router_aux_loss_coef, kl_clamp=g.kl_clamp,
-        max_new_tokens=g.max_new_tokens, remat=spec.config.actor.remat, adam_mu_dtype=spec.config.actor.adam_mu_dtype)
 
 
 def lora_spec(spec: TaskSpec):
@@ -187,12 +173,12 @@ class ActorRole(_Role):
             from workers import shared_base
 
             lease = shared_base.acquire(m.path, dtype=m.dtype, mesh=mesh)
-            self.worker = ActorWorker(None, actor_settings(spec), seed=spec.seed, mesh=mesh, lora=lora_spec(spec),
-                                      base=lease)
+            self.worker = ActorWorker(None, actor_settings(spec.config), seed=spec.seed, mesh=mesh,
+                                      lora=lora_spec(spec), base=lease)
         else:
             model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
-            self.worker = ActorWorker(model, actor_settings(spec), seed=spec.seed, mesh=mesh, lora=lora_spec(spec),
-                                      offload_reference=spec.config.actor.offload_reference)
+            self.worker = ActorWorker(model, actor_settings(spec.config), seed=spec.seed, mesh=mesh,
+                                      lora=lora_spec(spec), offload_reference=spec.config.actor.offload_reference)
         self.channel = channel
         self.checkpointer = TaskCheckpointer(spec.checkpoint_dir, max_to_keep=spec.config.keep_last,
                                              background=spec.config.checkpoint_async)
