@@ -77,6 +77,18 @@ def prompt_bucket(n: int, max_prompt_len: int) -> int:
     return min(max(8, 1 << (n - 1).bit_length()), max_prompt_len)
 
 
+def run_batch_length(prompt_lengths: list[int], *, max_prompt_len: int, max_new_tokens: int,
+                     prompt_padding: str = "bucket") -> int:
+    """T of a run's batch (`build_train_batch` with max_new_tokens) for prompts of these lengths: the prompts'
+    padded length + max_new_tokens, whatever the completions. The task's driver reads it before the rollout, to
+    have the actor compile for it while the engine compiles (rlsched.run.task)."""
+    if prompt_padding not in PROMPT_PADDINGS:
+        raise ValueError(f"prompt_padding={prompt_padding!r}; choose one of {PROMPT_PADDINGS}")
+    longest = max(prompt_lengths)
+    cap = max(longest, max_prompt_len)
+    return prompt_bucket(cap if prompt_padding == "max" else longest, cap) + max_new_tokens
+
+
 def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], advantages: np.ndarray | None = None,
                       *, pad_id: int, logprobs: list[np.ndarray] | None = None, max_prompt_len: int | None = None,
                       max_new_tokens: int | None = None, prompt_padding: str = "bucket") -> TrainBatch:
@@ -92,11 +104,8 @@ def build_train_batch(prompts: list[np.ndarray], completions: list[np.ndarray], 
     else:
         if max_prompt_len is None:
             raise ValueError("give max_prompt_len with max_new_tokens (the prompt bucket never exceeds it)")
-        longest = max(len(p) for p in prompts)
-        cap = max(longest, max_prompt_len)
-        if prompt_padding not in PROMPT_PADDINGS:
-            raise ValueError(f"prompt_padding={prompt_padding!r}; choose one of {PROMPT_PADDINGS}")
-        t = prompt_bucket(cap if prompt_padding == "max" else longest, cap) + max_new_tokens
+        t = run_batch_length([len(p) for p in prompts], max_prompt_len=max_prompt_len,
+                             max_new_tokens=max_new_tokens, prompt_padding=prompt_padding)
         if max(len(c) for c in completions) > max_new_tokens:
             raise ValueError(f"a completion of {max(len(c) for c in completions)} tokens is longer than "
                              f"max_new_tokens {max_new_tokens}: pass the max_new_tokens the engine sampled with")

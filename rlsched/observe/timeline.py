@@ -286,7 +286,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             "wall_s": max(e["end"] for e in mine) - min(e["start"] for e in mine),
             "rollout_s": total(("ROLLOUT",)), "train_s": total(("TRAIN",)),
             "lock_wait_s": total(("lock_wait",)), "switch_s": total(SWITCH), "reward_s": total(("reward",)),
-            "compile_s": total(("compile",)),
+            # the wall time its step waited on compiles: a task's roles compile at once (rlsched.run.task.prepare)
+            "compile_s": _length(_union([(e["start"], e["end"]) for e in mine if e["name"] == "compile"])),
             "steps": sum(1 for e in mine if e["name"] == "TRAIN"),
         }
     resources = {}

@@ -25,7 +25,7 @@ from rlsched.base.errors import TaskError
 from rlsched.config.spec import TaskSpec
 from workers import data as D
 from workers import rewards as R
-from workers.batch import TrainBatch, build_train_batch
+from workers.batch import TrainBatch, build_train_batch, run_batch_length
 from workers.reward_loader import load_reward
 from workers.rollout.base import FinishReason, RolloutOutput, SamplingParams
 from workers.rollout.stops import end_token_ids
@@ -120,6 +120,22 @@ class HostWork:
         if result.num_errors:
             self.echo(f"[{self.spec.name}] {result.num_errors} reward error(s) scored 0; first: {result.first_error}")
         return result.rewards, result.num_errors
+
+    def train_shape(self, prompts: Prompts | None = None) -> tuple[int, int] | None:
+        """(rows, length) of the train batch `train_batch` will build from these prompts' rollout, known before it:
+        every prompt's num_generations samples, padded by the prompts' lengths alone (workers.batch). Without
+        prompts, that of any step's where it does not depend on them (grpo.prompt_padding "max": every step draws
+        prompts_per_step prompts of at most max_prompt_len tokens), else None."""
+        g = self.spec.config.grpo
+        if prompts is None:
+            if g.prompt_padding != "max":
+                return None
+            lengths, rows = [g.max_prompt_len], g.prompts_per_step
+        else:
+            lengths, rows = [len(p) for p in prompts.ids], len(prompts.ids)
+        return rows * g.num_generations, run_batch_length(lengths, max_prompt_len=g.max_prompt_len,
+                                                          max_new_tokens=g.max_new_tokens,
+                                                          prompt_padding=g.prompt_padding)
 
     def train_batch(self, prompts: Prompts, output: RolloutOutput) -> TrainBatch:
         """[prompt + completion] rows, padded (before the TRAIN lock is asked for), with the engine's logprobs (the

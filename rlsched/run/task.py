@@ -1,9 +1,9 @@
 """One task: its lifecycle (start, resume, close) and its one step loop.
 
 `TaskDriver.step` reads as docs/design.md's "One step of one task": draw prompts -> compile the engine's
-programs for them if new (outside any lock) -> hold ROLLOUT (onload the engine if asked; sync + verify +
-generate) -> score rewards and pad the batch on the host -> compile the actor's programs for it if new ->
-hold TRAIN (onload the actor if asked; advantages, updates, publish v+1; the metrics line; a checkpoint
+programs for them and the actor's for the batch they will make, if new, the two at once (outside any lock) ->
+hold ROLLOUT (onload the engine if asked; sync + verify + generate) -> score rewards and pad the batch on the
+host -> hold TRAIN (onload the actor if asked; advantages, updates, publish v+1; the metrics line; a checkpoint
 when due). The same loop runs everywhere; what differs is plugged in:
 
     TaskDriver(spec, FreeLocks(task))                        # --in-process: always-free locks, roles here
@@ -308,7 +308,10 @@ class TaskDriver:
         t = _Clock()
         prompts = self.host.next_prompts()  # host work stays outside the locks
         t.mark("compile_rollout")
-        self.prepare(Role.ENGINE, prompts.ids, self.host.sampling_params(n))  # compile before the lock, not in it
+        # Compile before the lock, not in it: the engine's programs for these prompts, and the actor's for the batch
+        # their rollout will make (its shape is the prompts'), the two at once
+        self.prepare({Role.ENGINE: (prompts.ids, self.host.sampling_params(n)),
+                      **self._actor_shapes(self.host.train_shape(prompts))})
         t.mark("ask_rollout")
         with self.hold(Phase.ROLLOUT) as lease:
             t.mark("rollout")
@@ -320,10 +323,8 @@ class TaskDriver:
             rewards, reward_errors = self.host.score(prompts, rollout.value)
         batch = self.host.train_batch(prompts, rollout.value)  # padding; the actor adds the advantages
         t.mark("compile_train")
-        if (batch.size, batch.tokens.shape[1]) not in self._prepared:  # the shapes alone say what it compiles
-            self.prepare(Role.ACTOR, batch.size, batch.tokens.shape[1])
-            self._prepared.add((batch.size, batch.tokens.shape[1]))
-        t.mark("ask_train")
+        self.prepare(self._actor_shapes((batch.size, batch.tokens.shape[1])))  # compiled above, unless a shape
+        t.mark("ask_train")                                                      # other than foreseen
         with self.hold(Phase.TRAIN) as lease:
             t.mark("train")
             # advantages, updates, publish v+1; in a hold shared with tasks of the same update program, the
@@ -363,7 +364,10 @@ class TaskDriver:
         metrics join step n's row in metrics.jsonl (a row of their own, merged by step when read)."""
         t0 = time.perf_counter()
         params = self.eval.sampling_params(n)
-        self.prepare(Role.ENGINE, self.eval.prompts.ids, params)  # compile before the lock, not in it
+        # compile before the lock, not in it; before the first step, the actor's programs for its batch at the same
+        # time where its shape is known without its prompts (grpo.prompt_padding "max")
+        first = self._actor_shapes(self.host.train_shape()) if n == 0 else {}
+        self.prepare({Role.ENGINE: (self.eval.prompts.ids, params), **first})
         # (the span's arguments are read once the lock is held: self.where names it)
         with self.hold(Phase.ROLLOUT) as lease, self.timeline.span("eval", step=n, problems=len(self.eval.prompts.ids),
                                                                   **self.where):
@@ -418,19 +422,42 @@ class TaskDriver:
         self.memory[role] = result.memory
         return result
 
-    def prepare(self, role: Role, *shapes) -> None:
-        """Have `role` compile its next phase's programs for these shapes now, before the lock is asked for: no
-        task compiles while it holds a lock, and tasks compile at once, each in its own role processes. A
-        round trip that does nothing once the shapes were seen."""
+    def _actor_shapes(self, shape: tuple[int, int] | None) -> dict[Role, tuple[int, int]]:
+        """{ACTOR: shape} for `prepare` if the actor has not compiled for train batches of `shape` (rows, length)."""
+        return {} if shape is None or shape in self._prepared else {Role.ACTOR: shape}
+
+    def prepare(self, wanted: dict[Role, tuple]) -> None:
+        """Have each role of `wanted` compile its next phase's programs for these shapes (the arguments of its
+        `prepare`) now, before a lock is asked for: no task compiles while it holds a lock, and tasks compile at
+        once, each in its own role processes. The roles compile at once too, each on a thread of ours (a remote
+        role in its own process; one in this process compiles outside Python's lock, in XLA): a step waits for its
+        longest compile, not for the sum (an engine's generate and an actor's train programs are each tens of
+        seconds at a real size on a GPU). A round trip that does nothing once the shapes were seen."""
+        if not wanted:
+            return
         self._doing = {"phase": "compiling", "lock": None}
         try:
-            _, events = self.roles[role].prepare(*shapes)
+            outcomes = _at_once([(self._prepare_role, role, args) for role, args in wanted.items()],
+                                f"compile-{self.name}")
+        finally:
+            self._doing = {"phase": None, "lock": None}
+        for events, err in outcomes:
+            if err is None:
+                self.timeline.extend(events)
+        for (role, args), (_, err) in zip(wanted.items(), outcomes, strict=True):
+            if err is None and role is Role.ACTOR:
+                self._prepared.add(args)
+        errors = [err for _, err in outcomes if err is not None]
+        if errors:
+            raise errors[0]  # the first role's (each annotated with its role); every compile had ended
+
+    def _prepare_role(self, role: Role, args: tuple) -> list[dict]:
+        try:
+            _, events = self.roles[role].prepare(*args)
         except BaseException as err:
             _annotate(err, f"in the {role}'s prepare()")
             raise
-        finally:
-            self._doing = {"phase": None, "lock": None}
-        self.timeline.extend(events)
+        return events
 
     def record(self, n: int, metrics: dict[str, Any], train: dict[str, float]) -> None:
         """The metrics line (with the memory each role held after its phase) and the progress line."""
@@ -556,6 +583,29 @@ def _place_text(role: str, place: dict[str, Any]) -> str:
         return f"{role} on devices {place['devices']} (pid {place['pid']})"
     members = ", ".join(f"{m['host']} pid {m['pid']}" for m in place["members"])
     return f"{role} on {len(place['members'])} hosts, {len(place['devices'])} devices ({members})"
+
+
+def _at_once(calls: list[tuple], name: str) -> list[tuple[Any, BaseException | None]]:
+    """Each (function, *args) of `calls` run at once, one on this thread and the others on threads of their own;
+    per call, in order, (its result, None) or (None, the error it raised): every call has ended when this returns.
+    Daemon threads: a second Ctrl-C (rlsched.run.stopping) leaves without waiting for a compile to end."""
+    outcomes: list[tuple[Any, BaseException | None]] = [(None, None)] * len(calls)
+
+    def run(i: int) -> None:
+        function, *args = calls[i]
+        try:
+            outcomes[i] = function(*args), None
+        except BaseException as err:  # noqa: BLE001 - the caller raises it, once every call has ended
+            outcomes[i] = None, err
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(1, len(calls))]
+    for thread in threads:
+        thread.start()
+    if calls:
+        run(0)
+    for thread in threads:
+        thread.join()
+    return outcomes
 
 
 def _annotate(err: BaseException, note: str) -> None:
