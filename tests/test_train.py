@@ -480,6 +480,30 @@ def test_completions_that_end_early_compile_nothing_after_step_1(tmp_path, tiny_
 
 
 @pytest.mark.parametrize("padding", ["max", "bucket"])
+def test_the_train_batch_shape_is_known_from_the_prompts_before_the_rollout(tmp_path, tiny_model_dir, padding):
+    """The driver has the actor compile for a step's batch while the engine compiles for its prompts
+    (TaskDriver.prepare): HostWork.train_shape must be the shape train_batch then builds, whatever the completions'
+    lengths (one that ends at once, one of max_new_tokens). Without prompts it is known under "max" only."""
+    from rlsched.run.phases import HostWork
+    from workers.rollout.base import FinishReason, RolloutOutput, Sample
+
+    over = _quick(tmp_path, tiny_model_dir, "tasks.0.grpo.max_prompt_len=40", "tasks.0.grpo.max_new_tokens=6",
+                  f"tasks.0.grpo.prompt_padding={padding}")
+    host = HostWork(load_config(DEMO_CONFIG, over).task_specs()[0], echo=_silent)
+    prompts = host.next_prompts()
+    longest = max(len(p) for p in prompts.ids)
+    bucket = max(8, 1 << (longest - 1).bit_length())  # the power-of-two bucket of the longest prompt
+    assert bucket <= 16 < 40  # the demo's sums: their bucket is not max_prompt_len's
+    samples = [Sample(prompt_index=i, token_ids=np.arange(1, 1 + (6 if j else 1), dtype=np.int32),
+                      logprobs=np.zeros(6 if j else 1, np.float32),
+                      finish_reason=FinishReason.LENGTH if j else FinishReason.STOP)
+               for i in range(len(prompts.ids)) for j in range(4)]
+    batch = host.train_batch(prompts, RolloutOutput(samples=samples, weight_version=0, generate_seconds=0.0))
+    assert host.train_shape(prompts) == batch.tokens.shape == (16, (40 if padding == "max" else bucket) + 6)
+    assert host.train_shape() == (batch.tokens.shape if padding == "max" else None)
+
+
+@pytest.mark.parametrize("padding", ["max", "bucket"])
 def test_max_prompt_padding_compiles_nothing_after_step_1_when_prompt_lengths_change_bucket(
         tmp_path, tiny_model_dir, monkeypatch, padding):
     """In-process, the tiny model under the jax_sampler engine, one prompt a step, in file order (data.shuffle
