@@ -146,13 +146,14 @@ def test_actors_of_like_tasks_in_one_process_share_their_programs(tiny_model_dir
                               rng.normal(size=8).astype(np.float32), pad_id=0)
     actor = lambda s=settings: ActorWorker(load_pretrained(tiny_model_dir)[0], s)  # noqa: E731
     first, second, own = actor(), actor(), actor()
-    # the train step's two programs, the gradient and the update (on-policy, beta 0: no logprobs)
-    assert first.prepare(batch.size, batch.tokens.shape[1]) == 2
+    # the train step's two programs, the gradient and the update (on-policy, beta 0: no logprobs), and the learning
+    # rate's schedule (its metric)
+    assert first.prepare(batch.size, batch.tokens.shape[1]) == 3
     assert second.prepare(batch.size, batch.tokens.shape[1]) == 0
     assert [id(p) for p in second._prepared.values()] == [id(p) for p in first._prepared.values()]
     sweep = dataclasses.replace(settings, lr=8e-4, weight_decay=0.0, grad_clip=0.5, warmup_steps=1)
     swept = actor(sweep)
-    assert swept.prepare(batch.size, batch.tokens.shape[1]) == 1
+    assert swept.prepare(batch.size, batch.tokens.shape[1]) == 2  # the update and the schedule
     (gradient, update), (swept_gradient, swept_update) = (
         [p for k, p in a._prepared.items() if k[0] in ("train", "update")] for a in (first, swept))
     assert swept_gradient is gradient and swept_update is not update
@@ -160,6 +161,7 @@ def test_actors_of_like_tasks_in_one_process_share_their_programs(tiny_model_dir
     assert swept.train(batch, step=1) == alone.train(batch, step=1)
     for name, leaf in P.to_flat(swept.state.params).items():
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(P.to_flat(alone.state.params)[name]))
+    # another temperature: the gradient and the update again, the schedule as it was
     assert actor(dataclasses.replace(settings, temperature=0.7)).prepare(batch.size, batch.tokens.shape[1]) == 2
 
     shared_metrics, own_metrics = second.train(batch, step=1), own.train(batch, step=1)

@@ -368,7 +368,8 @@ def test_an_actor_role_whose_advantages_fail_withdraws_from_its_train_hold():
         spec=types.SimpleNamespace(config=types.SimpleNamespace(
             grpo=types.SimpleNamespace(num_generations=4, normalize_advantage_std=True, advantage_std_ddof=0))),
         timeline=Timeline("actor", task="t"),
-        worker=types.SimpleNamespace(withdraw=withdrawn.append, train=None))
+        worker=types.SimpleNamespace(withdraw=withdrawn.append, train=None), _advantage_programs={})
+    role._advantages = types.MethodType(ActorRole._advantages, role)  # compiles the advantages' program: it raises
     batch = types.SimpleNamespace(size=6)
     together = Together(hold=7, tasks=3)
     with pytest.raises(ValueError, match="rewards must be"):

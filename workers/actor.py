@@ -172,6 +172,7 @@ class ActorWorker:
         self._host = None  # (state, ref_params, served or None) while offloaded
         self._programs: dict = {}
         self._prepared: dict = {}  # (kind, batch keys, shapes) -> executable compiled ahead (`prepare`)
+        self._schedule = None  # `lr`'s compiled make_schedule
         abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
         self._abstract = abstract(self.state, self.shardings)
@@ -287,6 +288,8 @@ class ActorWorker:
                 lambda: compile_once(self._program("train", keys).lower(self._abstract, batch,
                                                                        *self._train_args(abstract=True))))
             compiled += built
+        if self._schedule is None:  # the metrics' learning rate (`lr`)
+            compiled += self._compile_schedule()
         key = ("update", (), shapes_key({}))  # no batch: the state's shapes, the actor's own (`_run`'s key)
         if key not in self._prepared:
             skipped = jax.ShapeDtypeStruct((), np.float32)
@@ -295,6 +298,22 @@ class ActorWorker:
                 lambda: compile_once(self._program("update").lower(self._abstract, self._abstract.params, skipped)))
             compiled += built
         return compiled
+
+    def lr(self, step) -> float:
+        """The learning rate of optimizer step `step` (an int, or the state's counter), by make_schedule: compiled
+        once (`prepare` does it), where evaluated eagerly its dozen operations each compiled at the first step, in
+        the TRAIN lock."""
+        if self._schedule is None:
+            self._compile_schedule()
+        return float(self._schedule(np.asarray(step, np.int32)))
+
+    def _compile_schedule(self) -> int:
+        """Compile `lr`'s schedule (actors of like schedules in one process share it); 1 if compiled now, else 0."""
+        s = self.settings
+        self._schedule, built = shared(
+            ("lr_schedule", s.lr, s.warmup_steps, s.total_steps, s.min_lr_ratio),
+            lambda: jax.jit(make_schedule(s)).lower(jax.ShapeDtypeStruct((), np.int32)).compile())
+        return built
 
     def _run(self, kind: str, keys: tuple[str, ...], arrays: dict, *args):
         """Program `kind` on `args`: the executable `prepare` made for these shapes, else the jitted one."""
@@ -401,7 +420,7 @@ class ActorWorker:
         out |= {k: float(np.max([float(m[k]) for m in history])) for k in grpo.MAX_METRICS}
         out = {k: v for k, v in out.items() if not (k in grpo.MEASURED_METRICS and np.isnan(v))}  # not measured
         out["skipped"] = float(sum(float(m["skipped"]) for m in history))
-        out["lr"] = float(make_schedule(s)(self.state.step))  # the rate the next update will use
+        out["lr"] = self.lr(self.state.step)  # the rate the next update will use
         out["moved"] = float(self._moved(history, first))
         out["cobatched"] = float(cobatched)
         return out
@@ -440,14 +459,14 @@ class ActorWorker:
 
         if self.dtype is not None:
             return False
-        schedule, step = make_schedule(self.settings), first
+        step = first
         # Decay alone scales each parameter by (1 - lr * wd): it moves them only if that change is more than
         # half a unit in the last place (bfloat16 at lr 3e-6, wd 0.1: 3e-7 against 3.9e-3, nothing moves).
         eps = float(jax.numpy.finfo(jax.tree.leaves(self.state.params)[0].dtype).eps)
         for m in history:
             if float(m["skipped"]):
                 continue  # a skipped update leaves the step count, and the params, as they were
-            lr = float(schedule(step))
+            lr = self.lr(step)
             if lr > 0 and (float(m["grad_norm"]) > 0 or lr * self.settings.weight_decay > eps / 2):
                 return True
             step += 1

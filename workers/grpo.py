@@ -57,6 +57,14 @@ def tied_groups(rewards: jnp.ndarray, group_size: int) -> jnp.ndarray:
     return (grouped == grouped[:, :1]).all(axis=1).mean()
 
 
+def step_advantages(rewards: jnp.ndarray, group_size: int, *, normalize_std: bool = True,
+                    std_ddof: int = 0) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """rewards (N,) prompt-major -> (group_advantages (N,), tied_groups ()): what a step's TRAIN starts from, as one
+    program (the actor's role compiles it with the step's other programs: rlsched.run.roles.ActorRole)."""
+    return (group_advantages(rewards, group_size, normalize_std=normalize_std, std_ddof=std_ddof),
+            tied_groups(rewards, group_size))
+
+
 def loss_denominator(mask: jnp.ndarray, aggregation: str, max_tokens: int | None = None) -> jnp.ndarray:
     """What `policy_loss` divides its sum by: valid tokens (token-mean), sequences with at least one valid
     token (seq-mean-token-mean), or the constant sequences x `max_tokens` (seq-mean-token-sum-norm, Dr. GRPO:

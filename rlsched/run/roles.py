@@ -185,6 +185,7 @@ class ActorRole(_Role):
         self.timeline = Timeline("actor", task=spec.name)
         self._held = self.worker
         self._published_checksum: str | None = None
+        self._advantage_programs: dict[int, Any] = {}  # rows -> `_advantages`' compiled program
 
     def offload(self) -> None:
         """Offload; weights published and not yet received stay readable from their host copies
@@ -212,18 +213,12 @@ class ActorRole(_Role):
         """TRAIN: group advantages from `rewards` (N,), logprobs and the GRPO updates of one step, then
         publish v+1. `together` (workers.rollout.base.Together): this task shares its hold with others whose update
         is the same program, and its optimizer steps run with theirs as one (workers.actor_cobatch)."""
-        import jax.numpy as jnp
+        import numpy as np
 
-        from workers.grpo import group_advantages, tied_groups
-
-        g = self.spec.config.grpo
         with self.timeline.span("train", samples=batch.size):
             try:
-                # jnp, not numpy: the math is the jitted kind everywhere (numpy's float32 sums round differently)
-                advantages = group_advantages(jnp.asarray(rewards), g.num_generations,
-                                              normalize_std=g.normalize_advantage_std,
-                                              std_ddof=g.advantage_std_ddof)
-                tied = float(tied_groups(jnp.asarray(rewards), g.num_generations))
+                advantages, tied = self._advantages(len(rewards))(np.asarray(rewards, np.float32))
+                tied = float(tied)
             except BaseException:
                 if together is not None:  # the hold's other members must not wait for an update that will not come
                     self.worker.withdraw(together)  # (a failure inside train is the worker's: it withdraws itself)
@@ -245,7 +240,29 @@ class ActorRole(_Role):
     def prepare(self, size: int, length: int) -> tuple[int, list[dict]]:
         """Compile TRAIN's programs for a batch of `size` rows of `length` tokens, before the lock is asked for
         (the state may be on host); (programs compiled now, spans: a "compile" span if any was)."""
-        return _compile_span(self.timeline, lambda: self.worker.prepare(size, length), samples=size, length=length)
+        def compile_all() -> int:
+            fresh = size not in self._advantage_programs
+            self._advantages(size)
+            return self.worker.prepare(size, length) + fresh
+
+        return _compile_span(self.timeline, compile_all, samples=size, length=length)
+
+    def _advantages(self, size: int):
+        """The compiled workers.grpo.step_advantages of `size` rewards (float32 on the host) -> (advantages, tied
+        groups). jnp, not numpy: the math is the jitted kind everywhere (numpy's float32 sums round differently);
+        one program, compiled by `prepare`: run eagerly, its dozen operations each compiled at the first step, inside
+        the TRAIN lock (0.4 s on a CPU)."""
+        if size not in self._advantage_programs:
+            import jax
+            import numpy as np
+
+            from workers.grpo import step_advantages
+
+            g = self.spec.config.grpo
+            program = jax.jit(functools.partial(step_advantages, group_size=g.num_generations,
+                                      normalize_std=g.normalize_advantage_std, std_ddof=g.advantage_std_ddof))
+            self._advantage_programs[size] = program.lower(jax.ShapeDtypeStruct((size,), np.float32)).compile()
+        return self._advantage_programs[size]
 
     def _publish(self) -> WeightMessage:
         """Send the current params (never the optimizer state) into the task's comm channel."""
