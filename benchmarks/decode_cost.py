@@ -197,10 +197,10 @@ def compile_generate(config, device, batch: int, prompt_len: int, new_tokens: in
     sds = jax.ShapeDtypeStruct
     rows, prompt = (batch,), (batch, prompt_len)
     # as JaxSampler._joint_chunks makes them: tokens, mask, active, seed, prompt_idx, sample_idx, temperature,
-    # top_p, max_new, stop, adapters, the static new-token bucket
+    # top_p, max_new, stop, adapters, the static new-token bucket, and no nucleus (a run's top_p 1)
     args = (sds(prompt, np.int32), sds(prompt, np.bool_), sds(rows, np.bool_), sds(rows, np.uint32),
             sds(rows, np.int32), sds(rows, np.int32), sds((), np.float32), sds((), np.float32), sds((), np.int32),
-            sds((_STOP_SLOTS,), np.int32), None, new_tokens)
+            sds((_STOP_SLOTS,), np.int32), None, new_tokens, False)
     program = _program(graphdef, mesh, config.num_key_value_heads, shardings)
     return program.lower(weights, *args).compile(), sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
 

@@ -50,3 +50,24 @@ def test_temperature_sharpens_the_distribution():
     expected = PROBS**2 / (PROBS**2).sum()
     np.testing.assert_allclose(np.bincount(np.asarray(tok), minlength=4) / n, expected, atol=0.015)
     np.testing.assert_allclose(np.asarray(lp), np.log(expected[np.asarray(tok)]), rtol=1e-5)
+
+
+def test_a_static_nucleus_choice_samples_what_the_run_time_branch_does():
+    """`nucleus` False (top_p 1) and True (top_p < 1) are the program's choice made ahead (no lax.cond in the decode
+    step): the same tokens and log-probs as the run-time branch, and the log-probs are the sampled distribution's
+    log-softmax at the token, written out here (greedy: the model's own)."""
+    logits = jax.random.normal(jax.random.key(3), (64, 50), jnp.float32) * 3
+    keys = jax.random.split(jax.random.key(4), 64)
+    for temperature, top_p, nucleus in ((1.0, 1.0, False), (0.7, 1.0, False), (0.7, 0.8, True), (0.0, 1.0, False),
+                                        (0.0, 0.5, True)):
+        t, p = jnp.float32(temperature), jnp.float32(top_p)
+        tok, lp = jax.jit(sample_tokens, static_argnums=4)(logits, keys, t, p, nucleus)
+        ref_tok, ref_lp = jax.jit(sample_tokens)(logits, keys, t, p)  # nucleus decided from the traced top_p
+        assert (np.asarray(tok) == np.asarray(ref_tok)).all() and (np.asarray(lp) == np.asarray(ref_lp)).all()
+        dist = logits if temperature == 0 else logits / temperature
+        if top_p < 1 and temperature > 0:
+            dist = nucleus_filter(dist, p)
+        want = np.take_along_axis(np.asarray(jax.nn.log_softmax(dist, axis=-1)), np.asarray(tok)[:, None], 1)[:, 0]
+        np.testing.assert_allclose(np.asarray(lp), want, rtol=1e-6, atol=1e-6)
+        if temperature == 0:
+            assert (np.asarray(tok) == np.asarray(logits.argmax(-1))).all()

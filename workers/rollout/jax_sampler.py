@@ -398,8 +398,8 @@ class JaxSampler(StampedWeights):
         samples: list[list[Sample]] = [[] for _ in requests]
         for key, args, owners in chunks:
             self.compiled_shapes.add(key[-4:])
-            if args[-2] is not None:  # the chunk's rows, with the adapters on the devices
-                args = (*args[:-2], dataclasses.replace(adapters, rows=args[-2].rows), args[-1])
+            if args[-3] is not None:  # the chunk's rows, with the adapters on the devices
+                args = (*args[:-3], dataclasses.replace(adapters, rows=args[-3].rows), *args[-2:])
             out_tokens, out_logprobs, lengths, stopped = self._run_chunk(key, state, args)
             for r, (m, i) in enumerate(owners):
                 samples[m].append(Sample(prompt_index=i, token_ids=out_tokens[r, : lengths[r]].copy(),
@@ -414,8 +414,8 @@ class JaxSampler(StampedWeights):
         prepared = self._executables.get(key)
         if prepared is None:  # another engine of this process may hold it (prepared for a request like this one)
             prepared = find(("generate", *key))
-        # A prepared executable has the static bucket (the last argument) built in
-        out = prepared(state, *args[:-1]) if prepared is not None else self._jitted()(state, *args)
+        # A prepared executable has the static arguments (the bucket and the nucleus, the last two) built in
+        out = prepared(state, *args[:-2]) if prepared is not None else self._jitted()(state, *args)
         return jax.device_get(out)
 
     def _chunks(self, prompt_ids, params: SamplingParams, seed: int, adapter_rows=None,
@@ -427,10 +427,11 @@ class JaxSampler(StampedWeights):
     def _joint_chunks(self, requests, seeds: Sequence[int], adapters: AdapterBatch | None = None):
         """Per chunk of at most max_batch_size rows: (its program's key, the program's arguments after the
         weights: tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p, max_new, stop, the
-        adapters (None, or `adapters` (abstract) with the chunk's rows) and the static new-token bucket, and each
-        live row's (request, prompt) index). Rows are request-major, then prompt-major; the rows of requests
-        without adapter_rows run in chunks of their own (the program without adapters: a -1 row of the adapters'
-        program agrees with it to float rounding only, workers.models.lora_batch)."""
+        adapters (None, or `adapters` (abstract) with the chunk's rows), the static new-token bucket and whether top_p
+        filters (static: workers.rollout.sampling), and each live row's (request, prompt) index). Rows are
+        request-major, then prompt-major; the rows of requests without adapter_rows run in chunks of their own (the
+        program without adapters: a -1 row of the adapters' program agrees with it to float rounding only,
+        workers.models.lora_batch)."""
         requests = [_request(r) for r in requests]
         if not requests:
             raise RolloutInputError("generate_many needs at least one request (prompt_ids, params, adapter_rows)")
@@ -460,6 +461,7 @@ class JaxSampler(StampedWeights):
         stop = np.full(_STOP_SLOTS * max(1, -(-len(params.stop_token_ids) // _STOP_SLOTS)), -1, np.int32)
         stop[: len(params.stop_token_ids)] = params.stop_token_ids
         new_bucket = _bucket(params.max_new_tokens, 8, self.max_new_tokens)
+        nucleus = bool(params.top_p < 1.0)
         for rows, sig in ((plain, None), (adapted, signature)):
             for start in range(0, len(rows), self.max_batch_size):
                 chunk = rows[start : start + self.max_batch_size]
@@ -480,13 +482,13 @@ class JaxSampler(StampedWeights):
                     if per_prompt is not None:
                         rows_adapter[r] = per_prompt[i]
                 active = np.arange(batch) < len(chunk)
-                key = (self._graphdef, self.mesh, self.config.num_key_value_heads, sig, batch, plen, new_bucket,
-                       len(stop))
+                key = (self._graphdef, self.mesh, self.config.num_key_value_heads, sig, nucleus, batch, plen,
+                       new_bucket, len(stop))
                 # The adapters as their shapes (set by generate to those on the devices), with this chunk's rows
                 chunk_adapters = None if sig is None else dataclasses.replace(adapters, rows=rows_adapter)
                 yield key, (tokens, mask, active, seed, prompt_idx, sample_idx, np.float32(params.temperature),
                             np.float32(params.top_p), np.int32(params.max_new_tokens), stop, chunk_adapters,
-                            new_bucket), [(m, i) for m, i, _ in chunk]
+                            new_bucket, nucleus), [(m, i) for m, i, _ in chunk]
 
     def _check_adapter_rows(self, adapter_rows, prompts: int, adapters: AdapterBatch | None) -> np.ndarray | None:
         if adapter_rows is None:
@@ -532,17 +534,18 @@ def _program(graphdef, mesh, kv_heads: int, state_shardings):
         rows, vec, repl = S.batch_sharding(mesh, 2), S.batch_sharding(mesh, 1), S.replicated(mesh)
         body = partial(_generate_program, graphdef, kv_sharding=S.kv_cache_sharding(mesh, kv_heads=kv_heads),
                        segments=segments)
-        _PROGRAMS[key] = jax.jit(body, static_argnums=(12,),
+        _PROGRAMS[key] = jax.jit(body, static_argnums=(12, 13),
                                  in_shardings=(state_shardings, rows, rows, vec, vec, vec, vec, *[repl] * 5),
                                  out_shardings=(rows, rows, vec, vec))
     return _PROGRAMS[key]
 
 
 def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p,
-                      max_new, stop, adapters: AdapterBatch | None, new_bucket: int, *, kv_sharding,
-                      segments: int = 1):
+                      max_new, stop, adapters: AdapterBatch | None, new_bucket: int, nucleus: bool = True, *,
+                      kv_sharding, segments: int = 1):
     """tokens/mask (B, P) left-padded, seed/prompt_idx/sample_idx (B,) -> tokens (B, N), logprobs (B, N), lengths
-    (B,), stopped (B,). adapters.rows (B,): each row's LoRA adapter (-1: the base); None: no adapters."""
+    (B,), stopped (B,). adapters.rows (B,): each row's LoRA adapter (-1: the base); None: no adapters. `nucleus`:
+    whether top_p (< 1) filters the tokens sampled from (False: top_p is 1, and no program reads it)."""
     model = nnx.merge(graphdef, state)
     b, plen = tokens.shape
     # seed (B,): each row its request's (generate_many runs several requests' rows together)
@@ -559,7 +562,7 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
 
     def emit(t, logits, out_tok, out_lp, done, length, stopped):
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)
-        tok, lp = sample_tokens(logits, keys, temperature, top_p)
+        tok, lp = sample_tokens(logits, keys, temperature, top_p, nucleus)
         live = ~done
         out_tok = out_tok.at[:, t].set(jnp.where(live, tok, 0))
         out_lp = out_lp.at[:, t].set(jnp.where(live, lp, 0.0))
