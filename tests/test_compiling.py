@@ -98,6 +98,49 @@ def test_a_program_asked_for_by_two_roles_at_once_is_built_once():
     assert shared(("test", "fails"), build)[1] is True
 
 
+def test_a_roles_programs_build_at_once_and_an_error_waits_for_the_others():
+    """`shared_at_once`: a role's programs build side by side (each build here waits outside Python's lock, as XLA's
+    compile does), in order; an error is raised once every build has ended; a wait for a build another caller
+    holds counts in the caller's `waits()`."""
+    import threading
+    import time
+
+    from workers.compiling import shared, shared_at_once, waits
+
+    spans = {}
+
+    def build(name, seconds=0.4, error=None):
+        def run():
+            start = time.perf_counter()
+            time.sleep(seconds)
+            spans[name] = (start, time.perf_counter())
+            if error:
+                raise RuntimeError(error)
+            return Executable()
+        return run
+
+    (a, built_a), (b, built_b) = shared_at_once([(("test", "at once", "a"), build("a")),
+                                                  (("test", "at once", "b"), build("b"))])
+    assert built_a and built_b and a is not b
+    assert spans["a"][0] < spans["b"][1] and spans["b"][0] < spans["a"][1], spans  # they overlapped
+    assert shared(("test", "at once", "b"), build("c"))[0] is b  # kept under its key
+
+    spans.clear()
+    with pytest.raises(RuntimeError, match="the first failed"):
+        shared_at_once([(("test", "at once", "fails"), build("fails", 0.05, "the first failed")),
+                        (("test", "at once", "slow"), build("slow", 0.5))])
+    assert set(spans) == {"fails", "slow"}  # raised after the slow one had ended
+
+    held = []  # the other caller keeps what it built (the registry holds it only while a caller does)
+    other = threading.Thread(target=lambda: held.append(shared(("test", "at once", "held"), build("held", 0.5))))
+    other.start()
+    time.sleep(0.1)  # the other caller is building it
+    with waits() as waited:
+        [(executable, built)] = shared_at_once([(("test", "at once", "held"), build("never"))])
+    other.join()
+    assert not built and executable is held[0][0] and "never" not in spans and waited["seconds"] > 0.2, waited
+
+
 def test_a_program_goes_with_the_last_caller_that_holds_it():
     """The registry holds executables weakly: a device group's process sees every learning rate of a sweep as a new
     program, and one held for ever keeps its memory maps of JIT code (the process's cap is vm.max_map_count)."""

@@ -59,7 +59,7 @@ from flax import nnx
 
 from workers import actor_cobatch, grpo
 from workers.batch import TrainBatch
-from workers.compiling import compile_once, shapes_key, shared
+from workers.compiling import compile_once, shapes_key, shared, shared_at_once
 from workers.models import lora as L
 from workers.models import lora_batch as LB
 from workers.models import params as P
@@ -261,15 +261,14 @@ class ActorWorker:
         shapes |= {WINDOW: ((m,), np.int32)} if window else {}
         wanted = {"logprobs": off_policy or (s.beta > 0 and self._abstract_ref is None),
                   "reference_logprobs": s.beta > 0 and self._abstract_ref is not None}
+        builds = []  # (our key, the process's key, build): built at once below
         for kind, params in (("logprobs", self._abstract.params), ("reference_logprobs", self._abstract_ref)):
             key = (kind, window, shapes_key(shapes))
             if wanted[kind] and key not in self._prepared:
                 rows = [jax.ShapeDtypeStruct(*shapes[k]) for k in ("tokens", "attention_mask", *window)]
                 args = (params, *rows, *self._abstract_base)
-                self._prepared[key], built = shared(
-                    (self._loss_signature, key),
-                    lambda kind=kind, args=args: compile_once(self._program(kind, window).lower(*args)))
-                compiled += built
+                builds.append((key, (self._loss_signature, key),
+                               lambda kind=kind, args=args: compile_once(self._program(kind, window).lower(*args))))
         acc = s.mini_batch_size // m
         mini = {"tokens": ((acc, m, length), np.int32), "attention_mask": ((acc, m, length), np.bool_),
                 "loss_mask": ((acc, m, length - 1), np.float32), "advantages": ((acc, m), np.float32),
@@ -283,20 +282,21 @@ class ActorWorker:
         key = ("train", keys, shapes_key(mini))
         if key not in self._prepared:
             batch = {k: jax.ShapeDtypeStruct(*v) for k, v in mini.items()}
-            self._prepared[key], built = shared(
-                (self._loss_signature, key),
-                lambda: compile_once(self._program("train", keys).lower(self._abstract, batch,
-                                                                       *self._train_args(abstract=True))))
-            compiled += built
-        if self._schedule is None:  # the metrics' learning rate (`lr`)
-            compiled += self._compile_schedule()
+            builds.append((key, (self._loss_signature, key),
+                           lambda: compile_once(self._program("train", keys).lower(
+                               self._abstract, batch, *self._train_args(abstract=True)))))
         key = ("update", (), shapes_key({}))  # no batch: the state's shapes, the actor's own (`_run`'s key)
         if key not in self._prepared:
             skipped = jax.ShapeDtypeStruct((), np.float32)
-            self._prepared[key], built = shared(
-                (self._signature, key),
-                lambda: compile_once(self._program("update").lower(self._abstract, self._abstract.params, skipped)))
+            builds.append((key, (self._signature, key), lambda: compile_once(
+                self._program("update").lower(self._abstract, self._abstract.params, skipped))))
+        # the programs compile side by side (the gradient's is the longest: the step waits for it, not for the sum)
+        for (key, _, _), (executable, built) in zip(
+                builds, shared_at_once([(shared_key, build) for _, shared_key, build in builds]), strict=True):
+            self._prepared[key] = executable
             compiled += built
+        if self._schedule is None:  # the metrics' learning rate (`lr`)
+            compiled += self._compile_schedule()
         return compiled
 
     def lr(self, step) -> float:

@@ -114,6 +114,40 @@ def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
         return executable, True
 
 
+def shared_at_once(builds: list[tuple[Hashable, Callable[[], Any]]]) -> list[tuple[Any, bool]]:
+    """`shared(key, build)` of each (key, build) of `builds` at once, each on a thread of its own (the first on this
+    one), in order. Their traces take turns on Python's lock; their compiles run in XLA, outside it, side by side: a
+    role's programs take the longest compile rather than the sum, where the host has the cores. The waits of all
+    count in this thread's `waits()`. The first error is raised once every build has ended."""
+    caller = getattr(_WAITS, "record", None)
+    outcomes: list[tuple[Any, BaseException | None]] = [(None, None)] * len(builds)
+    waited = [0.0] * len(builds)
+
+    def run(i: int) -> None:
+        outer = getattr(_WAITS, "record", None)
+        _WAITS.record = record = {"seconds": 0.0}
+        try:
+            outcomes[i] = shared(*builds[i]), None
+        except BaseException as err:  # noqa: BLE001 - raised below, once every build has ended
+            outcomes[i] = None, err
+        finally:
+            waited[i], _WAITS.record = record["seconds"], outer
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"compile-{i}", daemon=True) for i in range(1, len(builds))]
+    for thread in threads:
+        thread.start()
+    if builds:
+        run(0)
+    for thread in threads:
+        thread.join()
+    if caller is not None:
+        caller["seconds"] += sum(waited)
+    for _, err in outcomes:
+        if err is not None:
+            raise err
+    return [result for result, _ in outcomes]
+
+
 def programs() -> int:
     """How many entries this process keeps: the executables of `shared` some caller holds, and the entries of every
     `kept` cache."""
