@@ -180,7 +180,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def compile_generate(config, device, batch: int, prompt_len: int, new_tokens: int):
-    """The sampler's generate program for `batch` rows on one `device`, compiled from abstract weights."""
+    """The sampler's generate program for `batch` rows on one `device`, compiled from abstract weights; and the
+    weights' bytes."""
+    lower, weight_bytes = lower_generate(config, device, batch, prompt_len, new_tokens)
+    return lower().compile(), weight_bytes
+
+
+def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int):
+    """(a function that traces and lowers the sampler's generate program for `batch` rows on one `device`, from
+    abstract weights; the weights' bytes)."""
     import jax
     import numpy as np
     from flax import nnx
@@ -202,7 +210,7 @@ def compile_generate(config, device, batch: int, prompt_len: int, new_tokens: in
             sds(rows, np.int32), sds(rows, np.int32), sds((), np.float32), sds((), np.float32), sds((), np.int32),
             sds((_STOP_SLOTS,), np.int32), None, new_tokens, False)
     program = _program(graphdef, mesh, config.num_key_value_heads, shardings)
-    return program.lower(weights, *args).compile(), sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
+    return (lambda: program.lower(weights, *args)), sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
 
 
 def kv_bytes(config, batch: int, slots: int) -> int:

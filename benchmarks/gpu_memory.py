@@ -132,6 +132,18 @@ def stats(compiled, seconds: float) -> dict:
 def compile_programs(model, settings, device, accumulate: int, length: int) -> dict:
     """The gradient and update programs of a full-weight actor on one `device`, with the shardings
     workers.actor.ActorWorker gives them, compiled from abstract arguments: each one's memory analysis."""
+    out = {}
+    lowerings = lower_programs(model, settings, device, accumulate, length)
+    for name in ("gradient", "update"):
+        t0 = time.perf_counter()
+        out[name] = stats(lowerings[name]().compile(), time.perf_counter() - t0)
+    return out
+
+
+def lower_programs(model, settings, device, accumulate: int, length: int) -> dict:
+    """{name: a function that traces and lowers it} of a full-weight actor's programs on one `device`, with the
+    shardings workers.actor.ActorWorker gives them, from abstract arguments: "gradient", "update", and
+    "reference" (the reference's log-probabilities of one micro-batch, on the completion windows)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -148,6 +160,7 @@ def compile_programs(model, settings, device, accumulate: int, length: int) -> d
         make_optimizer,
         master_params,
         update,
+        window_token_logprobs,
     )
 
     mesh = S.mesh({}, [device])
@@ -175,16 +188,20 @@ def compile_programs(model, settings, device, accumulate: int, length: int) -> d
     batch = {k: jax.ShapeDtypeStruct(*v, sharding=batch_sh[k]) for k, v in batch.items()}
     fn = partial(gradients, graphdef=graphdef, settings=settings, lora=None, dtype=dtype)
     frozen_sh, frozen = ((), ()) if dtype is None else ((None, param_sh), (None, served))
-    out = {}
-    t0 = time.perf_counter()
     grad = jax.jit(fn, in_shardings=(shardings, batch_sh, *frozen_sh), out_shardings=(param_sh, repl))
-    out["gradient"] = stats(grad.lower(state, batch, *frozen).compile(), time.perf_counter() - t0)
-    t0 = time.perf_counter()
     step = jax.jit(lambda st, gr, skipped: update(st, gr, skipped == 0, tx=tx),
                    in_shardings=(shardings, param_sh, repl), out_shardings=(shardings, param_sh), donate_argnums=(0, 1))
     skipped = jax.ShapeDtypeStruct((), f32, sharding=repl)
-    out["update"] = stats(step.lower(state, state.params, skipped).compile(), time.perf_counter() - t0)
-    return out
+    rows, vec = S.batch_sharding(mesh, 2), S.batch_sharding(mesh, 1)
+    reference = jax.jit(partial(window_token_logprobs, graphdef, width=settings.max_new_tokens,
+                                temperature=settings.temperature, lora=None, dtype=dtype),
+                        in_shardings=(param_sh, rows, rows, vec), out_shardings=rows)
+    ref_params = abstract(jax.eval_shape(partial(compute_params, dtype=dtype or jnp.float32), master), param_sh)
+    micro = [jax.ShapeDtypeStruct((m, length), t, sharding=rows) for t in (np.int32, np.bool_)]
+    starts = jax.ShapeDtypeStruct((m,), np.int32, sharding=vec)
+    return {"gradient": lambda: grad.lower(state, batch, *frozen),
+            "update": lambda: step.lower(state, state.params, skipped),
+            "reference": lambda: reference.lower(ref_params, *micro, starts)}
 
 
 def target_name(device, target: str) -> str:

@@ -57,6 +57,8 @@ SMALLEST = {
     "plan_fit": (["--target", "present", "--grid", "small", "--points", "2"], "summary"),
     "decode_cost": (["--preset", "tiny", "--vocab-size", "256", "--batch", "4", "--prompt-len", "8", "--new-tokens",
                      "8", "--target", "present"], "step"),
+    "compile_cost": (["--preset", "tiny", "--vocab-size", "256", "--batch", "4", "--micro-batch", "2",
+                      "--prompt-len", "8", "--new-tokens", "8", "--target", "present"], "ways"),
     "sharding": (["--hidden", "64", "--intermediate", "128", "--layers", "1", "--heads", "2", "--kv-heads", "2",
                   "--vocab", "256", "--fsdp", "1,2", "--repeats", "1"], "weight_sync"),
 }
@@ -307,9 +309,22 @@ ENTRY %main (a: (s32[], f32[16,8], bf16[100,8], s32[4], f32[1,8])) -> (s32[], f3
 
 
 # module -> a check of its results beyond their presence
+def check_compile_cost(results: dict, out: Path) -> None:
+    """benchmarks/compile_cost.py built the first step's four programs both ways, each in a process of its own: one
+    after another (each program's trace and compile timed), and at once; the report gives both walls and their
+    ratio."""
+    ways = results["ways"]
+    alone = ways["one_after_another"]
+    assert set(alone["programs"]) == {"generate", "reference", "gradient", "update"}
+    assert all(p["lower_s"] > 0 and p["compile_s"] > 0 for p in alone["programs"].values())
+    assert alone["wall_s"] >= sum(p["lower_s"] + p["compile_s"] for p in alone["programs"].values())
+    assert ways["at_once"]["wall_s"] > 0 and results["ratio"] == alone["wall_s"] / ways["at_once"]["wall_s"]
+    assert f"({results['ratio']:.2f} x faster)" in (out / "report.md").read_text()
+
+
 DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain, "gpu": check_gpu,
           "startup": check_startup, "gpu_memory": check_gpu_memory, "plan_fit": check_plan_fit,
-          "decode_cost": check_decode_cost}
+          "decode_cost": check_decode_cost, "compile_cost": check_compile_cost}
 
 
 def test_every_benchmark_has_a_smallest_setting():

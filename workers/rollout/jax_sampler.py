@@ -52,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 from workers.batch import PROMPT_PADDINGS, prompt_bucket
-from workers.compiling import compile_once, find, kept, shared
+from workers.compiling import compile_once, find, kept, shared_at_once
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
@@ -357,13 +357,22 @@ class JaxSampler(StampedWeights):
 
     def prepare_many(self, requests: Sequence[tuple], adapters: AdapterBatch | None = None) -> int:
         """`prepare` for the joint run `generate_many(requests)` will make."""
-        compiled = 0
+        return self.prepare_runs([requests], adapters)
+
+    def prepare_runs(self, runs: Sequence[Sequence[tuple]], adapters: AdapterBatch | None = None) -> int:
+        """`prepare_many` for each joint run of `runs`, their programs compiled at once (workers.compiling
+        .shared_at_once: a co-batching group's runs of 1 .. K requests are programs of several batch sizes)."""
         adapters = adapters if adapters is not None else self._abstract_adapters()
-        for key, args, _ in self._joint_chunks(requests, [0] * len(requests), adapters):
-            if key not in self._executables:  # engines in one process (a device group's) share it: built once
-                self._executables[key], built = shared(("generate", *key), partial(self._compile, args))
-                compiled += built
-        return compiled
+        builds = {}  # key -> the program's arguments, each new program once
+        for requests in runs:
+            for key, args, _ in self._joint_chunks(requests, [0] * len(requests), adapters):
+                if key not in self._executables and key not in builds:
+                    builds[key] = args
+        # engines in one process (a device group's) share each: built once
+        built = shared_at_once([(("generate", *key), partial(self._compile, args)) for key, args in builds.items()])
+        for key, (executable, _) in zip(builds, built, strict=True):
+            self._executables[key] = executable
+        return sum(fresh for _, fresh in built)
 
     def _compile(self, args):
         return compile_once(self._jitted().lower(self._abstract, *args))

@@ -153,13 +153,12 @@ class SharedSampler:
             abstract = self._abstract()
             live = sum(s is not None for s in self.slots)
         request = (prompt_ids, params, [k] * len(prompt_ids))
-        compiled = self.sampler.prepare_many([request], adapters=abstract)
-        rows = len(prompt_ids) * params.n
+        runs, rows = [[request]], len(prompt_ids) * params.n
         for copies in range(2, live + 1):
             if (copies - 1) * rows >= self.sampler.max_batch_size:  # full chunks already: nothing new past here
                 break
-            compiled += self.sampler.prepare_many([request] * copies, adapters=abstract)
-        return compiled
+            runs.append([request] * copies)
+        return self.sampler.prepare_runs(runs, adapters=abstract)  # the runs' programs compile at once
 
     def generate(self, prompt_ids, params: SamplingParams, k: int) -> RolloutOutput:
         """Slot k's request alone: a run of one (`_run_together`)."""

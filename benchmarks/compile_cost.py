@@ -1,0 +1,140 @@
+"""What a task's first step compiles, one program after another and all at once, for a GPU without one.
+
+    python -m benchmarks.compile_cost [--preset qwen3-0.6b] [--batch 128] [--prompt-len 256] [--new-tokens 256]
+                                      [--micro-batch 16] [--beta 0.08] [--target h100 | h200 | present | FILE]
+                                      [--out DIR]
+
+The programs the first step of benchmarks/gpu.py's setting compiles: the engine's generate
+(benchmarks.decode_cost.lower_generate), the actor's reference log-probabilities, gradient and update
+(benchmarks.gpu_memory.lower_programs), from abstract shapes, for the target as those benchmarks compile (deviceless
+for h100 / h200: see benchmarks/gpu_memory.py's docstring for the venv with the CUDA plugin). Built two ways, each in
+a fresh process (nothing cached, JAX's persistent cache off):
+- one after another, as a step did before (the engine's, then after the rollout the actor's, one by one);
+- at once, as a step does now: every program on a thread of its own (workers.compiling.shared_at_once; the driver
+  asks its engine and its actor at once, rlsched.run.task.TaskDriver.prepare). Their traces take turns on Python's
+  lock; XLA's compiles run side by side.
+Per program, its trace + lowering and its compile alone (the first way); the wall of each way and their ratio. The
+host's cores bound the gain: XLA compiles a program mostly on one core (a GPU compile without a GPU skips the
+autotuning a GPU's compile does, on the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from benchmarks.common import save_results  # first: sets JAX to CPU, hubs offline
+
+ROOT = Path(__file__).resolve().parents[1]
+WAYS = ("one_after_another", "at_once")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.compile_cost", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3-0.6b", help="a workers.models.presets preset")
+    p.add_argument("--vocab-size", type=int, default=None, help="the vocabulary of a preset without its own (tiny...)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--batch", type=int, default=128, help="rows of the generate program (16 prompts x 8)")
+    p.add_argument("--micro-batch", type=int, default=16, help="rows per micro-batch of the actor's programs")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--beta", type=float, default=0.08, help="> 0: the reference's log-probabilities are a program")
+    p.add_argument("--remat", default="layers", choices=("layers", "off"))
+    p.add_argument("--adam-mu-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--target", default="h100", help="h100, h200, present (the first device JAX sees) or a file")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default benchmarks/results/compile_cost-<target, or the platform with present>-<preset>")
+    p.add_argument("--way", choices=WAYS, default=None, help=argparse.SUPPRESS)  # a child process: one way
+    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)  # where the child writes it
+    return p.parse_args(argv)
+
+
+def lowerings(args) -> tuple[dict, object]:
+    """({program: a function that traces and lowers it}, the device), the first step's programs in the order a step
+    used to compile them."""
+    from flax import nnx
+
+    from benchmarks.decode_cost import lower_generate
+    from benchmarks.gpu_memory import lower_programs, target_device, task_config
+    from rlsched.config.spec import actor_settings
+    from workers.models.decoder import CausalLM
+    from workers.models.presets import preset_config
+
+    device = target_device(args.target)
+    vocab = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
+    config = preset_config(args.preset, dtype=args.dtype, **vocab)
+    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
+    length = args.prompt_len + args.new_tokens
+    actor = lower_programs(model, actor_settings(task_config(args, 1).tasks[0]), device, 1, length)
+    programs = {"generate": lower_generate(config, device, args.batch, args.prompt_len, args.new_tokens)[0]}
+    if args.beta > 0:
+        programs["reference"] = actor["reference"]
+    programs |= {"gradient": actor["gradient"], "update": actor["update"]}
+    return programs, device
+
+
+def run_way(args) -> dict:
+    """One way, in this process: its wall and, one after another, each program's trace + lowering and compile."""
+    from workers.compiling import shared_at_once
+
+    programs, device = lowerings(args)
+    held, per_program = [], {}
+    start = time.perf_counter()
+    if args.way == "one_after_another":
+        for name, lower in programs.items():
+            t0 = time.perf_counter()
+            lowered = lower()
+            t1 = time.perf_counter()
+            held.append(lowered.compile())
+            per_program[name] = {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1}
+    else:
+        held = shared_at_once([(("compile_cost", name), lambda lower=lower: lower().compile())
+                               for name, lower in programs.items()])
+    return {"wall_s": time.perf_counter() - start, "programs": per_program, "device": str(device.device_kind)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.way is not None:  # a child: one way, its figures to --result
+        args.result.write_text(json.dumps(run_way(args)))
+        return {}
+    from benchmarks.gpu_memory import environment, target_device, target_name
+
+    child = [a for a in (argv if argv is not None else sys.argv[1:])]
+    ways = {}
+    for way in WAYS:
+        result = Path(os.environ.get("TMPDIR", "/tmp")) / f"compile_cost-{os.getpid()}-{way}.json"
+        env = os.environ | {"JAX_COMPILATION_CACHE_DIR": "", "PYTHONPATH": str(ROOT)}
+        subprocess.run([sys.executable, "-m", "benchmarks.compile_cost", *child, "--way", way, "--result",
+                        str(result)], check=True, env=env, cwd=ROOT)
+        ways[way] = json.loads(result.read_text())
+        result.unlink()
+        print(f"{way}: {ways[way]['wall_s']:.1f} s", flush=True)
+    device = target_device(args.target)
+    env = environment(device, args.target)
+    alone, together = ways["one_after_another"], ways["at_once"]
+    rows = [f"| {name} | {p['lower_s']:.1f} s | {p['compile_s']:.1f} s |" for name, p in alone["programs"].items()]
+    ratio = alone["wall_s"] / together["wall_s"]
+    report = "\n".join([
+        f"{args.preset} ({args.dtype}), the first step's programs at benchmarks/gpu.py's setting (generate: batch "
+        f"{args.batch}, {args.prompt_len} + {args.new_tokens} slots; the actor's: micro-batch {args.micro_batch}, "
+        f"remat {args.remat}, beta {args.beta}), compiled for {env['target']} ({args.target}) on a host of "
+        f"{env['cpus_usable']} usable cores", "",
+        "| program | trace + lower | compile |", "|---|---:|---:|", *rows, "",
+        f"one after another: **{alone['wall_s']:.1f} s**; at once: **{together['wall_s']:.1f} s** "
+        f"({ratio:.2f} x faster)"])
+    results = dict(args={k: str(v) for k, v in vars(args).items() if k not in ("way", "result")}, env=env,
+                   ways=ways, ratio=ratio, timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
+    out = args.out or ROOT / "benchmarks" / "results" / f"compile_cost-{target_name(device, args.target)}-{args.preset}"
+    save_results(out, "A first step's compiles: one after another, and at once", results, report)
+    return results
+
+
+if __name__ == "__main__":
+    main()
