@@ -36,18 +36,11 @@ WAYS = ("one_after_another", "at_once")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from benchmarks.gpu_memory import add_task_args
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.compile_cost", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="qwen3-0.6b", help="a workers.models.presets preset")
-    p.add_argument("--vocab-size", type=int, default=None, help="the vocabulary of a preset without its own (tiny...)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    add_task_args(p, preset="qwen3-0.6b", micro_batch=16)  # beta > 0: the reference's log-probabilities compile
     p.add_argument("--batch", type=int, default=128, help="rows of the generate program (16 prompts x 8)")
-    p.add_argument("--micro-batch", type=int, default=16, help="rows per micro-batch of the actor's programs")
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--beta", type=float, default=0.08, help="> 0: the reference's log-probabilities are a program")
-    p.add_argument("--remat", default="layers", choices=("layers", "off"))
-    p.add_argument("--adam-mu-dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--target", default="h100", help="h100, h200, present (the first device JAX sees) or a file")
     p.add_argument("--out", type=Path, default=None,
                    help="default benchmarks/results/compile_cost-<target, or the platform with present>-<preset>")
     p.add_argument("--way", choices=WAYS, default=None, help=argparse.SUPPRESS)  # a child process: one way

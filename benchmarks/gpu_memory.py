@@ -71,20 +71,26 @@ TARGETS = {"h100": H100, "h200": H200}
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_memory", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="qwen3-4b", help="a workers.models.presets preset (tiny, qwen3-0.6b, ...)")
+    add_task_args(p, preset="qwen3-4b", micro_batch=8)
+    p.add_argument("--accumulate", default="1,16", help="micro-batches per optimizer step, one compile each")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default benchmarks/results/gpu_memory-<target, or the platform with present>-<preset>")
+    return p.parse_args(argv)
+
+
+def add_task_args(p: argparse.ArgumentParser, *, preset: str, micro_batch: int) -> None:
+    """The model, the actor's batch and the target, as `task_config` and `target_device` read them (the benchmarks
+    that compile an actor's programs for a GPU without one share them)."""
+    p.add_argument("--preset", default=preset, help="a workers.models.presets preset (tiny, qwen3-0.6b, ...)")
     p.add_argument("--vocab-size", type=int, default=None, help="the vocabulary of a preset without its own (tiny...)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch")
-    p.add_argument("--accumulate", default="1,16", help="micro-batches per optimizer step, one compile each")
+    p.add_argument("--micro-batch", type=int, default=micro_batch, help="rows per micro-batch")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=256, help="max_new_tokens: the head's completion window")
     p.add_argument("--beta", type=float, default=0.08, help="> 0: the batch carries ref_logp")
     p.add_argument("--remat", default="layers", choices=("layers", "off"))
     p.add_argument("--adam-mu-dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--target", default="h100", help="h100, h200, present (the first device JAX sees) or a file")
-    p.add_argument("--out", type=Path, default=None,
-                   help="default benchmarks/results/gpu_memory-<target, or the platform with present>-<preset>")
-    return p.parse_args(argv)
 
 
 def target_device(target: str):

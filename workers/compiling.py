@@ -114,32 +114,46 @@ def shared(key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
         return executable, True
 
 
+def at_once(calls: list[tuple], name: str = "at-once") -> list[tuple[Any, BaseException | None]]:
+    """Each (function, *args) of `calls` run at once, one on this thread and the others on threads of their own; per
+    call, in order, (its result, None) or (None, the error it raised): every call has ended when this returns. Daemon
+    threads: a second Ctrl-C (rlsched.run.stopping) leaves without waiting for a compile to end."""
+    outcomes: list[tuple[Any, BaseException | None]] = [(None, None)] * len(calls)
+
+    def run(i: int) -> None:
+        function, *args = calls[i]
+        try:
+            outcomes[i] = function(*args), None
+        except BaseException as err:  # noqa: BLE001 - the caller raises it, once every call has ended
+            outcomes[i] = None, err
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(1, len(calls))]
+    for thread in threads:
+        thread.start()
+    if calls:
+        run(0)
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
 def shared_at_once(builds: list[tuple[Hashable, Callable[[], Any]]]) -> list[tuple[Any, bool]]:
     """`shared(key, build)` of each (key, build) of `builds` at once, each on a thread of its own (the first on this
     one), in order. Their traces take turns on Python's lock; their compiles run in XLA, outside it, side by side: a
     role's programs take the longest compile rather than the sum, where the host has the cores. The waits of all
     count in this thread's `waits()`. The first error is raised once every build has ended."""
     caller = getattr(_WAITS, "record", None)
-    outcomes: list[tuple[Any, BaseException | None]] = [(None, None)] * len(builds)
     waited = [0.0] * len(builds)
 
-    def run(i: int) -> None:
+    def build(i: int) -> tuple[Any, bool]:
         outer = getattr(_WAITS, "record", None)
         _WAITS.record = record = {"seconds": 0.0}
         try:
-            outcomes[i] = shared(*builds[i]), None
-        except BaseException as err:  # noqa: BLE001 - raised below, once every build has ended
-            outcomes[i] = None, err
+            return shared(*builds[i])
         finally:
             waited[i], _WAITS.record = record["seconds"], outer
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"compile-{i}", daemon=True) for i in range(1, len(builds))]
-    for thread in threads:
-        thread.start()
-    if builds:
-        run(0)
-    for thread in threads:
-        thread.join()
+    outcomes = at_once([(build, i) for i in range(len(builds))], "compile")
     if caller is not None:
         caller["seconds"] += sum(waited)
     for _, err in outcomes:

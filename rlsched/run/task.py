@@ -47,6 +47,7 @@ from rlsched.run.phases import HostWork, check_model_path, progress_line, step_m
 from rlsched.run.roles import ActorRole, EngineRole, PhaseResult, RemoteRole, channel_for, spawn
 from rlsched.scheduling.memory import MemoryPool, Residency
 from rlsched.scheduling.policy import Phase, Role
+from workers.compiling import at_once  # JAX-free: threads
 
 
 class TaskDriver:
@@ -437,8 +438,8 @@ class TaskDriver:
             return
         self._doing = {"phase": "compiling", "lock": None}
         try:
-            outcomes = _at_once([(self._prepare_role, role, args) for role, args in wanted.items()],
-                                f"compile-{self.name}")
+            outcomes = at_once([(self._prepare_role, role, args) for role, args in wanted.items()],
+                               f"compile-{self.name}")
         finally:
             self._doing = {"phase": None, "lock": None}
         for events, err in outcomes:
@@ -583,29 +584,6 @@ def _place_text(role: str, place: dict[str, Any]) -> str:
         return f"{role} on devices {place['devices']} (pid {place['pid']})"
     members = ", ".join(f"{m['host']} pid {m['pid']}" for m in place["members"])
     return f"{role} on {len(place['members'])} hosts, {len(place['devices'])} devices ({members})"
-
-
-def _at_once(calls: list[tuple], name: str) -> list[tuple[Any, BaseException | None]]:
-    """Each (function, *args) of `calls` run at once, one on this thread and the others on threads of their own;
-    per call, in order, (its result, None) or (None, the error it raised): every call has ended when this returns.
-    Daemon threads: a second Ctrl-C (rlsched.run.stopping) leaves without waiting for a compile to end."""
-    outcomes: list[tuple[Any, BaseException | None]] = [(None, None)] * len(calls)
-
-    def run(i: int) -> None:
-        function, *args = calls[i]
-        try:
-            outcomes[i] = function(*args), None
-        except BaseException as err:  # noqa: BLE001 - the caller raises it, once every call has ended
-            outcomes[i] = None, err
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(1, len(calls))]
-    for thread in threads:
-        thread.start()
-    if calls:
-        run(0)
-    for thread in threads:
-        thread.join()
-    return outcomes
 
 
 def _annotate(err: BaseException, note: str) -> None:
