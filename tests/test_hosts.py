@@ -139,7 +139,10 @@ def test_an_actor_across_two_hosts_computes_what_one_host_does(nodes, tmp_path, 
         assert group["guarded"] == [False, True], group  # member 1 ran (and saved, below) under the run-file guard
     moved = {(e["name"], e["args"]["task"]) for e in _trace(tmp_path / "two") if e.get("ph") == "X"
              and e["name"] in ("offload", "onload") and e["args"].get("role") == "actor"}
-    assert moved == {(m, t) for m in ("offload", "onload") for t in ("addition", "subtraction")}, moved
+    # Whose actor is moved depends on when each task is done compiling (a step's roles compile before its first lock,
+    # and the task done first may run several steps before the other asks for one): an actor group went to host
+    # memory and came back, each member with its own shards, and the numbers did not move (below)
+    assert any({("offload", t), ("onload", t)} <= moved for t in ("addition", "subtraction")), moved
     assert set(groups) == {"addition", "subtraction"}
     ports = {task: g["coordinator"] for task, g in groups.items()}
     assert ports["addition"] != ports["subtraction"], ports  # two groups, two coordinators
@@ -244,7 +247,10 @@ def test_a_device_group_across_hosts_is_one_process_per_host_holding_every_role(
         assert summary["tasks"][task]["roles"]["engine"]["pid"] == pids[0], summary["tasks"][task]["roles"]
     moved = {(e["name"], e["args"]["task"]) for e in _trace(tmp_path / "hosts") if e.get("ph") == "X"
              and e["name"] in ("offload", "onload") and e["args"].get("role") == "actor"}
-    assert moved == {(m, t) for m in ("offload", "onload") for t in ("addition", "subtraction")}, moved
+    # Whose actor is moved depends on when each task is done compiling (a step's roles compile before its first lock,
+    # and the task done first may run several steps before the other asks for one): an actor group went to host
+    # memory and came back, each member with its own shards, and the numbers did not move (below)
+    assert any({("offload", t), ("onload", t)} <= moved for t in ("addition", "subtraction")), moved
     _same_numbers(tmp_path / "hosts", one_host)
     for pid in pids:  # the run ended its hosts
         with pytest.raises(ProcessLookupError):
