@@ -79,7 +79,7 @@ def test_poll_says_compiling_then_waiting_then_holding_each_with_its_lock(tmp_pa
     driver.roles[Role.ENGINE] = engine
     assert (driver.poll()["phase"], driver.poll()["lock"]) == (None, None)
 
-    thread = _in_thread(lambda: driver.prepare(Role.ENGINE, [[1, 2]], None))
+    thread = _in_thread(lambda: driver.prepare({Role.ENGINE: ([[1, 2]], None)}))
     assert engine.started.wait(30)
     p = driver.poll()
     assert (p["phase"], p["lock"], p["step"]) == ("compiling", None, 0)  # not "0/80" and no word
