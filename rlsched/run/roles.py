@@ -260,7 +260,7 @@ class ActorRole(_Role):
 
             g = self.spec.config.grpo
             program = jax.jit(functools.partial(step_advantages, group_size=g.num_generations,
-                                      normalize_std=g.normalize_advantage_std, std_ddof=g.advantage_std_ddof))
+                                                normalize_std=g.normalize_advantage_std, std_ddof=g.advantage_std_ddof))
             self._advantage_programs[size] = program.lower(jax.ShapeDtypeStruct((size,), np.float32)).compile()
         return self._advantage_programs[size]
 

@@ -2,8 +2,8 @@
 
 Shapes: B rows, V vocab. `temperature` and `top_p` are traced scalars, so one compiled program serves every
 temperature, and every top_p below 1 (`nucleus=True`) or the top_p 1 of most runs (`nucleus=False`: no sort of the
-vocabulary, and no branch: XLA:GPU copied the (B, V) logits into a `lax.cond` choosing it at run time, 74 MiB a
-decode step at batch 128 and Qwen3's 151,936 tokens, beside the host's wait for the branch's predicate).
+vocabulary, and no branch: XLA:GPU copied the (B, V) logits into and out of a `lax.cond` choosing it at run time,
+148 MiB read and 74 MiB written a decode step at batch 128 and Qwen3's 151,936 tokens, benchmarks/decode_cost.py).
 """
 
 from __future__ import annotations
