@@ -247,6 +247,35 @@ def test_five_members_run_padded_to_eight_and_each_gets_its_alone_update(tiny_mo
     assert actor_cobatch.open_holds() == []
 
 
+def test_actors_prepared_for_their_cohort_compile_its_joint_programs_before_the_hold(tiny_model_dir, monkeypatch):
+    """`prepare(cohort=3)` (a task's train_cohort) compiles stack, step and unstack for a hold of 3 (padded to 4),
+    once for the actors of a signature; a hold of three then compiles nothing in it, a hold of two its own. An actor
+    that cannot be co-batched (a base of its own) compiles none."""
+    settings = dataclasses.replace(SETTINGS, kl_clamp=10.0)  # a signature of its own: no other test holds its programs
+    built, compile_once = [], actor_cobatch.compile_once
+    monkeypatch.setattr(actor_cobatch, "compile_once", lambda lowered: built.append(lowered) or compile_once(lowered))
+    assert [actor_cobatch.padded_size(n) for n in (2, 3, 4, 5, 8, 9)] == [2, 4, 4, 8, 8, 16]
+    tasks = [_task(50 + i, LONG, settings=settings) for i in range(3)]
+    batches = [t["batches"][1] for t in tasks]
+    size, length = batches[0].size, batches[0].tokens.shape[1]
+    own = ActorWorker(load_pretrained(tiny_model_dir)[0], settings, lora=SPEC, seed=0)
+    own.prepare(size, length, cohort=3)
+    assert built == []
+    actors = [_actor(tiny_model_dir, t["seed"], settings=settings) for t in tasks]
+    try:
+        for actor in actors:
+            actor.prepare(size, length, cohort=3)
+        assert len(built) == 3  # stack, step and unstack of 4 members, by the first actor; the others found them
+        metrics = _together(actors, batches, 1, Together(next(HOLDS), 3))
+        assert [m["cobatched"] for m in metrics] == [3.0] * 3 and len(built) == 3  # nothing compiled in the hold
+        metrics = _together(actors[:2], [t["batches"][2] for t in tasks[:2]], 2, Together(next(HOLDS), 2))
+        assert [m["cobatched"] for m in metrics] == [2.0] * 2 and len(built) == 6  # two: its own, in the hold
+    finally:
+        for actor in actors:
+            actor.release()
+    assert actor_cobatch.open_holds() == []
+
+
 # A sweep on one base: tasks that differ only in the optimizer's settings (workers.train_step.OptimizerValues). Task
 # 42's weight decay 0 is skipped by optax alone (a Python 0) and applied as 0 * params co-batched; task 43 differs in
 # every one of them (warmup: its first step runs at lr 0).

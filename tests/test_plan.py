@@ -17,7 +17,7 @@ import pytest
 from rlsched.cli import main
 from rlsched.config.loading import load_config, select_tasks
 from rlsched.config.meshes import check_meshes, check_platform, read_model_config, role_devices, task_devices
-from rlsched.config.plan import FIT, actor_bytes, device_plan, engine_bytes, layer_width_bytes
+from rlsched.config.plan import FIT, SharedHold, actor_bytes, device_plan, engine_bytes, layer_width_bytes
 from rlsched.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -709,3 +709,9 @@ def test_plan_counts_activations_for_the_backend_asked(tmp_path, capsys):
     assert cpu["activations"] > gpu["activations"] + 1.6 * gpu["grads"]  # the float32 copy through the loop
     assert main(["plan", *recipe, "--backend", "cpu"]) == 0
     assert "(activations: XLA:CPU's, an estimate, see rlsched/config/plan.py)" in capsys.readouterr().out
+
+
+def test_a_train_hold_of_a_task_holds_the_others_whose_rows_fit_fewest_first():
+    """SharedHold.most_members: what its actor compiles joint updates for ahead (TaskSpec.train_cohort)."""
+    hold = SharedHold(phase="train", key="k", tasks=["a", "b", "c", "d"], rows=[8, 4, 16, 4], capacity=16)
+    assert [hold.most_members(t) for t in hold.tasks] == [3, 3, 1, 3]  # a: 8 + 4 + 4; c fills it alone

@@ -250,9 +250,11 @@ class ActorWorker:
         self._programs[kind, keys] = fn
         return fn
 
-    def prepare(self, size: int, length: int) -> int:
+    def prepare(self, size: int, length: int, *, cohort: int = 1) -> int:
         """Compile the programs `train` runs on a batch of `size` rows of `length` tokens, ahead of it and
-        without the state on the devices; returns how many were compiled now (0: all were ready)."""
+        without the state on the devices; returns how many were compiled now (0: all were ready). `cohort`: the most
+        tasks a train hold of this one holds (its `train_cohort`): a LoRA actor on a shared base compiles that hold's
+        joint programs too (workers.actor_cobatch), where the hold would have."""
         s, compiled = self.settings, 0
         m, off_policy = s.micro_batch_size, self._off_policy(size)
         # a run's batches carry completion windows (workers.batch, built with this max_new_tokens): their programs
@@ -285,16 +287,31 @@ class ActorWorker:
             builds.append((key, (self._loss_signature, key),
                            lambda: compile_once(self._program("train", keys).lower(
                                self._abstract, batch, *self._train_args(abstract=True)))))
+        joint = {}  # a co-batched hold's programs (stack, step, unstack), by the key `_run_group` reads
+        if self.lora is not None and self.shares_base:
+            shapes = {k: (v[0], np.dtype(v[1])) for k, v in mini.items()}
+            padded = actor_cobatch.padded_size(cohort)
+            key = actor_cobatch.program_key(padded, keys, shapes)
+            if cohort > 1 and key not in self._prepared:  # the largest hold's: a first step's (actor_cobatch)
+                parts = actor_cobatch.builds(self, padded, keys, shapes)
+                joint[key] = len(parts)
+                builds += [((key, i), shared_key, build) for i, (shared_key, build) in enumerate(parts)]
         key = ("update", (), shapes_key({}))  # no batch: the state's shapes, the actor's own (`_run`'s key)
         if key not in self._prepared:
             skipped = jax.ShapeDtypeStruct((), np.float32)
             builds.append((key, (self._signature, key), lambda: compile_once(
                 self._program("update").lower(self._abstract, self._abstract.params, skipped))))
         # the programs compile side by side (the gradient's is the longest: the step waits for it, not for the sum)
+        parts: dict[tuple, list] = {}
         for (key, _, _), (executable, built) in zip(
                 builds, shared_at_once([(shared_key, build) for _, shared_key, build in builds]), strict=True):
-            self._prepared[key] = executable
+            if key[0] in joint:
+                parts.setdefault(key[0], []).append(executable)
+            else:
+                self._prepared[key] = executable
             compiled += built
+        for key, programs in parts.items():  # in builds' order: stack, step, unstack
+            self._prepared[key] = tuple(programs)
         if self._schedule is None:  # the metrics' learning rate (`lr`)
             compiled += self._compile_schedule()
         return compiled

@@ -24,8 +24,12 @@ Design decisions:
   dtype (adam_mu_dtype), and the state's tree.
 - **Padding to a power of two.** A group's K is padded to the next power of two by repeating member 0's state and
   mini-batches (their results are dropped), so a base group compiles log2(K) programs, not K: K = 3 runs the K = 4
-  program. These programs compile on first use (the joint shapes depend on who came), once per process: they are
-  shared across the base group's actors by signature (workers.compiling.shared).
+  program. An actor compiles the programs of its task's largest hold (its base group's like tasks whose rows fit one:
+  the task's `train_cohort`, padded) in its `prepare`, before the first lock, beside its own and for the batch shape
+  it will train: the hold a first step makes, where the tasks start together. A hold of fewer members (one padded
+  size down, the drift of later steps) or of other shapes compiles its programs on first use, in the hold; every
+  size ahead would be log2(K) gradient programs more before a first step, most of them never run. Once per process:
+  they are shared across the base group's actors by signature (workers.compiling.shared).
 - **Layout.** Every program has explicit shardings on the actor's mesh: a stacked state is laid out as a member's
   with a leading unsplit axis (PartitionSpec(None, *spec)), batch arrays (K, A, M, ...) put rows (M) over
   dp x fsdp x ep. Stacking and unstacking are jitted programs with those shardings, so a state is never gathered
@@ -154,13 +158,13 @@ def _run_group(requests: list[TrainRequest]) -> list[tuple[list[dict], int]]:
         requests[0].actor._steps(requests[0].minis, history)  # noqa: SLF001
         return [([{k: np.asarray(host_value(v)) for k, v in m.items()} for m in history], 1)]
     actors = [r.actor for r in requests]
-    k, padded = len(requests), 1 << (len(requests) - 1).bit_length()
+    k, padded = len(requests), padded_size(len(requests))
     lead = actors[0]
     keys = tuple(sorted(requests[0].minis[0]))
     shapes = {name: (v.shape, v.dtype) for name, v in requests[0].minis[0].items()}
     programs = _programs(lead, padded, keys, shapes)
     for actor in actors:  # each member holds them (workers.compiling.shared): they live while one of them does
-        actor._prepared[("cotrain", padded, keys, shapes_key(shapes))] = programs  # noqa: SLF001
+        actor._prepared[program_key(padded, keys, shapes)] = programs  # noqa: SLF001
     stack, step, unstack = programs
     rows = {name: S.batch_sharding(lead.mesh, len(shape) + 1, leading=2) for name, (shape, _) in shapes.items()}
     states = [a.state for a in actors] + [actors[0].state] * (padded - k)
@@ -187,12 +191,29 @@ def _stacked(sharding: NamedSharding) -> NamedSharding:
     return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
 
 
+def program_key(padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> tuple:
+    """Where an actor holds the (stack, step, unstack) of `padded` members and these mini-batch shapes."""
+    return ("cotrain", padded, keys, shapes_key(shapes))
+
+
+def padded_size(members: int) -> int:
+    """The members a hold of `members` tasks runs as: the power of two at or above (padding repeats member 0)."""
+    return 1 << (members - 1).bit_length()
+
+
 def _programs(actor: Member, padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> tuple[Any, ...]:
-    """(stack, step, unstack) for `padded` members of `actor`'s signature and these mini-batch shapes: compiled on
-    first use, then shared by every actor of the signature in this process that holds them."""
-    held = actor._prepared.get(("cotrain", padded, keys, shapes_key(shapes)))  # noqa: SLF001
+    """(stack, step, unstack) for `padded` members of `actor`'s signature and these mini-batch shapes: what its
+    `prepare` compiled (workers.actor.ActorWorker.prepare, for the holds its task's base group can make), else compiled
+    now, in the hold; shared by every actor of the signature in this process that holds them."""
+    held = actor._prepared.get(program_key(padded, keys, shapes))  # noqa: SLF001
     if held is not None:
         return held
+    return tuple(shared(key, build)[0] for key, build in builds(actor, padded, keys, shapes))
+
+
+def builds(actor: Member, padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> list[tuple[tuple, Any]]:
+    """[(workers.compiling.shared's key, build)] of the stack, step and unstack programs of `padded` members of
+    `actor`'s signature on mini-batches of these {name: (shape, dtype)}."""
     sig = actor._loss_signature  # noqa: SLF001
     member_sh = actor.shardings
     stacked_sh = jax.tree.map(_stacked, member_sh)
@@ -224,7 +245,6 @@ def _programs(actor: Member, padded: int, keys: tuple[str, ...], shapes: dict[st
                      in_shardings=(stacked_sh,), out_shardings=tuple([member_sh] * padded))
         return compile_once(fn.lower(abstract))
 
-    stack, _ = shared((sig, "cotrain-stack", padded), build_stack)
-    step, _ = shared((sig, "cotrain-step", padded, keys, shapes_key(shapes)), build_step)
-    unstack, _ = shared((sig, "cotrain-unstack", padded), build_unstack)
-    return stack, step, unstack
+    return [((sig, "cotrain-stack", padded), build_stack),
+            ((sig, "cotrain-step", padded, keys, shapes_key(shapes)), build_step),
+            ((sig, "cotrain-unstack", padded), build_unstack)]

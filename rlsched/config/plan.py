@@ -405,6 +405,18 @@ class SharedHold:
     rows: list[int]  # each task's rows: ROLLOUT prompts_per_step x num_generations, TRAIN its micro-batch
     capacity: int  # rows per hold: rollout.max_batch_size, actor.max_cobatch_rows
 
+    def most_members(self, task: str) -> int:
+        """The most tasks a hold of `task` can hold: it and the others, fewest rows first, while their rows fit the
+        capacity (the scheduler's joiners: rlsched.scheduling.policy); 1 alone. Its actor compiles the co-batched
+        programs of up to that many ahead, outside the locks (workers.actor.ActorWorker.prepare)."""
+        i = self.tasks.index(task)
+        rows, members = self.rows[i], 1
+        for r in sorted(self.rows[:i] + self.rows[i + 1:]):
+            if rows + r > self.capacity:
+                break
+            rows, members = rows + r, members + 1
+        return members
+
 
 def rollout_batches(cfg: ExperimentConfig, bases: list[SharedBase]) -> list[SharedHold]:
     """The co-batched rollouts of `cfg`'s base groups (tasks with rollout.cobatch false left out)."""

@@ -71,6 +71,8 @@ class TaskSpec:
     # where the run says it once for every task that shares the model (rlsched.run.experiment.announce_models)
     compile_cache: str | None = None  # absolute directory of JAX's persistent compilation cache (None: off)
     call_timeout_s: float = 3600.0  # longest wait for one call to a role in another process (cluster.call_timeout_s)
+    train_cohort: int = 1  # the most tasks of its base group a co-batched TRAIN hold of it holds (1: it trains alone;
+    # rlsched.config.plan.SharedHold.most_members): its actor compiles their joint programs before the first lock
 
     @property
     def name(self) -> str:

@@ -177,6 +177,20 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
     return policy, initial
 
 
+def train_cohorts(cfg: ExperimentConfig, bases=None) -> dict[str, int]:
+    """{task: the most tasks a co-batched TRAIN hold of it holds} of the tasks of `cfg` that co-batch their updates
+    (rlsched.config.plan.train_batches; others train alone: 1, left out). `bases`: `cfg`'s shared bases (found from
+    its models' configs if None)."""
+    from rlsched.config.meshes import read_model_config
+    from rlsched.config.plan import shared_bases, train_batches
+
+    if bases is None:
+        models = {t.name: read_model_config(t, i, required=True) for i, t in enumerate(cfg.tasks)
+                  if t.lora is not None}
+        bases = shared_bases(cfg, models) if models else []
+    return {task: hold.most_members(task) for hold in train_batches(cfg, bases) for task in hold.tasks}
+
+
 def task_bases(cfg: ExperimentConfig, name: str, processes: str) -> list:
     """The shared bases (rlsched.config.plan.SharedBase) task `name` of its own submission `cfg` reads when it joins
     a running scheduler with its roles in `processes`: [] for a task that loads its own weights. Found as
@@ -243,8 +257,10 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
             where = ray_cluster.role_sites(pg, cfg.cluster.placement, resource, devices,
                                                hosts=cfg.cluster.hosts)
             announced = announce_models(cfg, echo)
-            specs = [dataclasses.replace(s, processes=processes, announces_model=s.name not in announced)
-                     for s in cfg.task_specs()]
+            cohorts = train_cohorts(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
+                update={"processes": processes})}))
+            specs = [dataclasses.replace(s, processes=processes, announces_model=s.name not in announced,
+                                         train_cohort=cohorts.get(s.name, 1)) for s in cfg.task_specs()]
             scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)
             actors.append(scheduler)
             if processes == "per_device_group":  # one process per device group holds every task's roles there

@@ -243,7 +243,7 @@ class ActorRole(_Role):
         def compile_all() -> int:
             fresh = size not in self._advantage_programs
             self._advantages(size)
-            return self.worker.prepare(size, length) + fresh
+            return self.worker.prepare(size, length, cohort=self.spec.train_cohort) + fresh
 
         return _compile_span(self.timeline, compile_all, samples=size, length=length)
 

@@ -87,7 +87,7 @@ class Runs:
         import ray
 
         from rlsched.observe.progress import LineBuffer
-        from rlsched.run.experiment import cobatches, estimate_bytes, shared_bytes, task_bases
+        from rlsched.run.experiment import cobatches, estimate_bytes, shared_bytes, task_bases, train_cohorts
         from rlsched.scheduling.scheduler import SchedulerLocks
 
         record = self.book.tasks[name]
@@ -104,6 +104,9 @@ class Runs:
             # A LoRA task rolls out (and trains) together with waiting tasks of its base group, whichever submission
             # they came in
             cobatch = cobatches(sub.cfg, bases).get(name)
+            # its actor compiles the joint updates of its submission's partners ahead (others that come later join
+            # them where their count fits; a count past it compiles in the hold, once)
+            spec = dc.replace(spec, train_cohort=train_cohorts(sub.cfg, bases).get(name, 1))
             moves = ray.get(self.scheduler.admit.remote(name, ray_cluster.GROUP, engine, actor, priority=task.priority,
                                                         weight=task.weight, cobatch=cobatch, bases=pinned), timeout=60)
         except Exception as err:  # noqa: BLE001 - the policy refused it: this task fails, nothing else
