@@ -113,6 +113,63 @@ def test_a_failing_monitor_is_shown_degraded_recovers_and_loses_no_task(tmp_path
     svc.assert_all_gone()
 
 
+# Run in a process of its own: every run's outputs (timeline, summary) take 15 s longer to write in the live service
+SLOW_OUTPUTS = textwrap.dedent("""
+    from rlsched.service import daemon  # before Ray is imported: connect() tells Ray the cluster's auth mode
+
+    def slow(service):
+        import time
+
+        write = service.runs._write_outputs
+
+        def slowly(sub):
+            time.sleep(15)
+            return write(sub)
+
+        service.runs._write_outputs = slowly
+        return "slowed"
+
+    handle, _ = daemon.connect()
+    import ray
+
+    print(ray.get(handle.__ray_call__.remote(slow), timeout=60))
+""")
+
+
+@pytest.mark.slow
+def test_a_run_s_outputs_are_written_beside_the_monitor_and_down_waits_for_them(tmp_path, service):
+    """A run's outputs (a long run's timeline and Gantt take seconds; 15 s here) are written beside the monitor,
+    which meanwhile goes on reading a running task's progress; `down` right after a task ended waits for its run's
+    outputs, and for those of the task it stops."""
+    svc = service
+    svc("up")
+    svc.processes()
+    slowed = subprocess.run([sys.executable, "-c", SLOW_OUTPUTS], capture_output=True, text=True, timeout=120,
+                            env={**__import__("os").environ, "RLSCHED_HOME": str(svc.home)})
+    assert slowed.stdout.split() == ["slowed"], slowed.stderr[-2000:]
+    sets = [w for s in (f"tasks.0.model.path={tmp_path / 'model'}", "tasks.0.rollout.engine=fake",
+                        "tasks.0.grpo.prompts_per_step=2", "tasks.0.grpo.num_generations=2",
+                        "tasks.0.grpo.mini_batch_size=4") for w in ("--set", s)]
+    runs = svc.cwd / "runs"
+    svc("submit", CONFIG, *sets, "--set", f"tasks.0.steps={STEPS}", "--set", "experiment.name=long",
+        "--set", "tasks.0.name=long")
+    svc.steps("long", "long", 1)
+    svc("submit", CONFIG, *sets, "--set", "tasks.0.steps=2", "--set", "experiment.name=short",
+        "--set", "tasks.0.name=short")
+    svc.wait("short", lambda r: r["state"] == "FINISHED", timeout=300)
+    ended = time.monotonic()
+    before = svc.tasks()["long"]["step"]
+    time.sleep(3)
+    after = svc.tasks()["long"]["step"]
+    assert time.monotonic() - ended < 15 and not (runs / "short" / "summary.json").exists()  # still being written
+    assert after > before, (before, after)  # the monitor read its progress meanwhile
+    svc("down")
+    for experiment in ("short", "long"):
+        assert json.loads((runs / experiment / "summary.json").read_text())
+        assert (runs / experiment / "timeline.json").is_file()
+    svc.assert_all_gone()
+
+
 def test_a_bug_in_a_service_command_prints_its_traceback_and_is_kept(tmp_path):
     """A service command that meets a bug (here a service record that is not JSON: json's ValueError, which no input
     of the user's fixes) prints its traceback, keeps it in crashes/ as `rlsched train` does, and exits 1; before,

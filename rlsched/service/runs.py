@@ -6,12 +6,18 @@ submission whose tasks have all ended writes its run's outputs (timeline, summar
     runs.add(request_id, cfg, names, resume=False)   # the submission its tasks start from
     runs.start(name, admitted_bytes)                 # RUNNING; its driver's run is in runs.refs
     runs.poll(name); runs.finish(ref)                # the monitor's pass (rlsched.service.server._tick)
+    runs.settle(timeout_s)                           # the outputs being written, done (a graceful shutdown)
 
 Design decisions (and why):
 - **A long submission does not grow the service.** A run's timeline holds every scheduler event of its time, so
   the scheduler kept all events since the oldest live submission began: a task training for a week kept a week of
   every task's events in memory. The monitor moves the events older than a few seconds to each live submission's
   spool file every `spool_s` (rlsched.service.spool); the run's outputs read it back when its last task ends.
+- **Outputs are written beside the monitor, not on it.** Writing a long run's timeline and drawing its Gantt takes
+  seconds; on the monitor's thread it held up the pass that admits the tasks waiting for what the run freed and
+  reads the other tasks' progress. A thread of its own writes them (`complete_later`), and a graceful shutdown
+  waits for it (`settle`): before, `down` returned once its tasks had ended, and the service ended while
+  the monitor still wrote the outputs of the runs it had stopped (they were lost).
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ class Runs:
         self.drivers: dict[str, Any] = {}  # running task -> driver handle
         self.refs: dict[Any, str] = {}  # driver.run ref -> task
         self.spooling = threading.Lock()  # one spool pass at a time, and none while a run's outputs read a spool
+        self.completing: set[threading.Thread] = set()  # submissions' outputs being written (`complete_later`)
 
     def add(self, request_id: str, cfg: ExperimentConfig, names: list[str], *, resume: bool) -> None:
         self.subs[request_id] = Submission(cfg, resume, list(names),
@@ -184,9 +191,39 @@ class Runs:
                     self.book.say(name, f"[{name}] its traceback: {result['traceback_file']}")
                 self.book.say(name, f"[{name}] `rlsched resume {name}` continues it from its last checkpoint, as it "
                                     "was submitted (once the cause is fixed)")
-            complete = self.ended(sub)
-        if complete:  # outside the lock: drawing a long run's Gantt takes seconds, and status or cancel must not wait
-            self.complete(request, sub)
+            if self.ended(sub):  # not on the monitor's thread (drawing a long run's Gantt takes seconds); counted
+                self.complete_later(request, sub)  # as being written from the moment its last task has ended
+
+    def complete_later(self, request: str, sub: Submission) -> None:
+        """`complete` on a thread of its own: the monitor's next pass (admitting the tasks that waited for what this
+        submission freed, reading the others' progress) does not wait for its outputs, nor do status or cancel (the
+        lock is not held while they are written). `settle` waits for it. Called under the lock that ends the
+        submission's last task, so that no one sees every task ended before the writing is counted."""
+        def run() -> None:
+            try:
+                self.complete(request, sub)
+            finally:
+                with self._lock:
+                    self.completing.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name=f"rlsched-outputs-{sub.cfg.experiment.name}", daemon=True)
+        with self._lock:
+            self.completing.add(thread)
+        thread.start()
+
+    def settle(self, timeout_s: float) -> list[str]:
+        """Wait up to `timeout_s` for the outputs being written (`complete_later`); the threads still writing then."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                writing = list(self.completing)
+            if not writing:
+                return []
+            for thread in writing:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if time.monotonic() >= deadline:
+                with self._lock:
+                    return [t.name for t in self.completing]
 
     def complete(self, request: str, sub: Submission) -> None:
         """Every task of `sub` ended: its run's outputs are written (if any task of it ran), then it is dropped."""

@@ -359,7 +359,7 @@ class Service:
                 self.book.end(task, CANCELLED, "cancelled before it started")
                 sub = self.runs.subs.get(record.request)
                 if sub is not None and self.runs.ended(sub):  # the last of its submission: its outputs, then it goes
-                    threading.Thread(target=self.runs.complete, args=(record.request, sub), daemon=True).start()
+                    self.runs.complete_later(record.request, sub)
                 answer = {"state": CANCELLED}
             else:
                 record.cancel_requested = True
@@ -406,6 +406,9 @@ class Service:
                 if not any(t.state == RUNNING for t in self.book.tasks.values()):  # each one's end is recorded
                     break
             time.sleep(0.2)
+        if not force:  # the runs' outputs (timeline, summary) of the tasks that ended: written before the service goes
+            for name in self.runs.settle(max(0.0, deadline - time.monotonic())):
+                self.book.log(f"shutdown: {name} had not written its run's outputs in time; they are missing")
         with self._lock:
             for name, record in list(self.book.tasks.items()):
                 if record.state == RUNNING:  # force, or it did not stop in time
