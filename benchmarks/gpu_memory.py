@@ -195,7 +195,7 @@ def lower_programs(model, settings, device, accumulate: int, length: int) -> dic
     fn = partial(gradients, graphdef=graphdef, settings=settings, lora=None, dtype=dtype)
     frozen_sh, frozen = ((), ()) if dtype is None else ((None, param_sh), (None, served))
     grad = jax.jit(fn, in_shardings=(shardings, batch_sh, *frozen_sh), out_shardings=(param_sh, repl))
-    step = jax.jit(lambda st, gr, skipped: update(st, gr, skipped == 0, tx=tx),
+    step = jax.jit(lambda st, gr, skipped: update(st, gr, skipped == 0, tx=tx, platform=device.platform),
                    in_shardings=(shardings, param_sh, repl), out_shardings=(shardings, param_sh), donate_argnums=(0, 1))
     skipped = jax.ShapeDtypeStruct((), f32, sharding=repl)
     rows, vec = S.batch_sharding(mesh, 2), S.batch_sharding(mesh, 1)

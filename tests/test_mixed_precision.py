@@ -8,6 +8,7 @@ in bfloat16 alone, such a step is rounded away.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -203,6 +204,35 @@ def test_train_step_without_a_dtype_is_the_float32_step(models):
     step = jax.make_jaxpr(lambda s, b: train_step(s, b, graphdef=actor.graphdef, tx=actor.tx,
                                                   settings=actor.settings))(actor.state, mini)
     assert str(step) == str(jax.make_jaxpr(actor.step_function())(actor.state, mini))
+
+
+def test_the_update_traces_its_platform_s_way_alone_and_either_way_steps_alike(models):
+    """`update(platform=)` traces the way the program's platform keeps (workers.train_step.update: a branch on the
+    CPU, a select elsewhere) and no other; None traces both for the lowering to pick (platform_dependent). Run
+    here, the two ways give the same state and clipped gradient."""
+    from workers.train_step import update
+
+    f32, _ = models
+    actor = ActorWorker(f32, SETTINGS)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 3e-2), actor.state.params)
+
+    def primitives(platform) -> collections.Counter:
+        jaxpr = jax.make_jaxpr(lambda s, g: update(s, g, jnp.asarray(True), tx=actor.tx, platform=platform))(
+            actor.state, grads)
+        return collections.Counter(e.primitive.name for e in _eqns(jaxpr.jaxpr))
+
+    cpu, gpu, both = primitives("cpu"), primitives("gpu"), primitives(None)
+    leaves = len(jax.tree.leaves(actor.state))
+    assert cpu["cond"] == 1 and gpu["cond"] == 0 and cpu["platform_index"] == gpu["platform_index"] == 0
+    assert gpu["select_n"] >= cpu["select_n"] + leaves  # the select: one per leaf of the state
+    assert both["platform_index"] == 1 and both["cond"] == 2 and both["select_n"] == cpu["select_n"] + gpu["select_n"]
+    ran = {platform: jax.jit(lambda s, g, p=platform: update(s, g, jnp.asarray(True), tx=actor.tx, platform=p))(
+        actor.state, grads) for platform in ("cpu", "gpu")}
+    for a, b in zip(jax.tree.leaves(ran["cpu"]), jax.tree.leaves(ran["gpu"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moved = [not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(ran["cpu"][0].params), jax.tree.leaves(actor.state.params), strict=True)]
+    assert all(moved)  # it stepped
 
 
 def test_a_step_whose_master_moves_under_a_bfloat16_unit_is_no_error(tmp_path, tiny_model_dir):

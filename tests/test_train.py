@@ -456,8 +456,8 @@ def test_completions_that_end_early_compile_nothing_after_step_1(tmp_path, tiny_
     prepared, trained = [], []
     prepare, update = ActorWorker.prepare, ActorWorker.train
 
-    def recording_prepare(self, size, length):
-        compiled = prepare(self, size, length)
+    def recording_prepare(self, size, length, **kw):
+        compiled = prepare(self, size, length, **kw)
         prepared.append((length, compiled))
         return compiled
 
@@ -517,9 +517,9 @@ def test_max_prompt_padding_compiles_nothing_after_step_1_when_prompt_lengths_ch
     prepared, lengths, programs, prompt_shapes = [], [], [], []
     prepare, update, generate = ActorWorker.prepare, ActorWorker.train, JaxSampler.generate_many
 
-    def recording_prepare(self, size, length):
+    def recording_prepare(self, size, length, **kw):
         prepared.append(length)
-        return prepare(self, size, length)
+        return prepare(self, size, length, **kw)
 
     def recording_train(self, batch, **kw):
         lengths.append(batch.tokens.shape[1])

@@ -207,10 +207,11 @@ class ActorWorker:
         reads the settings without them (None), so that none of a member's can become the program's constant."""
         graphdef, lora, dtype = self.graphdef, self.lora, self.dtype
         settings = dataclasses.replace(self.settings, **OPTIMIZER_ONLY)
+        platform = self.mesh.devices.flat[0].platform
 
         def step(state, batch, values, *base):
             return train_step(state, batch, *base, graphdef=graphdef, tx=optimizer_from(values, settings.adam_mu_dtype),
-                              settings=settings, lora=lora, dtype=dtype)
+                              settings=settings, lora=lora, dtype=dtype, platform=platform)
 
         return step
 
@@ -233,7 +234,9 @@ class ActorWorker:
                          out_shardings=(self.shardings.params, repl))
         elif kind == "update":  # (state, grads, the gradient's metrics["skipped"]) -> (state, clipped grads), both
             # in place of their arguments (`update`)
-            fn = jax.jit(lambda state, grads, skipped: update(state, grads, skipped == 0, tx=self.tx),
+            platform = self.mesh.devices.flat[0].platform  # the one the program is lowered for: its way alone
+            fn = jax.jit(lambda state, grads, skipped: update(state, grads, skipped == 0, tx=self.tx,
+                                                               platform=platform),
                          in_shardings=(self.shardings, self.shardings.params, repl),
                          out_shardings=(self.shardings, self.shardings.params), donate_argnums=(0, 1))
         elif kind == "served":  # the master's params -> the model's dtype, laid out alike

@@ -260,13 +260,13 @@ def router_aux_coef(settings: ActorSettings, config) -> float:
 
 
 def train_step(state: TrainState, batch: dict, base=None, served=None, *, graphdef, tx, settings: ActorSettings,
-               lora: L.LoraSpec | None = None, dtype=None):
+               lora: L.LoraSpec | None = None, dtype=None, platform: str | None = None):
     """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics): `gradients`, then
     `update` where they are finite, in one function (the co-batched step vmaps it, workers.actor_cobatch).
-    ActorWorker alone runs them as two programs, the same arithmetic (see `update`)."""
+    ActorWorker alone runs them as two programs, the same arithmetic (see `update`, and its `platform`)."""
     grads, metrics = gradients(state, batch, base, served, graphdef=graphdef, settings=settings, lora=lora,
                                dtype=dtype)
-    return update(state, grads, metrics["skipped"] == 0, tx=tx)[0], metrics
+    return update(state, grads, metrics["skipped"] == 0, tx=tx, platform=platform)[0], metrics
 
 
 def gradients(state: TrainState, batch: dict, base=None, served=None, *, graphdef, settings: ActorSettings,
@@ -336,7 +336,7 @@ def gradients(state: TrainState, batch: dict, base=None, served=None, *, graphde
     return grads, metrics
 
 
-def update(state: TrainState, grads, finite, *, tx: Optimizer) -> tuple[TrainState, Any]:
+def update(state: TrainState, grads, finite, *, tx: Optimizer, platform: str | None = None) -> tuple[TrainState, Any]:
     """The optimizer's step with `grads` (as state.params) where `finite` (a bool scalar), else `state` as it is:
     (the new state, the clipped gradient, or `grads` where the step was skipped).
 
@@ -352,7 +352,12 @@ def update(state: TrainState, grads, finite, *, tx: Optimizer) -> tuple[TrainSta
     arithmetic is the chain's (the clip's output, then AdamW on it), though XLA rounded the chain's second moment
     differently in the last bit where it fused the clip into it. The same branch inside the gradient's program kept
     more (1.65 x, bfloat16 models), hence two programs. Under vmap (the co-batched step) a batched `finite` makes
-    the branch a select too."""
+    the branch a select too.
+
+    `platform`: the devices' the program is lowered for ("cpu", "gpu", ...), where the caller knows it: only that
+    platform's way is traced. None: both are, and the lowering keeps its platform's (jax.lax.platform_dependent);
+    tracing the optimizer's step twice was ~40 % of the update program's trace and lowering (Qwen3-0.6B's shape:
+    the step's ~310 leaves)."""
 
     def apply(params, opt_state, grads):
         clip_state, step_state = opt_state  # optax.chain's state: one per stage
@@ -369,7 +374,9 @@ def update(state: TrainState, grads, finite, *, tx: Optimizer) -> tuple[TrainSta
     def select(*args):
         return jax.tree.map(lambda new, old: jnp.where(finite, new, old), apply(*args), keep(*args))
 
-    # resolved as the program is lowered for its one platform: only that platform's function is in it
-    params, opt_state, grads = jax.lax.platform_dependent(state.params, state.opt_state, grads, cpu=branch,
-                                                          default=select)
+    if platform is not None:
+        params, opt_state, grads = (branch if platform == "cpu" else select)(state.params, state.opt_state, grads)
+    else:  # resolved as the program is lowered for its one platform: only that platform's function is in it
+        params, opt_state, grads = jax.lax.platform_dependent(state.params, state.opt_state, grads, cpu=branch,
+                                                              default=select)
     return TrainState(params, opt_state, state.step + finite.astype(jnp.int32)), grads
