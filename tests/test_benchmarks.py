@@ -167,6 +167,31 @@ def check_gpu(results: dict, out: Path) -> None:
     assert "| goal (issue 40) | measured | verdict |" in (out / "report.md").read_text()
 
 
+def test_the_gpu_benchmark_checks_the_simulator_against_its_runs_of_several_tasks_under_ray():
+    """benchmarks/gpu.py's `with_simulation`: a run of N full-weight tasks under Ray beside benchmarks.simulate fed
+    one task's profile in that layout. Hand-computed: colocated, both phases 1 s at half speed when they overlap (the
+    device saturated), two tasks do 2 s of device work a step at speed 1 at most: 0.5 steps/s."""
+    import dataclasses
+
+    from benchmarks.gpu import with_simulation
+    from benchmarks.simulate import PhaseProfile
+
+    profile = PhaseProfile(rollout_s=1.0, train_s=1.0, reward_s=0.1, host_s=0.2, lock_rtt_s=0.0)
+
+    def run(layout, tasks, **kw):
+        return dict(name=f"{layout}/full-{tasks}", layout=layout, tasks=tasks, lora=False, warm=False, nulls={},
+                    steps_per_s=0.4, simulated_steps_per_s=None, simulate_error=None) | kw
+
+    runs = with_simulation([run("per_device_group", 1, profile=dataclasses.asdict(profile)),
+                            run("per_device_group", 2), run("in_process", 2), run("per_device_group", 8, lora=True),
+                            run("in_process", 1)])
+    one, two, inside, lora, alone = runs
+    assert two["simulated_steps_per_s"] == pytest.approx(0.5, rel=0.02)
+    assert two["simulate_error"] == (two["simulated_steps_per_s"] - 0.4) / 0.4 and not two["nulls"]
+    for r, why in ((one, "the profile"), (alone, "the profile"), (inside, "one after another"), (lora, "LoRA")):
+        assert r["simulate_error"] is None and why in r["nulls"]["simulate_error"], r["nulls"]
+
+
 def check_startup(results: dict, out: Path) -> None:
     """benchmarks/startup.py: the restart run asked for, and only it, measured a restart (a completed step after
     the kill)."""

@@ -206,6 +206,19 @@ def test_profile_from_metrics_round_trips_the_solo_step():
     assert p.step_s == pytest.approx(1.15)
 
 
+def test_profile_from_metrics_keeps_the_drivers_other_work_and_a_task_alone_steps_at_its_measured_rate():
+    # Steps end 1.5 s apart where their phases, rewards and lock waits add up to 0.4 + 0.03 + 0.7 + 0.02 = 1.15:
+    # the driver's other 0.35 s a step (prompts, batches, metrics) is host_s, under no lock
+    ends = [10.0, 11.5, 13.0, 14.5, 16.0, 17.5]
+    metrics = rows(rollout=[0.4] * 6, reward=[0.03] * 6, train=[0.7] * 6, lock_wait=[0.02] * 6, end_unix=ends)
+    p = profile_from_metrics(metrics)
+    assert p.host_s == pytest.approx(0.35) and p.step_s == pytest.approx(1.5)
+    assert simulate(p, 1, steps=20).steps_per_s == pytest.approx(1 / 1.5, rel=1e-6)
+    # beside another task, the lock-free 0.35 s overlaps the other's phases: two tasks do more than one
+    assert simulate(p, 2, steps=20, placement="disaggregated").steps_per_s > 1.2 / 1.5
+    assert profile_from_metrics([{k: v for k, v in m.items() if k != "time/end_unix"} for m in metrics]).host_s == 0
+
+
 def test_published_7b_profile_reproduces_the_published_run():
     p = PUBLISHED["field_7b"]
     # per step: 75.29 s of which switches (9.64 + 6.43 + 0.98 + 1.42) = 18.47: the notes' "~25 %"
