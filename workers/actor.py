@@ -290,15 +290,15 @@ class ActorWorker:
             builds.append((key, (self._loss_signature, key),
                            lambda: compile_once(self._program("train", keys).lower(
                                self._abstract, batch, *self._train_args(abstract=True)))))
-        joint = {}  # a co-batched hold's programs (stack, step, unstack), by the key `_run_group` reads
+        joint = set()  # the keys `_run_group` reads a co-batched hold's programs (stack, step, unstack) under
         if self.lora is not None and self.shares_base:
             shapes = {k: (v[0], np.dtype(v[1])) for k, v in mini.items()}
             padded = actor_cobatch.padded_size(cohort)
             key = actor_cobatch.program_key(padded, keys, shapes)
             if cohort > 1 and key not in self._prepared:  # the largest hold's: a first step's (actor_cobatch)
-                parts = actor_cobatch.builds(self, padded, keys, shapes)
-                joint[key] = len(parts)
-                builds += [((key, i), shared_key, build) for i, (shared_key, build) in enumerate(parts)]
+                joint.add(key)
+                builds += [((key, i), shared_key, build)
+                           for i, (shared_key, build) in enumerate(actor_cobatch.builds(self, padded, keys, shapes))]
         key = ("update", (), shapes_key({}))  # no batch: the state's shapes, the actor's own (`_run`'s key)
         if key not in self._prepared:
             skipped = jax.ShapeDtypeStruct((), np.float32)
