@@ -172,6 +172,7 @@ class ActorWorker:
         self._host = None  # (state, ref_params, served or None) while offloaded
         self._programs: dict = {}
         self._prepared: dict = {}  # (kind, batch keys, shapes) -> executable compiled ahead (`prepare`)
+        self._ahead = None  # the thread compiling smaller co-batched holds' programs (actor_cobatch.compile_ahead)
         self._schedule = None  # `lr`'s compiled make_schedule
         abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
@@ -290,15 +291,17 @@ class ActorWorker:
             builds.append((key, (self._loss_signature, key),
                            lambda: compile_once(self._program("train", keys).lower(
                                self._abstract, batch, *self._train_args(abstract=True)))))
-        joint = set()  # the keys `_run_group` reads a co-batched hold's programs (stack, step, unstack) under
-        if self.lora is not None and self.shares_base:
+        joint, smaller = set(), []  # the keys `_run_group` reads a co-batched hold's programs under; smaller holds'
+        if self.lora is not None and self.shares_base and cohort > 1:
             shapes = {k: (v[0], np.dtype(v[1])) for k, v in mini.items()}
             padded = actor_cobatch.padded_size(cohort)
             key = actor_cobatch.program_key(padded, keys, shapes)
-            if cohort > 1 and key not in self._prepared:  # the largest hold's: a first step's (actor_cobatch)
+            if key not in self._prepared:  # the largest hold's, a first step's (actor_cobatch): now
                 joint.add(key)
                 builds += [((key, i), shared_key, build)
                            for i, (shared_key, build) in enumerate(actor_cobatch.builds(self, padded, keys, shapes))]
+            smaller = [p for p in (1 << i for i in range(1, padded.bit_length() - 1))
+                       if actor_cobatch.program_key(p, keys, shapes) not in self._prepared]
         key = ("update", (), shapes_key({}))  # no batch: the state's shapes, the actor's own (`_run`'s key)
         if key not in self._prepared:
             skipped = jax.ShapeDtypeStruct((), np.float32)
@@ -315,6 +318,8 @@ class ActorWorker:
             compiled += built
         for key, programs in parts.items():  # in builds' order: stack, step, unstack
             self._prepared[key] = tuple(programs)
+        if smaller and (self._ahead is None or not self._ahead.is_alive()):  # later steps' holds: in the background
+            self._ahead = actor_cobatch.compile_ahead(self, smaller, keys, shapes)
         if self._schedule is None:  # the metrics' learning rate (`lr`)
             compiled += self._compile_schedule()
         return compiled

@@ -26,10 +26,11 @@ Design decisions:
   mini-batches (their results are dropped), so a base group compiles log2(K) programs, not K: K = 3 runs the K = 4
   program. An actor compiles the programs of its task's largest hold (its base group's like tasks whose rows fit one:
   the task's `train_cohort`, padded) in its `prepare`, before the first lock, beside its own and for the batch shape
-  it will train: the hold a first step makes, where the tasks start together. A hold of fewer members (one padded
-  size down, the drift of later steps) or of other shapes compiles its programs on first use, in the hold; every
-  size ahead would be log2(K) gradient programs more before a first step, most of them never run. Once per process:
-  they are shared across the base group's actors by signature (workers.compiling.shared).
+  it will train: the hold a first step makes, where the tasks start together. The smaller holds' (2, 4, .. below
+  it: the tasks drift apart in later steps) compile after, in the background (`compile_ahead`), so that the first
+  step does not wait for log2(K) gradient programs more, and a later hold finds its program compiled, or being
+  compiled, rather than compiling it inside the lock. A hold of other shapes compiles on first use, in the hold.
+  Once per process: they are shared across the base group's actors by signature (workers.compiling.shared).
 - **Layout.** Every program has explicit shardings on the actor's mesh: a stacked state is laid out as a member's
   with a leading unsplit axis (PartitionSpec(None, *spec)), batch arrays (K, A, M, ...) put rows (M) over
   dp x fsdp x ep. Stacking and unstacking are jitted programs with those shardings, so a state is never gathered
@@ -209,6 +210,29 @@ def _programs(actor: Member, padded: int, keys: tuple[str, ...], shapes: dict[st
     if held is not None:
         return held
     return tuple(shared(key, build)[0] for key, build in builds(actor, padded, keys, shapes))
+
+
+def compile_ahead(actor: Member, sizes: list[int], keys: tuple[str, ...], shapes: dict[str, tuple]
+                  ) -> threading.Thread:
+    """A daemon thread that compiles the programs of holds of these padded `sizes` for `actor` and these mini-batch
+    shapes, one size after another, into the actor's prepared programs (the smaller holds of later steps: see the
+    module docstring); a hold that needs one still being compiled waits for it (workers.compiling.shared), one that
+    finds it failed compiles it itself, and meets the error there. The thread's `error` is the first it met."""
+    def run() -> None:
+        for padded in sizes:
+            key = program_key(padded, keys, shapes)
+            if key in actor._prepared:  # noqa: SLF001
+                continue
+            try:
+                programs = tuple(shared(k, build)[0] for k, build in builds(actor, padded, keys, shapes))
+                actor._prepared[key] = programs  # noqa: SLF001
+            except Exception as err:  # noqa: BLE001 - the hold that needs it builds it again and raises there
+                thread.error = thread.error or err
+
+    thread = threading.Thread(target=run, name="rlsched-cotrain-ahead", daemon=True)
+    thread.error = None
+    thread.start()
+    return thread
 
 
 def builds(actor: Member, padded: int, keys: tuple[str, ...], shapes: dict[str, tuple]) -> list[tuple[tuple, Any]]:

@@ -15,7 +15,7 @@ Design decisions (and why):
   spool file every `spool_s` (rlsched.service.spool); the run's outputs read it back when its last task ends.
 - **Outputs are written beside the monitor, not on it.** Writing a long run's timeline and drawing its Gantt takes
   seconds; on the monitor's thread it held up the pass that admits the tasks waiting for what the run freed and
-  reads the other tasks' progress. A thread of its own writes them (`complete_later`), and a graceful shutdown
+  reads the other tasks' progress. The service's writer thread writes them (`complete_later`), and a graceful shutdown
   waits for it (`settle`): before, `down` returned once its tasks had ended, and the service ended while
   the monitor still wrote the outputs of the runs it had stopped (they were lost).
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import queue
 import threading
 import time
 from pathlib import Path
@@ -81,7 +82,10 @@ class Runs:
         self.drivers: dict[str, Any] = {}  # running task -> driver handle
         self.refs: dict[Any, str] = {}  # driver.run ref -> task
         self.spooling = threading.Lock()  # one spool pass at a time, and none while a run's outputs read a spool
-        self.completing: set[threading.Thread] = set()  # submissions' outputs being written (`complete_later`)
+        self._to_write: queue.SimpleQueue = queue.SimpleQueue()  # (request, submission) whose outputs are due
+        self._writing = 0  # submissions handed to the writer and not yet complete (`complete_later`, `settle`)
+        self._written = threading.Condition(lock)
+        self._writer: threading.Thread | None = None
 
     def add(self, request_id: str, cfg: ExperimentConfig, names: list[str], *, resume: bool) -> None:
         self.subs[request_id] = Submission(cfg, resume, list(names),
@@ -195,35 +199,38 @@ class Runs:
                 self.complete_later(request, sub)  # as being written from the moment its last task has ended
 
     def complete_later(self, request: str, sub: Submission) -> None:
-        """`complete` on a thread of its own: the monitor's next pass (admitting the tasks that waited for what this
-        submission freed, reading the others' progress) does not wait for its outputs, nor do status or cancel (the
-        lock is not held while they are written). `settle` waits for it. Called under the lock that ends the
-        submission's last task, so that no one sees every task ended before the writing is counted."""
-        def run() -> None:
+        """`complete` on the service's output writer, a thread of its own: the monitor's next pass (admitting the tasks
+        that waited for what this submission freed, reading the others' progress) does not wait for its outputs, nor
+        do status or cancel (the lock is not held while they are written). `settle` waits for it. Called under the
+        lock that ends the submission's last task, so that no one sees every task ended before the writing is
+        counted. One writer for the service's life, not a thread per run: a thread per run grew the service's RSS by
+        ~2.5-7.5 MiB a run (benchmarks/soak.py: 174 -> 233 MiB over 17 cycles; one writer: 171 -> 174 MiB), each new
+        thread's allocations in a glibc arena of its own, the arenas kept."""
+        with self._lock:
+            self._writing += 1
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="rlsched-outputs", daemon=True)
+                self._writer.start()
+        self._to_write.put((request, sub))
+
+    def _write_loop(self) -> None:
+        while True:
+            request, sub = self._to_write.get()
             try:
                 self.complete(request, sub)
+            except Exception as err:  # noqa: BLE001 - said, not raised: the writer goes on with the next run
+                self.book.log(f"the outputs of {sub.cfg.experiment.name} were not all written: "
+                              f"{type(err).__name__}: {err}")
             finally:
-                with self._lock:
-                    self.completing.discard(threading.current_thread())
+                with self._written:
+                    self._writing -= 1
+                    self._written.notify_all()
 
-        thread = threading.Thread(target=run, name=f"rlsched-outputs-{sub.cfg.experiment.name}", daemon=True)
-        with self._lock:
-            self.completing.add(thread)
-        thread.start()
-
-    def settle(self, timeout_s: float) -> list[str]:
-        """Wait up to `timeout_s` for the outputs being written (`complete_later`); the threads still writing then."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                writing = list(self.completing)
-            if not writing:
-                return []
-            for thread in writing:
-                thread.join(max(0.0, deadline - time.monotonic()))
-            if time.monotonic() >= deadline:
-                with self._lock:
-                    return [t.name for t in self.completing]
+    def settle(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the outputs handed to the writer (`complete_later`); how many are still due."""
+        with self._written:
+            self._written.wait_for(lambda: self._writing == 0, timeout=timeout_s)
+            return self._writing
 
     def complete(self, request: str, sub: Submission) -> None:
         """Every task of `sub` ended: its run's outputs are written (if any task of it ran), then it is dropped."""

@@ -407,8 +407,9 @@ class Service:
                     break
             time.sleep(0.2)
         if not force:  # the runs' outputs (timeline, summary) of the tasks that ended: written before the service goes
-            for name in self.runs.settle(max(0.0, deadline - time.monotonic())):
-                self.book.log(f"shutdown: {name} had not written its run's outputs in time; they are missing")
+            due = self.runs.settle(max(0.0, deadline - time.monotonic()))
+            if due:
+                self.book.log(f"shutdown: {due} run(s) had not written their outputs in time; they are missing")
         with self._lock:
             for name, record in list(self.book.tasks.items()):
                 if record.state == RUNNING:  # force, or it did not stop in time
