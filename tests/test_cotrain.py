@@ -249,8 +249,8 @@ def test_five_members_run_padded_to_eight_and_each_gets_its_alone_update(tiny_mo
 
 def test_actors_prepared_for_their_cohort_compile_its_joint_programs_before_the_hold(tiny_model_dir, monkeypatch):
     """`prepare(cohort=3)` (a task's train_cohort) compiles stack, step and unstack for a hold of 3 (padded to 4),
-    once for the actors of a signature, and a hold of 2's after, in the background; holds of three and of two then
-    compile nothing in them. An actor that cannot be co-batched (a base of its own) compiles none."""
+    once for the actors of a signature, and after the first update a hold of 2's, in the background; holds of three
+    and of two then compile nothing in them. An actor that cannot be co-batched (a base of its own) compiles none."""
     settings = dataclasses.replace(SETTINGS, kl_clamp=10.0)  # a signature of its own: no other test holds its programs
     built, compile_once = [], actor_cobatch.compile_once
     monkeypatch.setattr(actor_cobatch, "compile_once", lambda lowered: built.append(lowered) or compile_once(lowered))
@@ -260,21 +260,20 @@ def test_actors_prepared_for_their_cohort_compile_its_joint_programs_before_the_
     size, length = batches[0].size, batches[0].tokens.shape[1]
     own = ActorWorker(load_pretrained(tiny_model_dir)[0], settings, lora=SPEC, seed=0)
     own.prepare(size, length, cohort=3)
+    own.train(batches[0], step=1)
     assert built == [] and own._ahead is None  # noqa: SLF001
     actors = [_actor(tiny_model_dir, t["seed"], settings=settings) for t in tasks]
     try:
-        actors[0].prepare(size, length, cohort=3)
-        ahead = actors[0]._ahead  # noqa: SLF001 - the hold of two's programs, compiling after prepare returned
-        assert ahead is not None
-        ahead.join(timeout=300)
-        assert not ahead.is_alive() and ahead.error is None
-        assert len(built) == 6  # (stack, step, unstack) x holds of 4 and of 2
-        for actor in actors[1:]:  # the others find them all (workers.compiling.shared): nothing compiled again
+        for actor in actors:
             actor.prepare(size, length, cohort=3)
-            actor._ahead.join(timeout=300)  # noqa: SLF001
-        assert len(built) == 6
+            assert actor._ahead is None  # noqa: SLF001 - the smaller hold's: after the first update
+        assert len(built) == 3  # stack, step and unstack of a hold of 4, by the first actor; the others found them
         metrics = _together(actors, batches, 1, Together(next(HOLDS), 3))
         assert [m["cobatched"] for m in metrics] == [3.0] * 3
+        for actor in actors:  # each compiles (or finds) a hold of 2's programs, in the background
+            actor._ahead.join(timeout=300)  # noqa: SLF001
+            assert not actor._ahead.is_alive() and actor._ahead.error is None  # noqa: SLF001
+        assert len(built) == 6  # once
         metrics = _together(actors[:2], [t["batches"][2] for t in tasks[:2]], 2, Together(next(HOLDS), 2))
         assert [m["cobatched"] for m in metrics] == [2.0] * 2
         assert len(built) == 6  # nothing compiled in either hold

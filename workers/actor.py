@@ -173,6 +173,7 @@ class ActorWorker:
         self._programs: dict = {}
         self._prepared: dict = {}  # (kind, batch keys, shapes) -> executable compiled ahead (`prepare`)
         self._ahead = None  # the thread compiling smaller co-batched holds' programs (actor_cobatch.compile_ahead)
+        self._ahead_due = None  # what it is to compile, from `prepare`, started after the next update
         self._schedule = None  # `lr`'s compiled make_schedule
         abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
@@ -318,8 +319,8 @@ class ActorWorker:
             compiled += built
         for key, programs in parts.items():  # in builds' order: stack, step, unstack
             self._prepared[key] = tuple(programs)
-        if smaller and (self._ahead is None or not self._ahead.is_alive()):  # later steps' holds: in the background
-            self._ahead = actor_cobatch.compile_ahead(self, smaller, keys, shapes)
+        if smaller:  # later steps' holds: in the background once this actor's first update is done (`train`)
+            self._ahead_due = (smaller, keys, shapes)
         if self._schedule is None:  # the metrics' learning rate (`lr`)
             compiled += self._compile_schedule()
         return compiled
@@ -441,6 +442,10 @@ class ActorWorker:
                 history, cobatched = [], 1
                 self._steps(minis, history)
         self.version += 1
+        if self._ahead_due is not None and (self._ahead is None or not self._ahead.is_alive()):
+            # after an update, not in `prepare`: beside a first step's own compiles they took the cores those need
+            # (configs/demo_lora.yaml, 8 tasks, this 2-core CPU: step 1 26 s of compile where 19 s without them)
+            self._ahead, self._ahead_due = actor_cobatch.compile_ahead(self, *self._ahead_due), None
         out = {k: float(np.mean([float(m[k]) for m in history])) for k in history[0]}
         out |= {k: float(np.max([float(m[k]) for m in history])) for k in grpo.MAX_METRICS}
         out = {k: v for k, v in out.items() if not (k in grpo.MEASURED_METRICS and np.isnan(v))}  # not measured

@@ -27,10 +27,11 @@ Design decisions:
   program. An actor compiles the programs of its task's largest hold (its base group's like tasks whose rows fit one:
   the task's `train_cohort`, padded) in its `prepare`, before the first lock, beside its own and for the batch shape
   it will train: the hold a first step makes, where the tasks start together. The smaller holds' (2, 4, .. below
-  it: the tasks drift apart in later steps) compile after, in the background (`compile_ahead`), so that the first
-  step does not wait for log2(K) gradient programs more, and a later hold finds its program compiled, or being
-  compiled, rather than compiling it inside the lock. A hold of other shapes compiles on first use, in the hold.
-  Once per process: they are shared across the base group's actors by signature (workers.compiling.shared).
+  it: the tasks drift apart in later steps) compile in the background from the actor's first update on
+  (`compile_ahead`), so that the first step neither waits for log2(K) gradient programs more nor shares the cores
+  with them, and a later hold finds its program compiled, or being compiled, rather than compiling it in the lock.
+  A hold of other shapes compiles on first use, in the hold. Once per process: they are shared across the base
+  group's actors by signature (workers.compiling.shared).
 - **Layout.** Every program has explicit shardings on the actor's mesh: a stacked state is laid out as a member's
   with a leading unsplit axis (PartitionSpec(None, *spec)), batch arrays (K, A, M, ...) put rows (M) over
   dp x fsdp x ep. Stacking and unstacking are jitted programs with those shardings, so a state is never gathered
