@@ -246,7 +246,7 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
 
     from rlsched.config.loading import load_config
     from rlsched.config.plan import ITEMSIZE, actor_bytes, device_plan, engine_bytes, param_bytes, resident_bytes
-    from rlsched.run.experiment import build_policy, train_cohorts
+    from rlsched.run.experiment import build_policy, lora_bases, train_cohorts
     from workers.models import lora as L
     from workers.models.config import ModelConfig
 
@@ -277,9 +277,10 @@ def test_the_plan_and_admission_count_a_base_group_s_base_once(tiny_model_dir):
     assert update.capacity == cfg.tasks[0].actor.max_cobatch_rows
     assert "co-batched train: addition, subtraction, one update program" in plan.render()
     # each actor compiles the update of a hold of both before its first lock (TaskSpec.train_cohort)
-    assert train_cohorts(cfg) == {"addition": 2, "subtraction": 2}
+    assert train_cohorts(cfg, lora_bases(cfg)) == {"addition": 2, "subtraction": 2}
     narrow = load_config(demo, [*overrides, *(f"tasks.{i}.actor.max_cobatch_rows={update.rows[0]}" for i in (0, 1))])
-    assert train_cohorts(narrow) == {"addition": 1, "subtraction": 1}  # a hold is full with one task's rows
+    # a hold is full with one task's rows
+    assert train_cohorts(narrow, lora_bases(narrow)) == {"addition": 1, "subtraction": 1}
     # a sweep over the optimizer's settings and the run's length is one program too (each member's values its input)
     sweep = device_plan(load_config(demo, [*overrides, "tasks.1.optim.lr=1e-4", "tasks.1.optim.weight_decay=0.1",
                                            "tasks.1.optim.warmup_ratio=0.2", "tasks.1.steps=50"]))

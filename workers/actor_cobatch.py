@@ -221,12 +221,8 @@ def compile_ahead(actor: Member, sizes: list[int], keys: tuple[str, ...], shapes
     finds it failed compiles it itself, and meets the error there. The thread's `error` is the first it met."""
     def run() -> None:
         for padded in sizes:
-            key = program_key(padded, keys, shapes)
-            if key in actor._prepared:  # noqa: SLF001
-                continue
-            try:
-                programs = tuple(shared(k, build)[0] for k, build in builds(actor, padded, keys, shapes))
-                actor._prepared[key] = programs  # noqa: SLF001
+            try:  # what `prepare` or a hold made already, else compiled (or waited for) now
+                actor._prepared[program_key(padded, keys, shapes)] = _programs(actor, padded, keys, shapes)  # noqa: SLF001
             except Exception as err:  # noqa: BLE001 - the hold that needs it builds it again and raises there
                 thread.error = thread.error or err
 

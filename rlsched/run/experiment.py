@@ -148,15 +148,11 @@ def estimate_bytes(task: TaskConfig, shared: dict[str, int] | None = None) -> tu
 def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[str, str]]]]:
     """The policy with every task registered as created on device, and the offloads each task must do
     at start because its roles don't fit the budget beside the tasks registered before it."""
-    from rlsched.config.meshes import read_model_config
-    from rlsched.config.plan import shared_bases
-
     budget = cfg.cluster.memory_budget_gb
     nbytes = None if budget is None else int(budget * 2**30)
     # LoRA base groups: each base is resident once for the group's life, so it comes off the budget of the
     # devices it lies on (the busiest device's), and off each of its tasks' roles
-    models = {t.name: read_model_config(t, i, required=True) for i, t in enumerate(cfg.tasks) if t.lora is not None}
-    bases = shared_bases(cfg, models) if models else []
+    bases = lora_bases(cfg)
 
     def left(kind: str) -> int | None:
         held = max((sum(b.nbytes for b in bases if d in b.devices and any(r == kind for _, r in b.roles))
@@ -177,17 +173,23 @@ def build_policy(cfg: ExperimentConfig) -> tuple[Policy, dict[str, list[tuple[st
     return policy, initial
 
 
-def train_cohorts(cfg: ExperimentConfig, bases=None) -> dict[str, int]:
-    """{task: the most tasks a co-batched TRAIN hold of it holds} of the tasks of `cfg` that co-batch their updates
-    (rlsched.config.plan.train_batches; others train alone: 1, left out). `bases`: `cfg`'s shared bases (found from
-    its models' configs if None)."""
+def lora_bases(cfg: ExperimentConfig, processes: str | None = None) -> list:
+    """The shared bases (rlsched.config.plan.SharedBase) of `cfg`'s LoRA tasks, from their models' config.json (no
+    weights read): [] without any. `processes`: the roles' layout once resolved, in place of cluster.processes."""
     from rlsched.config.meshes import read_model_config
-    from rlsched.config.plan import shared_bases, train_batches
+    from rlsched.config.plan import shared_bases
 
-    if bases is None:
-        models = {t.name: read_model_config(t, i, required=True) for i, t in enumerate(cfg.tasks)
-                  if t.lora is not None}
-        bases = shared_bases(cfg, models) if models else []
+    if processes is not None:
+        cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"processes": processes})})
+    models = {t.name: read_model_config(t, i, required=True) for i, t in enumerate(cfg.tasks) if t.lora is not None}
+    return shared_bases(cfg, models) if models else []
+
+
+def train_cohorts(cfg: ExperimentConfig, bases: list) -> dict[str, int]:
+    """{task: the most tasks a co-batched TRAIN hold of it holds} of the tasks of `cfg` that co-batch their updates
+    (rlsched.config.plan.train_batches; others train alone: 1, left out); `bases`: `cfg`'s (`lora_bases`)."""
+    from rlsched.config.plan import train_batches
+
     return {task: hold.most_members(task) for hold in train_batches(cfg, bases) for task in hold.tasks}
 
 
@@ -195,14 +197,9 @@ def task_bases(cfg: ExperimentConfig, name: str, processes: str) -> list:
     """The shared bases (rlsched.config.plan.SharedBase) task `name` of its own submission `cfg` reads when it joins
     a running scheduler with its roles in `processes`: [] for a task that loads its own weights. Found as
     `rlsched train` finds them (its whole submission, so the keys are the same)."""
-    from rlsched.config.meshes import read_model_config
-    from rlsched.config.plan import shared_bases
-
-    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"processes": processes})})
     if next(t for t in cfg.tasks if t.name == name).lora is None:
         return []
-    models = {t.name: read_model_config(t, i, required=True) for i, t in enumerate(cfg.tasks) if t.lora is not None}
-    return [b for b in shared_bases(cfg, models) if any(task == name for task, _ in b.roles)]
+    return [b for b in lora_bases(cfg, processes) if any(task == name for task, _ in b.roles)]
 
 
 def shared_bytes(bases: list, name: str) -> dict[str, int]:
@@ -257,8 +254,7 @@ def run_experiment(cfg: ExperimentConfig, *, resume: bool = False, address: str 
             where = ray_cluster.role_sites(pg, cfg.cluster.placement, resource, devices,
                                                hosts=cfg.cluster.hosts)
             announced = announce_models(cfg, echo)
-            cohorts = train_cohorts(cfg.model_copy(update={"cluster": cfg.cluster.model_copy(
-                update={"processes": processes})}))
+            cohorts = train_cohorts(cfg, lora_bases(cfg, processes))
             specs = [dataclasses.replace(s, processes=processes, announces_model=s.name not in announced,
                                          train_cohort=cohorts.get(s.name, 1)) for s in cfg.task_specs()]
             scheduler = ray.remote(num_cpus=0)(Scheduler).remote(policy, lease_timeout_s=cfg.cluster.lease_timeout_s)
