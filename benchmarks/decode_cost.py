@@ -25,6 +25,7 @@ efficiency are not in it. It says which ops move the bytes.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import time
 from collections import defaultdict
@@ -43,6 +44,7 @@ _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>[^\s=]+) = (?P<shape>.*?) (?P<op>[a-z][a-z0-9-]*)"
                           r"\((?P<args>[^)]*)\)(?P<attrs>.*)$")
 _FREE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant"}  # no kernel, no bytes moved
+KERNEL = "rlsched_decode_attention"  # the name of workers.models.decode_attention's kernel in the HLO
 
 
 def shape_bytes(shape: str) -> int:
@@ -137,9 +139,10 @@ def loop_bodies(comps: dict[str, list[dict]]) -> list[str]:
     return [re.search(r"body=%([^\s,]+)", i["attrs"]).group(1) for i in loops if shape_bytes(i["shape"]) == largest]
 
 
-def step_ops(hlo: str, loop: int = 0) -> list[dict]:
+def step_ops(hlo: str, loop: int = 0, kernel_share: float = 1.0) -> list[dict]:
     """The kernels of decode loop `loop`'s body: per top-level op, {name, op, label, read, written} in bytes (see
-    the module docstring for what is counted)."""
+    the module docstring for what is counted). `kernel_share`: the share of its KV cache operands the decode
+    attention kernel reads (`kernel_slots`)."""
     comps = computations(hlo)
     _number_parameters(comps, hlo)
     body = comps[loop_bodies(comps)[loop]]
@@ -150,6 +153,8 @@ def step_ops(hlo: str, loop: int = 0) -> list[dict]:
             continue
         operand_bytes = [shape_bytes(shapes.get(o, "")) for o in inst["operands"]]
         written = shape_bytes(inst["shape"])
+        if inst["op"] == "custom-call" and KERNEL in inst["attrs"]:  # (q, k, v, first, end): k and v in part
+            operand_bytes[1:3] = [n * kernel_share for n in operand_bytes[1:3]]
         called = re.search(r"calls=%([^\s,]+)", inst["attrs"])
         if inst["op"] == "fusion" and called and called.group(1) in comps:
             partial_reads, in_place = _touched(comps[called.group(1)])
@@ -164,6 +169,19 @@ def step_ops(hlo: str, loop: int = 0) -> list[dict]:
     return ops
 
 
+def kernel_slots(prompt_len: int, new_tokens: int, prompt_tokens: int) -> float:
+    """The slots the decode attention kernel (workers.models.decode_attention) reads a step, on average over a
+    generation's decode steps, for rows of `prompt_tokens` real prompt tokens left-padded to `prompt_len`: from
+    the block holding a row's first prompt token to the block holding the slot written that step."""
+    from workers.models.decode_attention import BLOCK
+
+    slots = prompt_len + new_tokens
+    block = math.gcd(BLOCK, slots & -slots)
+    first = (prompt_len - prompt_tokens) // block
+    steps = range(1, new_tokens)  # step t writes slot prompt_len + t - 1 (the prefill sampled token 0)
+    return block * sum(-(-(prompt_len + t) // block) - first for t in steps) / max(1, len(steps))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode_cost", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-0.6b", help="a workers.models.presets preset")
@@ -172,6 +190,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=128, help="rows of one generate program (16 prompts x 8)")
     p.add_argument("--prompt-len", type=int, default=256, help="the prompt's padded length (prompt_padding max)")
     p.add_argument("--new-tokens", type=int, default=256, help="the new-token bucket: the loop's steps")
+    p.add_argument("--prompt-tokens", type=int, default=96,
+                   help="a row's real prompt tokens (GSM8K chat prompts: ~96), the rest left padding: what a decode "
+                        "attention kernel skips, and the floor without padding")
+    p.add_argument("--decode-attention", default="auto", choices=("auto", "xla", "pallas"),
+                   help="the sampler's decode attention (workers.models.decode_attention; auto: as the engine on "
+                        "the target resolves it, the Pallas kernel on a GPU)")
     p.add_argument("--target", default="h100", help="h100, h200, present (the first device JAX sees) or a file")
     p.add_argument("--top", type=int, default=15, help="the body's ops listed, largest first")
     p.add_argument("--out", type=Path, default=None,
@@ -179,21 +203,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def compile_generate(config, device, batch: int, prompt_len: int, new_tokens: int):
+def compile_generate(config, device, batch: int, prompt_len: int, new_tokens: int, decode_attention: str = "auto"):
     """The sampler's generate program for `batch` rows on one `device`, compiled from abstract weights; and the
     weights' bytes."""
-    lower, weight_bytes = lower_generate(config, device, batch, prompt_len, new_tokens)
+    lower, weight_bytes = lower_generate(config, device, batch, prompt_len, new_tokens, decode_attention)
     return lower().compile(), weight_bytes
 
 
-def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int):
+def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int, decode_attention: str = "auto"):
     """(a function that traces and lowers the sampler's generate program for `batch` rows on one `device`, from
-    abstract weights; the weights' bytes)."""
+    abstract weights, its decode attention as a JaxSampler on that device resolves `decode_attention`; the
+    weights' bytes)."""
     import jax
     import numpy as np
     from flax import nnx
 
     from workers.models import sharding as S
+    from workers.models.decode_attention import resolve
     from workers.models.decoder import CausalLM
     from workers.rollout.jax_sampler import _STOP_SLOTS, _program
 
@@ -209,7 +235,8 @@ def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int)
     args = (sds(prompt, np.int32), sds(prompt, np.bool_), sds(rows, np.bool_), sds(rows, np.uint32),
             sds(rows, np.int32), sds(rows, np.int32), sds((), np.float32), sds((), np.float32), sds((), np.int32),
             sds((_STOP_SLOTS,), np.int32), None, new_tokens, False)
-    program = _program(graphdef, mesh, config.num_key_value_heads, shardings)
+    attention = resolve(decode_attention, platform=device.platform, devices=1, head_dim=config.head_dim)
+    program = _program(graphdef, mesh, config.num_key_value_heads, shardings, attention)
     return (lambda: program.lower(weights, *args)), sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
 
 
@@ -235,7 +262,8 @@ def main(argv=None) -> dict:
     vocab = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     config = preset_config(args.preset, dtype=args.dtype, **vocab)
     t0 = time.perf_counter()
-    compiled, weight_bytes = compile_generate(config, device, args.batch, args.prompt_len, args.new_tokens)
+    compiled, weight_bytes = compile_generate(config, device, args.batch, args.prompt_len, args.new_tokens,
+                                              args.decode_attention)
     memory = stats(compiled, time.perf_counter() - t0)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -243,7 +271,10 @@ def main(argv=None) -> dict:
     hlo = compiled.as_text()
     # the decode loops (one per segment of the new tokens, workers.rollout.jax_sampler._segment_ends: equal
     # parts, so a step's mean is the loops' mean)
-    loops = [step_ops(hlo, i) for i in range(len(loop_bodies(computations(hlo))))]
+    slots = args.prompt_len + args.new_tokens
+    read = kernel_slots(args.prompt_len, args.new_tokens, args.prompt_tokens)
+    kernel = KERNEL in hlo
+    loops = [step_ops(hlo, i, kernel_share=read / slots) for i in range(len(loop_bodies(computations(hlo))))]
     by_label: dict[str, dict] = defaultdict(lambda: dict(read=0, written=0, ops=0))
     for ops in loops:
         for op in ops:
@@ -254,10 +285,11 @@ def main(argv=None) -> dict:
     loop_bytes = [sum(op["read"] + op["written"] for op in ops) for ops in loops]
     step = sum(loop_bytes) / len(loops)
     ops = loops[0]
-    slots = args.prompt_len + args.new_tokens
     kv_full = kv_bytes(config, args.batch, slots)
     kv_mean = kv_bytes(config, args.batch, args.prompt_len + (args.new_tokens + 1) // 2)  # filled, on average
     floor = weight_bytes + kv_mean
+    # without the left padding: the slots of the prompt's real tokens and the new ones, on average
+    floor_unpadded = weight_bytes + kv_bytes(config, args.batch, args.prompt_tokens + (args.new_tokens + 1) // 2)
     bandwidth = target_bandwidth(args.target)
     ms = (lambda n: None) if bandwidth is None else (lambda n: 1e3 * n / bandwidth)
     top = sorted(by_label.items(), key=lambda kv: -(kv[1]["read"] + kv[1]["written"]))[: args.top]
@@ -265,7 +297,9 @@ def main(argv=None) -> dict:
         args={k: str(v) for k, v in vars(args).items()}, env=environment(device, args.target), memory=memory,
         program_cost=program_cost, weight_bytes=weight_bytes, kv_cache_bytes=kv_full, kv_filled_mean_bytes=kv_mean,
         step=dict(bytes=step, ops=len(ops), loop_bytes=loop_bytes, floor_bytes=floor, bytes_over_floor=step / floor,
-                  ms_at_bandwidth=ms(step), floor_ms_at_bandwidth=ms(floor)),
+                  ms_at_bandwidth=ms(step), floor_ms_at_bandwidth=ms(floor), unpadded_floor_bytes=floor_unpadded,
+                  unpadded_floor_ms_at_bandwidth=ms(floor_unpadded)),
+        decode_attention=dict(kernel=kernel, slots_read_mean=read if kernel else None),
         step_by_source=[dict(label=k, **v) for k, v in top],
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
     rows = [f"| {k} | {v['ops']:.0f} | {format_bytes(v['read'])} | {format_bytes(v['written'])} |" for k, v in top]
@@ -281,7 +315,11 @@ def main(argv=None) -> dict:
         f"{', '.join(format_bytes(n) for n in loop_bytes)}; {len(ops)} kernels): {format_bytes(step)}{at(step)}; "
         f"floor (weights + the "
         f"KV cache of the filled slots, {args.prompt_len} + {(args.new_tokens + 1) // 2} on average): "
-        f"{format_bytes(floor)}{at(floor)}; {step / floor:.2f} x the floor", "",
+        f"{format_bytes(floor)}{at(floor)}; {step / floor:.2f} x the floor; without the prompts' left padding "
+        f"({args.prompt_tokens} real tokens a prompt): {format_bytes(floor_unpadded)}{at(floor_unpadded)}", "",
+        (f"Decode attention: the Pallas kernel, its KV cache reads counted as the {read:.0f} of {slots} slots it "
+         f"reads a step on average" if kernel else "Decode attention: XLA's, over the static slots of its loop"),
+        "",
         "| source (jax op name) | kernels | read | written |", "|---|---:|---:|---:|", *rows])
     out = args.out or ROOT / "benchmarks" / "results" / f"decode_cost-{target_name(device, args.target)}-{args.preset}"
     save_results(out, "One decode step of the sampler: bytes by XLA's compiled program", results, report)

@@ -128,6 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--beta", type=float, default=0.08)
     p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--decode-attention", choices=("auto", "xla", "pallas"), default="auto",
+                   help="the runs' rollout.engine_args.decode_attention (auto: the Pallas kernel on one GPU, unless "
+                        "the probe's check of it on the device failed: then xla, and the report says why)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="MiB of the bandwidth probe's copy (default 2048, 64 on CPU)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -175,9 +178,11 @@ def child_env() -> dict[str, str]:
 
 # ---- the device: its kind, allocator and copy bandwidth (in a child: this process never opens the device) ----
 
-def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path) -> dict:
-    """Run in the probe's child: the device's kind, the bandwidth of a copy of `copy_mib` MiB on it, and the
-    model of `preset` at `model` (made here, if it is not there yet: one process start less)."""
+def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path,
+                 rows_and_slots: tuple[int, int, int] = (4, 32, 32)) -> dict:
+    """Run in the probe's child: the device's kind, the bandwidth of a copy of `copy_mib` MiB on it, the model of
+    `preset` at `model` (made here, if it is not there yet: one process start less), and the decode attention
+    kernel checked on the device at the engine's (rows, prompt_len, new_tokens) (`check_decode_attention`)."""
     if USER_PLATFORMS is None:  # this child imported benchmarks.common too, which defaults JAX to the CPU
         os.environ.pop("JAX_PLATFORMS", None)
     import jax
@@ -203,11 +208,67 @@ def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path) -> 
     t0 = time.perf_counter()
     if not (model / "config.json").is_file():
         init_model(model, preset=preset, dtype=dtype)
+    model_s = time.perf_counter() - t0
     return dict(kind=device.device_kind, platform=device.platform, count=len(jax.devices()),
                 allocator_stats=stats is not None, bytes_limit=(stats or {}).get("bytes_limit"),
                 copy=dict(bytes=2 * x_bytes(mib), seconds=best, bandwidth_bytes_per_s=2 * x_bytes(mib) / best),
-                env=environment(), dtype=dtype, model_s=time.perf_counter() - t0,
+                decode_attention=check_decode_attention(device, model, dtype, *rows_and_slots),
+                env=environment(), dtype=dtype, model_s=model_s,
                 jax_platforms=os.environ.get("JAX_PLATFORMS"))  # what JAX was told here (None: its own choice)
+
+
+def check_decode_attention(device, model: Path, dtype: str, rows: int, prompt_len: int, new_tokens: int) -> dict:
+    """The decode attention kernel on this device at the engine's shape (rows x the model's KV heads, prompt_len +
+    new_tokens slots) against XLA's attention over the whole cache (what one decode loop of `xla` reads): its
+    largest difference (float32 outputs), and both timed mid-generation (slots from the first of a GSM8K-long
+    prompt, PROMPT_TOKENS, to prompt_len + new_tokens / 2), with the bytes the kernel reads. The kernel is the
+    GPU's `pallas`, elsewhere the same body under Pallas's interpreter (slow: its time is no figure). An error is
+    returned as such: the runs then decode with `xla`."""
+    import jax
+    import jax.numpy as jnp
+
+    from workers.models.config import ModelConfig
+    from workers.models.decode_attention import attend, reference, unsupported
+
+    cfg = ModelConfig.from_dir(model)
+    kv, groups, d = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+    slots = prompt_len + new_tokens
+    impl = "pallas" if device.platform == "gpu" else "interpret"
+    out = dict(impl=impl, shape=dict(rows=rows, kv_heads=kv, groups=groups, head_dim=d, slots=slots))
+    why = unsupported(d)
+    if why:
+        return dict(out, error=why)
+    dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (rows, kv, groups, d), jnp.float32).astype(dt)
+    k, v = (jax.random.normal(x, (rows, kv, slots, d), jnp.float32).astype(dt) for x in keys[1:])
+    first = jnp.full((rows,), max(0, prompt_len - PROMPT_TOKENS), jnp.int32)
+    end = jnp.int32(prompt_len + new_tokens // 2)
+    kernel = jax.jit(lambda *a: attend(*a, impl=impl))
+    xla = jax.jit(reference)
+    try:
+        got = kernel(q, k, v, first, end).block_until_ready()
+    except Exception as e:  # the kernel does not lower or run here: said, and the runs use XLA's attention
+        return dict(out, error=f"{type(e).__name__}: {str(e)[:500]}")
+    want = xla(q, k, v, first, end).block_until_ready()
+
+    def timed(f) -> float:
+        seconds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            f(q, k, v, first, end).block_until_ready()
+            seconds.append(time.perf_counter() - t0)
+        return statistics.median(seconds)
+
+    read = 2 * rows * kv * (int(end) - int(first[0])) * d * jnp.dtype(dt).itemsize  # k and v, the run it attends
+    out.update(max_abs_diff=float(jnp.max(jnp.abs(got - want))), kernel_read_bytes=read)
+    if impl != "pallas":  # the interpreter's time says nothing of a kernel's
+        return dict(out, kernel_ms=None, xla_ms=None, kernel_bytes_per_s=None)
+    kernel_s, xla_s = timed(kernel), timed(xla)
+    return dict(out, kernel_ms=1e3 * kernel_s, xla_ms=1e3 * xla_s, kernel_bytes_per_s=read / kernel_s)
+
+
+PROMPT_TOKENS = 96  # a GSM8K chat prompt's tokens, about: the rest of prompt_len is left padding
 
 
 def x_bytes(mib: int) -> int:
@@ -242,7 +303,8 @@ def experiment(run: Run, args, *, model: Path, dtype: str, work: Path) -> dict:
     template["grpo"] = {**template["grpo"], "prompts_per_step": args.prompts, "num_generations": args.generations,
                         "max_prompt_len": args.prompt_len, "max_new_tokens": args.new_tokens, "beta": args.beta,
                         "mini_batch_size": rows, "micro_batch_size": min(args.micro_batch, rows)}
-    template["rollout"] = {"max_batch_size": max(rows, min(args.lora_rows, rows * run.tasks)) if run.lora else rows}
+    template["rollout"] = {"max_batch_size": max(rows, min(args.lora_rows, rows * run.tasks)) if run.lora else rows,
+                           "engine_args": {"decode_attention": args.decode_attention}}
     if run.lora:
         template["lora"] = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank, "targets": LORA_TARGETS}
     template.update(steps=run.steps, checkpoint_every=0)
@@ -486,7 +548,8 @@ def estimate_s(run: Run, done: list[dict]) -> float | None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.probe is not None:  # the probe's child: one JSON line
-        print(json.dumps(probe_device(args.copy_mib, args.preset, args.dtype, args.probe)))
+        print(json.dumps(probe_device(args.copy_mib, args.preset, args.dtype, args.probe,
+                                      (args.prompts * args.generations, args.prompt_len, args.new_tokens))))
         return {}
     t_start = time.perf_counter()
     work = args.work or Path(tempfile.mkdtemp(prefix="rlsched-gpubench-"))
@@ -494,7 +557,9 @@ def main(argv=None) -> dict:
     shutil.rmtree(work / "jax_cache", ignore_errors=True)  # the first run's cache is cold
     model = work / "models" / f"{args.preset}-{args.dtype}"
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--probe", str(model), "--preset", args.preset,
-                           "--dtype", args.dtype, *(["--copy-mib", str(args.copy_mib)] if args.copy_mib else [])],
+                           "--dtype", args.dtype, *(["--copy-mib", str(args.copy_mib)] if args.copy_mib else []),
+                           *(f"--{k}={getattr(args, k.replace('-', '_'))}"
+                             for k in ("prompts", "generations", "prompt-len", "new-tokens"))],
                           env=child_env(), capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         if args.work is None:
@@ -505,6 +570,11 @@ def main(argv=None) -> dict:
     clock = {"probe_s": time.perf_counter() - t_start - device["model_s"], "model_s": device.pop("model_s"),
              "runs_s": 0.0}
     device["slug"] = slug(device["kind"])
+    check = device["decode_attention"]
+    if check.get("error") and args.decode_attention == "auto":  # the kernel fails here: the runs decode without it
+        args.decode_attention = "xla"
+        print(f"decode attention kernel ({check['impl']}) failed on this device, the runs use xla: {check['error']}",
+              flush=True)
     device["dense_bf16_peak_flops"], why = dense_peak(device["kind"], device["platform"])
     device["nulls"] = {"dense_bf16_peak_flops": why} if why else {}
     out = args.out or ROOT / "benchmarks" / "results" / f"gpu-{device['slug']}"
@@ -705,7 +775,7 @@ def report(results: dict) -> str:
         f"({results['timestamp']}). Copy bandwidth {d['copy']['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
         f"({d['copy']['bytes'] / 2**20:.0f} MiB read + written); dense bf16 peak "
         + (f"{d['dense_bf16_peak_flops']:.3g} FLOP/s" if d["dense_bf16_peak_flops"] else
-           f"unknown: {d['nulls']['dense_bf16_peak_flops']}") + ".",
+           f"unknown: {d['nulls']['dense_bf16_peak_flops']}") + ".", "", attention_line(d["decode_attention"], a),
         "", "| run | cache | status | launch -> step 1 s | step 1 s (compile) | compiles after step 1 | step s | "
         "rollout s (sync + generate) | train s | decode ms/step (bound, x) | tokens/s | MFU | peak GiB | held GiB "
         "(+ KV plan) | steps/s (x one) | samples/s (x one full) |",
@@ -730,10 +800,10 @@ def report(results: dict) -> str:
               "", f"MFU: {results['flops_formula']}; over the TRAIN phase's seconds (time/train_s: log-probs, update, "
               "publish). Decode: the generate span / grpo.max_new_tokens token-steps (prefill included); its bound: "
               "the engine's weight bytes read once per token-step at the copy's bandwidth (decode_bound_kv_ms in "
-              "results.json: with the whole KV cache, which the sampler's attention reads at every token-step). Peak: "
-              "the allocator's "
-              "peak_bytes_in_use in the roles' process; held: what the roles hold between phases (params, optimizer, "
-              "reference, the engine's params; a shared base once); KV plan: `rlsched plan`'s largest engine KV cache.",
+              "results.json: with the whole KV cache, which XLA's attention reads at every token-step; the decode "
+              "attention kernel reads a row's filled slots). Peak: the allocator's peak_bytes_in_use in the roles' "
+              "process; held: what the roles hold between phases (params, optimizer, reference, the engine's params; "
+              "a shared base once); KV plan: `rlsched plan`'s largest engine KV cache.",
               "", "| goal (issue 40) | measured | verdict |", "|---|---|---|"]
     for g in results["goals"]:
         measured = ", ".join(f"{n} {v:.4g}{g['unit'] and ' ' + g['unit']}" for n, v in g["measured"].items())
@@ -754,6 +824,22 @@ def report(results: dict) -> str:
         lines += ["", "Runs not started (--budget-s):", *(f"- {s['run']}: {s['why']}" for s in results["skipped"])]
     lines += ["", "```", where_time_went(results), "```"]
     return "\n".join(lines)
+
+
+def attention_line(check: dict, args: dict) -> str:
+    """The probe's check of the decode attention kernel, in words."""
+    shape = check["shape"]
+    at = (f"{shape['rows']} rows x {shape['kv_heads']} KV heads x {shape['groups']} query heads each, "
+          f"{shape['slots']} slots of {shape['head_dim']}")
+    if check.get("error"):
+        return (f"Decode attention kernel ({check['impl']}), {at}: failed on this device ({check['error']}); the "
+                f"runs decoded with `{args.get('decode_attention')}`.")
+    timing = ("" if check["impl"] != "pallas" else
+              f"; {check['kernel_ms']:.3f} ms reading {check['kernel_read_bytes'] / 2**20:.0f} MiB "
+              f"({check['kernel_bytes_per_s'] / 1e9:.0f} GB/s) vs XLA's attention over every slot "
+              f"{check['xla_ms']:.3f} ms")
+    return (f"Decode attention kernel ({check['impl']}), {at}, mid-generation: max |kernel - XLA's| "
+            f"{check['max_abs_diff']:.2e}{timing}; the runs decoded with `{args.get('decode_attention')}`.")
 
 
 def progress(i: int, n: int, r: dict) -> str:

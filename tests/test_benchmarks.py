@@ -333,6 +333,34 @@ ENTRY %main (a: (s32[], f32[16,8], bf16[100,8], s32[4], f32[1,8])) -> (s32[], f3
     assert ops == {"dus": (36, 32), "take": (80, 64), "dot": (576, 256)}
 
 
+def test_decode_cost_counts_the_slots_the_decode_attention_kernel_reads():
+    """A custom call named as the kernel reads its k and v operands (1 and 2) in the share given; and that share's
+    slots: prompts of 20 tokens padded to 64, 64 new slots, blocks of 32: the first block read is slot 32's (44
+    // 32 = 1); steps t = 1..32 end in block 2 (2 blocks read), t = 33..63 in block 3 (3 blocks)."""
+    from benchmarks.decode_cost import kernel_slots, step_ops
+
+    assert kernel_slots(64, 64, 20) == pytest.approx(32 * (2 * 32 + 3 * 31) / 63)
+    hlo = """
+%body (arg: (f32[4,8], bf16[4,1,128,8], bf16[4,1,128,8])) -> (f32[4,8], bf16[4,1,128,8], bf16[4,1,128,8]) {
+  %arg = (f32[4,8]{1,0}, bf16[4,1,128,8]{3,2,1,0}, bf16[4,1,128,8]{3,2,1,0}) parameter(0)
+  %q = f32[4,8]{1,0} get-tuple-element(%arg), index=0
+  %k = bf16[4,1,128,8]{3,2,1,0} get-tuple-element(%arg), index=1
+  %v = bf16[4,1,128,8]{3,2,1,0} get-tuple-element(%arg), index=2
+  %o = f32[4,8]{1,0} custom-call(%q, %k, %v), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="attn"}, \
+backend_config={"name":"rlsched_decode_attention"}
+  ROOT %t = (f32[4,8]{1,0}, bf16[4,1,128,8]{3,2,1,0}, bf16[4,1,128,8]{3,2,1,0}) tuple(%o, %k, %v)
+}
+
+ENTRY %main (a: (f32[4,8], bf16[4,1,128,8], bf16[4,1,128,8])) -> (f32[4,8], bf16[4,1,128,8], bf16[4,1,128,8]) {
+  %a = (f32[4,8]{1,0}, bf16[4,1,128,8]{3,2,1,0}, bf16[4,1,128,8]{3,2,1,0}) parameter(0)
+  ROOT %w = (f32[4,8]{1,0}, bf16[4,1,128,8]{3,2,1,0}, bf16[4,1,128,8]{3,2,1,0}) while(%a), body=%body
+}
+"""
+    (op,) = step_ops(hlo, kernel_share=0.25)
+    # q 4 x 8 f32 (128) whole; k and v 4 x 128 x 8 bf16 (8192 each) a quarter each; writes 4 x 8 f32 (128)
+    assert (op["label"], op["read"], op["written"]) == ("attn", 128 + 2 * 8192 / 4, 128)
+
+
 # module -> a check of its results beyond their presence
 def check_compile_cost(results: dict, out: Path) -> None:
     """benchmarks/compile_cost.py built the first step's four programs both ways, each in a process of its own: one
@@ -378,3 +406,7 @@ def test_the_gpu_benchmarks_device_probe_lets_jax_pick_the_device(tmp_path):
     import jax
 
     assert probe["platform"] == jax.devices()[0].platform  # the device JAX picks by itself (the CPU here)
+    # the decode attention kernel checked on that device (the CPU: under Pallas's interpreter) against XLA's
+    check = probe["decode_attention"]
+    assert check["impl"] == "interpret" and "error" not in check, check
+    assert check["max_abs_diff"] < 1e-5 and check["kernel_read_bytes"] > 0, check

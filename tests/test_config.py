@@ -226,6 +226,20 @@ def test_out_of_range(tmp_path):
     assert "tasks.0.grpo.top_p: Input should be less than or equal to 1 (got 1.5)" in msg
 
 
+def test_an_unknown_decode_attention_is_refused_with_the_choices(tmp_path):
+    msg = load_error(tmp_path, ADDITION, ["tasks.0.rollout.engine_args={decode_attention: flash}"])
+    assert "tasks.0.rollout.engine_args: decode_attention 'flash': one of auto, xla, pallas, interpret" in msg
+    cfg = load_config(write(tmp_path, ADDITION), ["tasks.0.rollout.engine_args={decode_attention: xla}"])
+    assert cfg.tasks[0].rollout.engine_args == {"decode_attention": "xla"}
+
+
+def test_the_schemas_decode_attention_choices_are_the_samplers():
+    from rlsched.config.schema import DECODE_ATTENTION
+    from workers.models.decode_attention import IMPLS
+
+    assert ("auto", *IMPLS) == DECODE_ATTENTION
+
+
 def test_several_problems_one_line_each(tmp_path):
     msg = load_error(tmp_path, ADDITION, ["tasks.0.grpo.beta=-1", "tasks.0.steps=0", "cluster.placement=split"])
     lines = msg.splitlines()

@@ -291,7 +291,7 @@ def engine_bytes(task: TaskConfig, model: ModelConfig) -> dict[str, int]:
     k = model.num_key_value_heads
     split = sharding.batch_rows(mesh)
     rows = -(-task.rollout.max_batch_size // split) * split  # padded to split over dp x ep
-    shape = (rows, task.grpo.max_prompt_len + task.grpo.max_new_tokens, k, model.head_dim)  # (B, S, K, D)
+    shape = (rows, k, task.grpo.max_prompt_len + task.grpo.max_new_tokens, model.head_dim)  # (B, K, S, D)
     layer = sharding.shard_bytes(shape, sharding.spec(sharding.KV_CACHE, shape, mesh, kv_heads=k, what="KV cache"),
                                  mesh, item)
     params = param_bytes(model.param_shapes(), mesh, kv_heads=k, itemsize=item)

@@ -342,6 +342,10 @@ class ActorSection(_Section):
         return "off" if value is False else value
 
 
+# jax_sampler's engine_args.decode_attention: "auto" and workers.models.decode_attention.IMPLS (which imports JAX)
+DECODE_ATTENTION = ("auto", "xla", "pallas", "interpret")
+
+
 class RolloutSection(_Section):
     engine: Literal["jax_sampler", "fake", "sglang_jax"] = "jax_sampler"
     """Rollout engine implementation."""
@@ -350,12 +354,24 @@ class RolloutSection(_Section):
     mesh: RolloutMeshSection = Field(default_factory=RolloutMeshSection)
     """The engine's mesh (one device by default)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    """Engine-specific knobs, passed through to the engine untouched."""
+    """Engine-specific knobs, passed through to the engine untouched. jax_sampler's `decode_attention`: how a decode
+    step attends, `auto` (the default: a Pallas kernel reading each row's filled KV slots where the engine has one
+    GPU, XLA's attention elsewhere), `xla`, `pallas` (the kernel; a one-GPU engine) or `interpret` (the kernel under
+    Pallas's interpreter, any platform: slow, for tests); docs/performance.md has what it saves."""
     cobatch: bool = True
     """LoRA tasks of one base group: when several wait for ROLLOUT, one hold runs all their rows in one program run
     (up to max_batch_size rows). Each row keeps its task's seed, so a task samples what it would alone, to the bit on
     CPU; on GPUs in bfloat16 a row's numerics depend on the batch's shape, and some samples differ from the run
     alone. false: this task always rolls out alone (bit-reproducible whatever its neighbours do)."""
+
+    @model_validator(mode="after")
+    def _decode_attention_is_known(self) -> RolloutSection:
+        """jax_sampler's engine_args.decode_attention is one it knows: refused here, not when the engine starts."""
+        chosen = self.engine_args.get("decode_attention", "auto")
+        if self.engine == "jax_sampler" and chosen not in DECODE_ATTENTION:
+            raise _FieldError("engine_args", self.engine_args,
+                              f"decode_attention {chosen!r}: one of {', '.join(DECODE_ATTENTION)}")
+        return self
 
     @model_validator(mode="after")
     def _mesh_is_laid_out_by_the_engine(self) -> RolloutSection:

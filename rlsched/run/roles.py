@@ -348,8 +348,11 @@ class EngineRole(_Role):
         self.channel = channel
         self.timeline = Timeline("engine", task=spec.name)
         # Only jax_sampler lays itself out on a mesh so far (the config refuses a mesh for the others), and only it
-        # pads prompts as grpo.prompt_padding says (the others pad their own way; the train batch follows the key)
-        jax_args = ({"mesh": role_mesh(spec, "engine"), "prompt_padding": g.prompt_padding}
+        # pads prompts as grpo.prompt_padding says (the others pad their own way; the train batch follows the key).
+        # Its decode attention is a setting of a LoRA base group's shared sampler too, hence taken out of the rest.
+        engine_args = dict(r.engine_args)
+        jax_args = ({"mesh": role_mesh(spec, "engine"), "prompt_padding": g.prompt_padding,
+                     "decode_attention": engine_args.pop("decode_attention", "auto")}
                     if r.engine == "jax_sampler" else {})
         self._view = shares_base(spec, "engine")
         if self._view:  # a slot of its base group's engine in this process (workers.rollout.shared_engine)
@@ -362,7 +365,7 @@ class EngineRole(_Role):
             self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
                                       max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
                                       max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
-                                      lora=lora_spec(spec), **jax_args, **r.engine_args)
+                                      lora=lora_spec(spec), **jax_args, **engine_args)
         self._held = self.engine
 
     def close(self) -> None:

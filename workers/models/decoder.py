@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from workers.models.config import ModelConfig
+from workers.models.decode_attention import attend
 from workers.models.lora import HEAD
 from workers.models.lora_batch import AdapterBatch, check_modules
 from workers.models.moe import MoeBlock, load_balancing_loss
@@ -59,12 +60,12 @@ class LayerCache(NamedTuple):
     """KV cache of one layer. Slots are shared by all rows: row b's token at slot s is valid iff
     the caller's `kv_mask[b, s]` is true (left-padded prompts make slot indices line up)."""
 
-    k: jax.Array  # (B, S, K, D)
-    v: jax.Array  # (B, S, K, D)
+    k: jax.Array  # (B, K, S, D): a head's slots contiguous, as the decode kernel reads them (decode_attention)
+    v: jax.Array  # (B, K, S, D)
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int) -> list[LayerCache]:
-    shape = (batch, slots, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (batch, cfg.num_key_value_heads, slots, cfg.head_dim)
     dt = _dtype(cfg)
     return [LayerCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_hidden_layers)]
 
@@ -124,9 +125,10 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, cfg=cfg) if cfg.qk_norm else None
 
     def __call__(self, x, positions, mask, cache: LayerCache | None, cache_index,
-                 adapters: AdapterBatch | None = None, prefix: str = ""):
+                 adapters: AdapterBatch | None = None, prefix: str = "", decode_attention: str = "xla"):
         """x: (B, T, H); positions: (B, T); mask: (B, T, S) bool -> (B, T, H), updated cache. `prefix`: this
-        module's path (`model.layers.<i>.self_attn`), naming its projections in `adapters`."""
+        module's path (`model.layers.<i>.self_attn`), naming its projections in `adapters`. `decode_attention`
+        (workers.models.decode_attention.IMPLS): how a one-token step with a cache attends."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -136,20 +138,34 @@ class Attention(nnx.Module):
             q, kk = self.q_norm(q), self.k_norm(kk)
         v = self.v_proj(x, _delta(adapters, f"{prefix}.v_proj", x)).reshape(b, t, k, d)
         q, kk = rope(q, positions, cfg.rope_theta), rope(kk, positions, cfg.rope_theta)
-        if cache is not None:
-            # All rows write the same slots: the caller aligns rows by left padding.
-            kk = jax.lax.dynamic_update_slice_in_dim(cache.k, kk, cache_index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache.v, v, cache_index, axis=1)
-            cache = LayerCache(kk, v)
-            # Attend to the slots the mask covers, the cache's first S: a decode step reads the slots written so far,
-            # not the whole cache (the KV cache, not the weights, is most of a large batch's bytes per step)
-            kk, v = kk[:, : mask.shape[-1]], v[:, : mask.shape[-1]]
         # Grouped-query attention without materialising repeated kv heads: q -> (B, T, K, G, D).
         q = q.reshape(b, t, k, n // k, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, kk, preferred_element_type=jnp.float32) * d**-0.5
+        slots = "bskd"  # where kk and v keep their slots: (B, S, K, D) without a cache
+        if cache is not None:
+            slots = "bksd"  # the cache's layout
+            kk, v = kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, K, T, D)
+            # All rows write the same slots: the caller aligns rows by left padding.
+            kk = jax.lax.dynamic_update_slice_in_dim(cache.k, kk, cache_index, axis=2)
+            v = jax.lax.dynamic_update_slice_in_dim(cache.v, v, cache_index, axis=2)
+            cache = LayerCache(kk, v)
+            if t == 1 and decode_attention != "xla":
+                # A kernel reading each row's slots from its first valid one (left padding contiguous before it)
+                # to the one written now, whatever the mask's static length
+                first = jnp.argmax(mask[:, 0, :], axis=-1)
+                out = attend(q[:, 0], kk, v, first, cache_index + 1, impl=decode_attention)
+                out = out.astype(v.dtype).reshape(b, t, n * d)
+                return self.o_proj(out, _delta(adapters, f"{prefix}.o_proj", out)), cache
+            # Attend to the slots the mask covers, the cache's first S: a decode step reads the slots written so far,
+            # not the whole cache (the KV cache, not the weights, is most of a large batch's bytes per step)
+            kk, v = kk[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
+        scores = jnp.einsum(f"btkgd,{slots}->bkgts", q, kk, preferred_element_type=jnp.float32) * d**-0.5
         scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, n * d)
+        if cache is None:
+            out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+        else:  # the heads first, as the cache's (XLA:CPU's matmul library takes it so, ~8 x faster than the above)
+            out = jnp.einsum("bkgts,bksd->bkgtd", probs, v).transpose(0, 3, 1, 2, 4)
+        out = out.reshape(b, t, n * d)
         return self.o_proj(out, _delta(adapters, f"{prefix}.o_proj", out)), cache
 
 
@@ -176,11 +192,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoeBlock(cfg, rngs, _dtype(cfg)) if self.moe else MLP(cfg, rngs)
 
     def __call__(self, x, positions, mask, cache, cache_index, router_logits=None,
-                 adapters: AdapterBatch | None = None, prefix: str = ""):
+                 adapters: AdapterBatch | None = None, prefix: str = "", decode_attention: str = "xla"):
         """`prefix`: this layer's path (`model.layers.<i>`), naming its projections in `adapters` (the MLP
         projections of a MoE layer are never adapted: lora.check_modules refuses them)."""
         attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, adapters,
-                                     f"{prefix}.self_attn")
+                                     f"{prefix}.self_attn", decode_attention)
         x = x + attn
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, router_logits) if self.moe else self.mlp(h, adapters, f"{prefix}.mlp")), cache
@@ -267,10 +283,14 @@ class CausalLM(nnx.Module):
         return positions, attention_mask.astype(bool)
 
     def forward(self, input_ids, positions, kv_mask, cache: list[LayerCache] | None, cache_index,
-                router_logits: list | None = None, adapters: AdapterBatch | None = None, remat: str = "off"):
+                router_logits: list | None = None, adapters: AdapterBatch | None = None, remat: str = "off",
+                decode_attention: str = "xla"):
         """input_ids, positions: (B, T); kv_mask: (B, S) -> hidden (B, T, H), cache. MoE layers append their
         router logits (B, T, E) to `router_logits` when given. `adapters.rows` (B,): each row's adapter. `remat`
-        (REMAT, without a cache only): what each layer keeps for a backward; `off`, all of it."""
+        (REMAT, without a cache only): what each layer keeps for a backward; `off`, all of it. `decode_attention`
+        (workers.models.decode_attention.IMPLS): how a one-token step with a cache attends; all but `xla` read row
+        b's slots from its first valid one in kv_mask to cache_index, so its valid slots must be one run there
+        (left-padded prompts); S may then be less than the slots written."""
         if remat not in REMAT:
             raise ValueError(f"remat {remat!r}: one of {sorted(REMAT)}")
         if remat != "off" and cache is not None:
@@ -290,7 +310,7 @@ class CausalLM(nnx.Module):
                 x = _remat_layer(layer, x, positions, mask, router_logits, adapters, f"model.layers.{i}")
                 continue
             x, layer_cache = layer(x, positions, mask, cache[i] if cache is not None else None, cache_index,
-                                   router_logits, adapters, f"model.layers.{i}")
+                                   router_logits, adapters, f"model.layers.{i}", decode_attention)
             if cache is not None:
                 new_cache.append(layer_cache)
         return self.model.norm(x), new_cache

@@ -21,7 +21,7 @@ parameter's dimensions, matched on its flat name (workers.models.params). A new 
     *norm.weight         (H,)/(D,) norm                    replicated
     optimizer moments              as their parameter
     batch / activations  (B, ...)  batch, ...              (dp, fsdp, ep), replicated
-    KV cache          (B, S, K, D) batch, -, kv_heads, -   (dp, fsdp, ep), -, tp, -
+    KV cache          (B, K, S, D) batch, kv_heads, -, -   (dp, fsdp, ep), tp, -, -
 
 Design decisions:
 - **Pure Python.** The control plane checks a config against this table (which axis fails to divide
@@ -78,7 +78,7 @@ PARAMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r".*norm\.weight", ("norm",)),
 )
 
-KV_CACHE = ("batch", None, "kv_heads", None)  # (B, S, K, D)
+KV_CACHE = ("batch", "kv_heads", None, None)  # (B, K, S, D)
 
 
 class ShardingError(ValueError):
@@ -247,7 +247,7 @@ def adapter_shardings(kernel_shardings: Mapping[str, Any], adapter: Mapping[str,
 
 
 def kv_cache_sharding(mesh_, *, kv_heads: int):
-    """(B, S, K, D): rows over dp x fsdp x ep, heads over tp (whole when tp does not divide them)."""
+    """(B, K, S, D): rows over dp x fsdp x ep, heads over tp (whole when tp does not divide them)."""
     shape = dict(mesh_.shape)
     return named(mesh_, tuple(_entry(_mesh_axes(name, shape, kv_heads=kv_heads)) for name in KV_CACHE))
 

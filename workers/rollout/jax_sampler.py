@@ -19,10 +19,12 @@ Design decisions:
   they agree to float rounding (a few 1e-6 in float32 on CPU), as one request alone does under another
   max_batch_size: XLA's matmuls sum in a batch-size-dependent order. The requests share the program's
   scalars (temperature, top_p, stop ids, max_new_tokens); `generate` is generate_many of one request.
-- The loop stops as soon as every row has hit a stop token. On a GPU it runs in segments (`SEGMENTS`,
-  `_segment_ends`), each attending to the cache slots it can have written, a static prefix: at batch 128 the KV
-  cache, not the weights, is most of what a step reads, and the slots not yet written need not be. On the CPU one
-  loop (each segment is a loop body compiled more).
+- The loop stops as soon as every row has hit a stop token. At batch 128 the KV cache, not the weights, is most of
+  what a step reads, and neither a row's left padding nor the slots not yet written need be. On one GPU a Pallas
+  kernel attends (`decode_attention`, workers.models.decode_attention): each row from its first prompt token to
+  the slot written last, in one loop. With XLA's attention (the CPU, a sharded mesh) the loop runs in segments on
+  a GPU (`SEGMENTS`, `_segment_ends`), each attending to the static prefix of slots it can have written; on the
+  CPU in one loop (each segment is a loop body compiled more).
 - `prepare` compiles a request's programs ahead of time, from the weights' shapes and shardings only (no
   weights on the devices needed): the scheduler's caller does it before asking for the rollout lock, so
   no task compiles while it holds a lock. `generate` runs those executables; a shape nobody prepared
@@ -56,6 +58,7 @@ from workers.compiling import compile_once, find, kept, shared_at_once
 from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import load_pretrained
+from workers.models.decode_attention import resolve as resolve_attention
 from workers.models.decoder import CausalLM, init_cache
 from workers.models.lora import LoraSpec
 from workers.models.lora_batch import AdapterBatch, check_modules, stack
@@ -97,13 +100,16 @@ class JaxSampler(StampedWeights):
 
     def __init__(self, model: CausalLM, *, max_prompt_len: int = 512, max_new_tokens: int = 256,
                  max_batch_size: int = 64, weight_version: int = 0, seed: int = 0, take_ownership: bool = False,
-                 mesh=None, prompt_padding: str = "bucket"):
+                 mesh=None, prompt_padding: str = "bucket", decode_attention: str = "auto"):
         """take_ownership: the engine may free the model's buffers (offload, update_weights);
         by default it copies them, so the caller's model stays usable.
         mesh: a `jax.sharding.Mesh` with axes (dp, fsdp, ep, tp) (workers.models.sharding.mesh); default: this
         process's first device.
         prompt_padding: "bucket" (a chunk's prompts padded to the power-of-two bucket of its longest) or "max"
-        (to max_prompt_len): see the module docstring."""
+        (to max_prompt_len): see the module docstring.
+        decode_attention: how a decode step attends (workers.models.decode_attention): "auto" (the Pallas kernel on
+        a one-GPU mesh, XLA's attention elsewhere), "xla", "pallas" (a GPU's), "interpret" (the kernel under Pallas's
+        interpreter: tests). A config sets it as rollout.engine_args.decode_attention."""
         cfg = model.config
         if prompt_padding not in PROMPT_PADDINGS:
             raise ValueError(f"prompt_padding={prompt_padding!r}; choose one of {PROMPT_PADDINGS}")
@@ -115,6 +121,8 @@ class JaxSampler(StampedWeights):
         self.max_prompt_len, self.max_new_tokens, self.max_batch_size = max_prompt_len, max_new_tokens, max_batch_size
         self.prompt_padding = prompt_padding
         self.mesh = mesh if mesh is not None else S.mesh({}, jax.devices()[:1])
+        self.decode_attention = resolve_attention(decode_attention, platform=self.mesh.devices.flat[0].platform,
+                                                  devices=self.mesh.devices.size, head_dim=cfg.head_dim)
         self._rows = S.batch_rows(dict(self.mesh.shape))  # request rows split this many ways
         self._graphdef, state = nnx.split(model)
         self._shardings = S.state_shardings(state, self.mesh, kv_heads=cfg.num_key_value_heads)
@@ -312,7 +320,8 @@ class JaxSampler(StampedWeights):
 
     def _jitted(self):
         """The jitted generate program of this engine's architecture and mesh (shared between engines)."""
-        return _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings)
+        return _program(self._graphdef, self.mesh, self.config.num_key_value_heads, self._shardings,
+                        self.decode_attention)
 
     @property
     def offloaded(self) -> bool:
@@ -533,16 +542,16 @@ def _describe(params: SamplingParams) -> str:
 _PROGRAMS: dict = kept({})
 
 
-def _program(graphdef, mesh, kv_heads: int, state_shardings):
+def _program(graphdef, mesh, kv_heads: int, state_shardings, decode_attention: str = "xla"):
     """The generate program for one architecture on one mesh, compiled with explicit shardings: weights
     as the table says, rows over dp, scalars replicated. Cached at module level, so engines over the same
     architecture and mesh share compiled programs."""
-    segments = SEGMENTS.get(mesh.devices.flat[0].platform, SEGMENTS["default"])
-    key = (graphdef, mesh, kv_heads, segments)
+    segments = segments_for(mesh.devices.flat[0].platform, decode_attention)
+    key = (graphdef, mesh, kv_heads, segments, decode_attention)
     if key not in _PROGRAMS:
         rows, vec, repl = S.batch_sharding(mesh, 2), S.batch_sharding(mesh, 1), S.replicated(mesh)
         body = partial(_generate_program, graphdef, kv_sharding=S.kv_cache_sharding(mesh, kv_heads=kv_heads),
-                       segments=segments)
+                       segments=segments, decode_attention=decode_attention)
         _PROGRAMS[key] = jax.jit(body, static_argnums=(12, 13),
                                  in_shardings=(state_shardings, rows, rows, vec, vec, vec, vec, *[repl] * 5),
                                  out_shardings=(rows, rows, vec, vec))
@@ -551,10 +560,11 @@ def _program(graphdef, mesh, kv_heads: int, state_shardings):
 
 def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, sample_idx, temperature, top_p,
                       max_new, stop, adapters: AdapterBatch | None, new_bucket: int, nucleus: bool = True, *,
-                      kv_sharding, segments: int = 1):
+                      kv_sharding, segments: int = 1, decode_attention: str = "xla"):
     """tokens/mask (B, P) left-padded, seed/prompt_idx/sample_idx (B,) -> tokens (B, N), logprobs (B, N), lengths
     (B,), stopped (B,). adapters.rows (B,): each row's LoRA adapter (-1: the base); None: no adapters. `nucleus`:
-    whether top_p (< 1) filters the tokens sampled from (False: top_p is 1, and no program reads it)."""
+    whether top_p (< 1) filters the tokens sampled from (False: top_p is 1, and no program reads it).
+    `decode_attention`: workers.models.decode_attention.IMPLS (a kernel reads each row's filled slots itself)."""
     model = nnx.merge(graphdef, state)
     b, plen = tokens.shape
     # seed (B,): each row its request's (generate_many runs several requests' rows together)
@@ -593,7 +603,7 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
         t, cache, out_tok, out_lp, done, length, stopped = c
         prev = out_tok[:, t - 1][:, None]  # (B, 1)
         h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask[:, :slots], cache, plen + t - 1,
-                                 adapters=adapters)
+                                 adapters=adapters, decode_attention=decode_attention)
         return (t + 1, cache, *emit(t, model.logits(h[:, 0], adapters), out_tok, out_lp, done, length, stopped))
 
     # Segments of the loop, each attending to the slots it can have written (static, the end of its last step):
@@ -605,11 +615,19 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
     return out_tok, out_lp, length, stopped
 
 
-# Decode loops per program, by the devices' platform: more read less of the cache, and compile one loop body each.
-# Measured by benchmarks/decode_cost.py (qwen3-0.6b, batch 128, 256 + 256 slots, XLA:GPU for an H100 without one,
-# 2-core host): bytes a step 11.40 GiB with one loop, 10.46 with 2, 9.99 with 4; compile 20 s, 34 s, 43 s. One on the
-# CPU, where a step is compute-bound and the compile is the cost (the tests compile many of these programs).
+# Decode loops per program with XLA's attention, by the devices' platform: more read less of the cache, and compile
+# one loop body each. Measured by benchmarks/decode_cost.py (qwen3-0.6b, batch 128, 256 + 256 slots, XLA:GPU for an
+# H100 without one, 2-core host): bytes a step 11.40 GiB with one loop, 10.46 with 2, 9.99 with 4; compile 20 s, 34 s,
+# 43 s. One on the CPU, where a step is compute-bound and the compile is the cost (the tests compile many of these
+# programs). A decode attention kernel reads each row's filled slots whatever the loop: one loop.
 SEGMENTS = {"cpu": 1, "default": 4}
+
+
+def segments_for(platform: str, decode_attention: str) -> int:
+    """Decode loops of a generate program on `platform` (see SEGMENTS)."""
+    if decode_attention != "xla":
+        return 1
+    return SEGMENTS.get(platform, SEGMENTS["default"])
 
 
 def _segment_ends(new_bucket: int, segments: int) -> list[int]:

@@ -70,14 +70,14 @@ class SharedSampler:
     """A JaxSampler over a shared base serving the adapters of K slots. Built by `open_view`."""
 
     def __init__(self, lease: shared_base.Lease, *, max_prompt_len: int, max_new_tokens: int, max_batch_size: int,
-                 prompt_padding: str = "bucket"):
+                 prompt_padding: str = "bucket", decode_attention: str = "auto"):
         from workers.rollout.jax_sampler import JaxSampler
 
         self.lease = lease
         # take_ownership: the base's own arrays, not a copy (it lays them out as they already are)
         self.sampler = JaxSampler(nnx.merge(lease.graphdef, lease.params), max_prompt_len=max_prompt_len,
                                   max_new_tokens=max_new_tokens, max_batch_size=max_batch_size, take_ownership=True,
-                                  mesh=lease.mesh, prompt_padding=prompt_padding)
+                                  mesh=lease.mesh, prompt_padding=prompt_padding, decode_attention=decode_attention)
         self.config, self.mesh = self.sampler.config, self.sampler.mesh
         self.slots: list[_Slot | None] = []
         self.lock = threading.RLock()
@@ -218,10 +218,12 @@ _GROUPS: dict[tuple, SharedSampler] = {}
 
 def open_view(path, *, dtype: str | None, mesh, spec: LoraSpec, max_prompt_len: int, max_new_tokens: int,
               max_batch_size: int, seed: int = 0, weight_version: int = -1,
-              prompt_padding: str = "bucket") -> AdapterView:
+              prompt_padding: str = "bucket", decode_attention: str = "auto") -> AdapterView:
     """A LoRA task's engine: a slot of its base group's sampler in this process (made now if it has none). Tasks
-    share a sampler only where they agree on its settings (prompt_padding included: it is the sampler's)."""
-    key = (shared_base.base_key(path, dtype, mesh), max_prompt_len, max_new_tokens, max_batch_size, prompt_padding)
+    share a sampler only where they agree on its settings (prompt_padding and decode_attention included: they are
+    the sampler's)."""
+    key = (shared_base.base_key(path, dtype, mesh), max_prompt_len, max_new_tokens, max_batch_size, prompt_padding,
+           decode_attention)
     with _LOCK:
         group = _GROUPS.get(key)
         if group is None:
@@ -229,7 +231,8 @@ def open_view(path, *, dtype: str | None, mesh, spec: LoraSpec, max_prompt_len: 
             try:
                 group = _GROUPS[key] = SharedSampler(lease, max_prompt_len=max_prompt_len,
                                                      max_new_tokens=max_new_tokens, max_batch_size=max_batch_size,
-                                                     prompt_padding=prompt_padding)
+                                                     prompt_padding=prompt_padding,
+                                                     decode_attention=decode_attention)
             except BaseException:
                 lease.release()
                 raise

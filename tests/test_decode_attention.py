@@ -1,0 +1,114 @@
+"""The decode attention kernel (workers.models.decode_attention) against attention written out in numpy, and the
+sampler with it against the sampler with XLA's attention. The kernel runs here under Pallas's interpreter (the same
+kernel body a GPU's Triton lowers)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from workers.models import decode_attention as A
+from workers.rollout import SamplingParams
+from workers.rollout.jax_sampler import JaxSampler
+
+
+def _numpy_attention(q, k, v, first, end):
+    """softmax(q k^T / sqrt(D)) v over slots [first[b], end) of each row, in float64, one head at a time."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, kv, g, d = q.shape
+    out = np.zeros((b, kv, g, d))
+    for i in range(b):
+        for j in range(kv):
+            keys, values = k[i, j, first[i]:end], v[i, j, first[i]:end]
+            for h in range(g):
+                scores = keys @ q[i, j, h] / np.sqrt(d)
+                weights = np.exp(scores - scores.max())
+                out[i, j, h] = weights @ values / weights.sum()
+    return out
+
+
+def _inputs(b, kv, g, s, d, dtype):
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, kv, g, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (b, kv, s, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (b, kv, s, d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize(("g", "s", "first", "end"), [
+    (2, 96, [0, 7, 40, 63], 64),   # blocks of 32; a row whose first slot is the last one attended
+    (3, 24, [0, 5, 9, 23], 24),    # 3 query heads a KV head; 24 slots: blocks of 8
+    (1, 64, [31, 32, 33, 0], 40),  # first slots either side of a block's edge
+])
+def test_the_kernel_attends_to_each_rows_slots_from_its_first_to_end(g, s, first, end):
+    q, k, v = _inputs(4, 2, g, s, 16, jnp.float32)
+    expected = _numpy_attention(q, k, v, first, end)
+    first = jnp.asarray(first, jnp.int32)
+    for impl in ("interpret", "xla"):
+        out = A.attend(q, k, v, first, jnp.int32(end), impl=impl)
+        assert out.shape == q.shape and out.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6, err_msg=impl)
+
+
+def test_slots_outside_a_rows_range_do_not_change_its_output():
+    """What the kernel skips or masks (the left padding, slots not written yet) may hold anything."""
+    q, k, v = _inputs(2, 1, 2, 64, 16, jnp.float32)
+    first, end = jnp.asarray([10, 33], jnp.int32), jnp.int32(50)
+    garbage = jnp.full_like(k, 1e4)
+    outside = (jnp.arange(64)[None, :] < first[:, None]) | (jnp.arange(64)[None, :] >= end)  # (B, S)
+    k2, v2 = (jnp.where(outside[:, None, :, None], garbage, x) for x in (k, v))
+    a = A.attend(q, k, v, first, end, impl="interpret")
+    b = A.attend(q, k2, v2, first, end, impl="interpret")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_inputs_agree_with_the_float64_attention_to_bfloat16_rounding():
+    q, k, v = _inputs(2, 2, 2, 64, 32, jnp.bfloat16)
+    first, end = [3, 20], 64
+    expected = _numpy_attention(q, k, v, first, end)
+    out = A.attend(q, k, v, jnp.asarray(first, jnp.int32), jnp.int32(end), impl="interpret")
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)  # float32 inside: only the inputs are rounded
+
+
+def test_resolve_picks_the_kernel_on_one_gpu_only():
+    assert A.resolve("auto", platform="gpu", devices=1, head_dim=128) == "pallas"
+    assert A.resolve("auto", platform="cpu", devices=1, head_dim=128) == "xla"
+    assert A.resolve("auto", platform="gpu", devices=2, head_dim=128) == "xla"  # a sharded mesh: XLA partitions
+    assert A.resolve("auto", platform="gpu", devices=1, head_dim=96) == "xla"   # Triton's blocks: powers of two
+    assert A.resolve("interpret", platform="cpu", devices=1, head_dim=64) == "interpret"
+    with pytest.raises(ValueError, match="'interpret' runs the kernel here"):
+        A.resolve("pallas", platform="cpu", devices=1, head_dim=128)
+    with pytest.raises(ValueError, match="head_dim 96 is not a power of two"):
+        A.resolve("pallas", platform="gpu", devices=1, head_dim=96)
+    with pytest.raises(ValueError, match="one-device mesh"):
+        A.resolve("interpret", platform="cpu", devices=4, head_dim=128)
+    with pytest.raises(ValueError, match="one of"):
+        A.resolve("flash", platform="gpu", devices=1, head_dim=128)
+
+
+def test_the_sampler_with_the_kernel_gives_the_tokens_of_xlas_attention(tiny_model):
+    """Prompts of several lengths (left padding of several widths), greedy and sampled: the same tokens and finish
+    reasons, log-probs within float rounding; the kernel's program decodes in one loop."""
+    model, tok = tiny_model
+    prompts = [tok.encode(p) for p in ["Hello", "What is 12 + 30?", "a", "The quick brown fox jumps over the lazy"]]
+    runs = {}
+    for impl in ("xla", "interpret"):
+        engine = JaxSampler(model, max_prompt_len=64, max_new_tokens=32, decode_attention=impl)
+        assert engine.decode_attention == impl
+        runs[impl] = [engine.generate(prompts, p) for p in (
+            SamplingParams(temperature=0, max_new_tokens=32, stop_token_ids=(tok.eos_token_id,)),
+            SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3))]
+    for xla, kernel in zip(runs["xla"], runs["interpret"], strict=True):
+        for x, y in zip(xla.samples, kernel.samples, strict=True):
+            np.testing.assert_array_equal(x.token_ids, y.token_ids)
+            assert x.finish_reason == y.finish_reason
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    assert JaxSampler(model, max_prompt_len=32, max_new_tokens=32).decode_attention == "xla"  # auto, on the CPU
+
+
+def test_a_sampler_refuses_the_gpu_kernel_on_the_cpu_and_says_what_runs_here(tiny_model):
+    model, _ = tiny_model
+    with pytest.raises(ValueError, match="'interpret' runs the kernel here"):
+        JaxSampler(model, max_prompt_len=32, max_new_tokens=8, decode_attention="pallas")
