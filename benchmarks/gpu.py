@@ -263,12 +263,21 @@ def check_decode_attention(device, model: Path, dtype: str, rows: int, prompt_le
     read = 2 * rows * kv * (int(end) - int(first[0])) * d * jnp.dtype(dt).itemsize  # k and v, the run it attends
     out.update(max_abs_diff=float(jnp.max(jnp.abs(got - want))), kernel_read_bytes=read)
     if impl != "pallas":  # the interpreter's time says nothing of a kernel's
-        return dict(out, kernel_ms=None, xla_ms=None, kernel_bytes_per_s=None)
+        return dict(out, kernel_ms=None, xla_ms=None, kernel_bytes_per_s=None, tilings=[])
     kernel_s, xla_s = timed(kernel), timed(xla)
-    return dict(out, kernel_ms=1e3 * kernel_s, xla_ms=1e3 * xla_s, kernel_bytes_per_s=read / kernel_s)
+    tilings = []  # the kernel at other tilings than its default, for the next choice of it (an error is kept)
+    for block, warps in TILINGS:
+        try:
+            tiled = jax.jit(lambda *a, block=block, warps=warps: attend(*a, impl=impl, block=block, num_warps=warps))
+            tilings.append(dict(block=block, num_warps=warps, ms=1e3 * timed(tiled)))
+        except Exception as e:
+            tilings.append(dict(block=block, num_warps=warps, error=f"{type(e).__name__}: {str(e)[:200]}"))
+    return dict(out, kernel_ms=1e3 * kernel_s, xla_ms=1e3 * xla_s, kernel_bytes_per_s=read / kernel_s,
+                tilings=tilings)
 
 
 PROMPT_TOKENS = 96  # a GSM8K chat prompt's tokens, about: the rest of prompt_len is left padding
+TILINGS = [(16, 4), (32, 2), (32, 8), (64, 4), (64, 8)]  # (block, num_warps) the probe times beside the default
 
 
 def x_bytes(mib: int) -> int:
@@ -838,8 +847,12 @@ def attention_line(check: dict, args: dict) -> str:
               f"; {check['kernel_ms']:.3f} ms reading {check['kernel_read_bytes'] / 2**20:.0f} MiB "
               f"({check['kernel_bytes_per_s'] / 1e9:.0f} GB/s) vs XLA's attention over every slot "
               f"{check['xla_ms']:.3f} ms")
+    tilings = "; ".join(f"block {t['block']} x {t['num_warps']} warps " + (f"{t['ms']:.3f} ms" if "ms" in t else
+                                                                            f"failed ({t['error']})")
+                        for t in check.get("tilings", []))
     return (f"Decode attention kernel ({check['impl']}), {at}, mid-generation: max |kernel - XLA's| "
-            f"{check['max_abs_diff']:.2e}{timing}; the runs decoded with `{args.get('decode_attention')}`.")
+            f"{check['max_abs_diff']:.2e}{timing}" + (f" (other tilings: {tilings})" if tilings else "")
+            + f"; the runs decoded with `{args.get('decode_attention')}`.")
 
 
 def progress(i: int, n: int, r: dict) -> str:

@@ -52,6 +52,14 @@ def test_the_kernel_attends_to_each_rows_slots_from_its_first_to_end(g, s, first
         np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6, err_msg=impl)
 
 
+def test_another_tiling_attends_alike():
+    """Blocks of 8 slots and 2 warps (benchmarks/gpu.py times such tilings on a GPU): the same attention."""
+    q, k, v = _inputs(2, 1, 2, 48, 16, jnp.float32)
+    first, end = [5, 17], 41
+    out = A.attend(q, k, v, jnp.asarray(first, jnp.int32), jnp.int32(end), impl="interpret", block=8, num_warps=2)
+    np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, k, v, first, end), atol=2e-6)
+
+
 def test_slots_outside_a_rows_range_do_not_change_its_output():
     """What the kernel skips or masks (the left padding, slots not written yet) may hold anything."""
     q, k, v = _inputs(2, 1, 2, 64, 16, jnp.float32)

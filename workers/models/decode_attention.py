@@ -32,18 +32,22 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ("xla", "pallas", "interpret")
+# The kernel's tiling, untuned (no GPU has run it yet; benchmarks/gpu.py's probe times it at other values too)
 BLOCK = 32  # most slots a kernel iteration reads: the granularity of what `pallas` skips
 NUM_WARPS = 4
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array, end, *, impl: str) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array, end, *, impl: str, block: int = BLOCK,
+           num_warps: int = NUM_WARPS) -> jax.Array:
     """q (B, K, G, D), k/v (B, K, S, D), first (B,) int, end () int -> (B, K, G, D) float32: softmax(q k^T /
-    sqrt(D)) v over slots [first[b], end) of row b. A row with no slot in that range gets zeros."""
+    sqrt(D)) v over slots [first[b], end) of row b. A row with no slot in that range gets zeros. `block`, `num_warps`:
+    the kernel's tiling (a power of two; the block is at most the largest power of two dividing S)."""
     if impl not in IMPLS:
         raise ValueError(f"decode attention {impl!r}: one of {IMPLS}")
     if impl == "xla":
         return reference(q, k, v, first, end)
-    return _pallas(q, k, v, first.astype(jnp.int32), jnp.asarray(end, jnp.int32), interpret=impl == "interpret")
+    return _pallas(q, k, v, first.astype(jnp.int32), jnp.asarray(end, jnp.int32), interpret=impl == "interpret",
+                   block=block, num_warps=num_warps)
 
 
 def reference(q, k, v, first, end) -> jax.Array:
@@ -101,7 +105,7 @@ def resolve(requested: str, *, platform: str, devices: int, head_dim: int) -> st
     return requested
 
 
-def _pallas(q, k, v, first, end, *, interpret: bool):
+def _pallas(q, k, v, first, end, *, interpret: bool, block: int, num_warps: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pl_triton
 
@@ -110,7 +114,7 @@ def _pallas(q, k, v, first, end, *, interpret: bool):
     why = unsupported(d)
     if why:
         raise ValueError(f"decode attention: {why}; use 'xla'")
-    block = math.gcd(BLOCK, s & -s)  # a power of two dividing S (the sampler's are a sum of two powers of two)
+    block = math.gcd(block, s & -s)  # a power of two dividing S (the sampler's are a sum of two powers of two)
     ends = jnp.broadcast_to(end, (b,)).astype(jnp.int32)
     kernel = functools.partial(_kernel, groups=g, block=block, scale=d**-0.5)
     return pl.pallas_call(
@@ -127,7 +131,7 @@ def _pallas(q, k, v, first, end, *, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((b, kv, g, d), jnp.float32),
         # Triton, named: where JAX's default GPU backend is Mosaic GPU, it stages a program's whole blocks (all of
         # its S slots of k and v) in shared memory, more than an H100 has at 512 slots of 128
-        compiler_params=pl_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+        compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="rlsched_decode_attention",
     )(q, k, v, first, ends)
