@@ -576,7 +576,8 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
 
     cache = [jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, kv_sharding), layer)
              for layer in init_cache(model.config, b, plen + new_bucket)]
-    hidden, cache = model.forward(tokens, positions, kv_mask, cache, 0, adapters=adapters)
+    # the prompt attends to the prompt's slots alone: scores over the new-token slots would be masked out anyway
+    hidden, cache = model.forward(tokens, positions, mask, cache, 0, adapters=adapters)
     logits = model.logits(hidden[:, -1], adapters)  # left padding: the last column is every row's last prompt token
 
     def emit(t, logits, out_tok, out_lp, done, length, stopped):
