@@ -120,3 +120,32 @@ def test_a_sampler_refuses_the_gpu_kernel_on_the_cpu_and_says_what_runs_here(tin
     model, _ = tiny_model
     with pytest.raises(ValueError, match="'interpret' runs the kernel here"):
         JaxSampler(model, max_prompt_len=32, max_new_tokens=8, decode_attention="pallas")
+
+
+def test_a_lora_base_groups_views_decode_alike_with_the_kernel(tiny_model_dir):
+    """A LoRA task's engine is a slot of its base group's shared sampler, whose decode attention is one of the
+    group's settings: views asking for another are another group; each group's adapted tokens are the same."""
+    from workers.models import lora as L
+    from workers.models import sharding as S
+    from workers.rollout.shared_engine import open_view
+
+    spec = L.LoraSpec(rank=4, alpha=8.0, targets=("q", "v", "down"))
+    request = ([[5, 6, 7, 8], [9, 10, 11]], SamplingParams(n=2, seed=7, temperature=1.0, max_new_tokens=8))
+    views = {impl: open_view(tiny_model_dir, dtype=None, mesh=S.mesh({}, jax.devices()[:1]), spec=spec,
+                             max_prompt_len=16, max_new_tokens=8, max_batch_size=8, decode_attention=impl)
+             for impl in ("xla", "interpret")}
+    try:
+        assert views["xla"].group is not views["interpret"].group
+        outs = {}
+        for impl, view in views.items():
+            assert view.group.sampler.decode_attention == impl
+            rng = np.random.default_rng(3)
+            shapes = L.adapter_shapes(view.config, spec)
+            view.update_weights({n: rng.normal(0, 0.3, s).astype(np.float32) for n, s in shapes.items()}, 1)
+            outs[impl] = view.generate(*request)
+    finally:
+        for view in views.values():
+            view.close()
+    for x, y in zip(outs["xla"].samples, outs["interpret"].samples, strict=True):
+        np.testing.assert_array_equal(x.token_ids, y.token_ids)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)

@@ -31,7 +31,9 @@ def test_a_lora_task_trains_under_ray_and_exports_its_adapter(tmp_path, tiny_mod
                 "--set", "tasks.0.lora.rank=8", "--set", "tasks.0.lora.targets=[q,v,down]",
                 "--set", "tasks.0.steps=3", "--set", "tasks.0.checkpoint_every=3",
                 "--set", "tasks.0.grpo.prompts_per_step=4", "--set", "tasks.0.grpo.num_generations=4",
-                "--set", "tasks.0.grpo.mini_batch_size=8")
+                "--set", "tasks.0.grpo.mini_batch_size=8",
+                # the decode attention kernel under Pallas's interpreter: the setting reaches the base group's sampler
+                "--set", "tasks.0.rollout.engine_args={decode_attention: interpret}")
     assert done.returncode == 0, done.stdout + done.stderr
     run = tmp_path / "demo-addition"
     metrics = read_metrics(run / "tasks" / "addition" / "metrics.jsonl")
