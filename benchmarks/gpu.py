@@ -141,6 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override a setting of every task, as `rlsched train --set` (repeatable)")
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/gpu-<device kind>")
     p.add_argument("--probe", type=Path, default=None, help=argparse.SUPPRESS)  # the child: device and model
+    p.add_argument("--check-attention", type=Path, default=None, help=argparse.SUPPRESS)  # the child: the kernel
     args = p.parse_args(argv)
     bad = [x for x in args.layouts if x not in LAYOUTS]
     if bad or not args.layouts:
@@ -178,11 +179,9 @@ def child_env() -> dict[str, str]:
 
 # ---- the device: its kind, allocator and copy bandwidth (in a child: this process never opens the device) ----
 
-def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path,
-                 rows_and_slots: tuple[int, int, int] = (4, 32, 32)) -> dict:
-    """Run in the probe's child: the device's kind, the bandwidth of a copy of `copy_mib` MiB on it, the model of
-    `preset` at `model` (made here, if it is not there yet: one process start less), and the decode attention
-    kernel checked on the device at the engine's (rows, prompt_len, new_tokens) (`check_decode_attention`)."""
+def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path) -> dict:
+    """Run in the probe's child: the device's kind, the bandwidth of a copy of `copy_mib` MiB on it, and the
+    model of `preset` at `model` (made here, if it is not there yet: one process start less)."""
     if USER_PLATFORMS is None:  # this child imported benchmarks.common too, which defaults JAX to the CPU
         os.environ.pop("JAX_PLATFORMS", None)
     import jax
@@ -212,24 +211,27 @@ def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path,
     return dict(kind=device.device_kind, platform=device.platform, count=len(jax.devices()),
                 allocator_stats=stats is not None, bytes_limit=(stats or {}).get("bytes_limit"),
                 copy=dict(bytes=2 * x_bytes(mib), seconds=best, bandwidth_bytes_per_s=2 * x_bytes(mib) / best),
-                decode_attention=check_decode_attention(device, model, dtype, *rows_and_slots),
                 env=environment(), dtype=dtype, model_s=model_s,
                 jax_platforms=os.environ.get("JAX_PLATFORMS"))  # what JAX was told here (None: its own choice)
 
 
-def check_decode_attention(device, model: Path, dtype: str, rows: int, prompt_len: int, new_tokens: int) -> dict:
+def check_decode_attention(model: Path, dtype: str, rows: int, prompt_len: int, new_tokens: int) -> dict:
     """The decode attention kernel on this device at the engine's shape (rows x the model's KV heads, prompt_len +
     new_tokens slots) against XLA's attention over the whole cache (what one decode loop of `xla` reads): its
     largest difference (float32 outputs), and both timed mid-generation (slots from the first of a GSM8K-long
     prompt, PROMPT_TOKENS, to prompt_len + new_tokens / 2), with the bytes the kernel reads. The kernel is the
-    GPU's `pallas`, elsewhere the same body under Pallas's interpreter (slow: its time is no figure). An error is
-    returned as such: the runs then decode with `xla`."""
+    GPU's `pallas`, elsewhere the same body under Pallas's interpreter (slow: its time is no figure). Run in a
+    child of its own (`attention_check`): an error, or the child's death, is returned as such, and the runs then
+    decode with `xla`."""
+    if USER_PLATFORMS is None:  # as the probe's child: JAX's own choice of device
+        os.environ.pop("JAX_PLATFORMS", None)
     import jax
     import jax.numpy as jnp
 
     from workers.models.config import ModelConfig
     from workers.models.decode_attention import attend, reference, unsupported
 
+    device = jax.devices()[0]
     cfg = ModelConfig.from_dir(model)
     kv, groups, d = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
     slots = prompt_len + new_tokens
@@ -278,6 +280,19 @@ def check_decode_attention(device, model: Path, dtype: str, rows: int, prompt_le
 
 PROMPT_TOKENS = 96  # a GSM8K chat prompt's tokens, about: the rest of prompt_len is left padding
 TILINGS = [(16, 4), (32, 2), (32, 8), (64, 4), (64, 8)]  # (block, num_warps) the probe times beside the default
+
+
+def attention_check(args, model: Path, dtype: str) -> dict:
+    """`check_decode_attention` in a child process (a kernel that kills its process takes only the check with it)."""
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--check-attention", str(model), "--dtype", dtype,
+                           *(f"--{k}={getattr(args, k.replace('-', '_'))}"
+                             for k in ("prompts", "generations", "prompt-len", "new-tokens"))],
+                          env=child_env(), capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        return dict(impl="pallas", shape=None, seconds=time.perf_counter() - t0,
+                    error=f"the check's process ended with {done.returncode}: {done.stderr.strip()[-500:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]), seconds=time.perf_counter() - t0)
 
 
 def x_bytes(mib: int) -> int:
@@ -557,8 +572,11 @@ def estimate_s(run: Run, done: list[dict]) -> float | None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.probe is not None:  # the probe's child: one JSON line
-        print(json.dumps(probe_device(args.copy_mib, args.preset, args.dtype, args.probe,
-                                      (args.prompts * args.generations, args.prompt_len, args.new_tokens))))
+        print(json.dumps(probe_device(args.copy_mib, args.preset, args.dtype, args.probe)))
+        return {}
+    if args.check_attention is not None:  # the decode attention check's child: one JSON line
+        print(json.dumps(check_decode_attention(args.check_attention, args.dtype, args.prompts * args.generations,
+                                                args.prompt_len, args.new_tokens)))
         return {}
     t_start = time.perf_counter()
     work = args.work or Path(tempfile.mkdtemp(prefix="rlsched-gpubench-"))
@@ -566,9 +584,7 @@ def main(argv=None) -> dict:
     shutil.rmtree(work / "jax_cache", ignore_errors=True)  # the first run's cache is cold
     model = work / "models" / f"{args.preset}-{args.dtype}"
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--probe", str(model), "--preset", args.preset,
-                           "--dtype", args.dtype, *(["--copy-mib", str(args.copy_mib)] if args.copy_mib else []),
-                           *(f"--{k}={getattr(args, k.replace('-', '_'))}"
-                             for k in ("prompts", "generations", "prompt-len", "new-tokens"))],
+                           "--dtype", args.dtype, *(["--copy-mib", str(args.copy_mib)] if args.copy_mib else [])],
                           env=child_env(), capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         if args.work is None:
@@ -579,7 +595,7 @@ def main(argv=None) -> dict:
     clock = {"probe_s": time.perf_counter() - t_start - device["model_s"], "model_s": device.pop("model_s"),
              "runs_s": 0.0}
     device["slug"] = slug(device["kind"])
-    check = device["decode_attention"]
+    check = device["decode_attention"] = attention_check(args, model, dtype)
     if check.get("error") and args.decode_attention == "auto":  # the kernel fails here: the runs decode without it
         args.decode_attention = "xla"
         print(f"decode attention kernel ({check['impl']}) failed on this device, the runs use xla: {check['error']}",
@@ -592,7 +608,8 @@ def main(argv=None) -> dict:
           f"{device['copy']['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, probe {clock['probe_s']:.1f} s; model: "
           f"{args.preset} ({params / 1e6:.1f}M params, {dtype}), {clock['model_s']:.1f} s", flush=True)
     runs = plan_runs(args)
-    results = dict(args={k: str(v) for k, v in vars(args).items() if k != "probe"}, env=env, device=device,
+    results = dict(args={k: str(v) for k, v in vars(args).items() if k not in ("probe", "check_attention")},
+                   env=env, device=device,
                    model=dict(preset=args.preset, dtype=dtype, params=params, head_params=head),
                    flops_formula=FLOPS_FORMULA,
                    planned=[r.name for r in runs], runs=[], skipped=[], time=clock)
@@ -838,7 +855,8 @@ def report(results: dict) -> str:
 def attention_line(check: dict, args: dict) -> str:
     """The probe's check of the decode attention kernel, in words."""
     shape = check["shape"]
-    at = (f"{shape['rows']} rows x {shape['kv_heads']} KV heads x {shape['groups']} query heads each, "
+    at = ("its shape unknown" if shape is None else
+          f"{shape['rows']} rows x {shape['kv_heads']} KV heads x {shape['groups']} query heads each, "
           f"{shape['slots']} slots of {shape['head_dim']}")
     if check.get("error"):
         return (f"Decode attention kernel ({check['impl']}), {at}: failed on this device ({check['error']}); the "
