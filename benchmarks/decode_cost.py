@@ -172,7 +172,8 @@ def step_ops(hlo: str, loop: int = 0, kernel_share: float = 1.0) -> list[dict]:
 def kernel_slots(prompt_len: int, new_tokens: int, prompt_tokens: int) -> float:
     """The slots the decode attention kernel (workers.models.decode_attention) reads a step, on average over a
     generation's decode steps, for rows of `prompt_tokens` real prompt tokens left-padded to `prompt_len`: from
-    the block holding a row's first prompt token to the block holding the slot written that step."""
+    the block holding a row's first prompt token to the block holding the slot written that step (every row live:
+    a row that has stopped reads none)."""
     from workers.models.decode_attention import BLOCK
 
     slots = prompt_len + new_tokens

@@ -15,13 +15,17 @@ from workers.rollout.jax_sampler import JaxSampler
 
 
 def _numpy_attention(q, k, v, first, end):
-    """softmax(q k^T / sqrt(D)) v over slots [first[b], end) of each row, in float64, one head at a time."""
+    """softmax(q k^T / sqrt(D)) v over slots [first[b], end[b]) of each row (end: one for all, or one a row), in
+    float64, one head at a time; a row with no slots: zeros."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, kv, g, d = q.shape
+    ends = np.broadcast_to(end, (b,))
     out = np.zeros((b, kv, g, d))
     for i in range(b):
+        if ends[i] <= first[i]:
+            continue
         for j in range(kv):
-            keys, values = k[i, j, first[i]:end], v[i, j, first[i]:end]
+            keys, values = k[i, j, first[i]:ends[i]], v[i, j, first[i]:ends[i]]
             for h in range(g):
                 scores = keys @ q[i, j, h] / np.sqrt(d)
                 weights = np.exp(scores - scores.max())
@@ -41,13 +45,14 @@ def _inputs(b, kv, g, s, d, dtype):
     (2, 96, [0, 7, 40, 63], 64),   # blocks of 32; a row whose first slot is the last one attended
     (3, 24, [0, 5, 9, 23], 24),    # 3 query heads a KV head; 24 slots: blocks of 8
     (1, 64, [31, 32, 33, 0], 40),  # first slots either side of a block's edge
+    (2, 64, [3, 9, 20, 0], [64, 9, 33, 1]),  # an end a row: row 1 has finished (an empty run: zeros)
 ])
 def test_the_kernel_attends_to_each_rows_slots_from_its_first_to_end(g, s, first, end):
     q, k, v = _inputs(4, 2, g, s, 16, jnp.float32)
     expected = _numpy_attention(q, k, v, first, end)
     first = jnp.asarray(first, jnp.int32)
     for impl in ("interpret", "xla"):
-        out = A.attend(q, k, v, first, jnp.int32(end), impl=impl)
+        out = A.attend(q, k, v, first, jnp.asarray(end, jnp.int32), impl=impl)
         assert out.shape == q.shape and out.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6, err_msg=impl)
 
@@ -97,8 +102,9 @@ def test_resolve_picks_the_kernel_on_one_gpu_only():
 
 
 def test_the_sampler_with_the_kernel_gives_the_tokens_of_xlas_attention(tiny_model):
-    """Prompts of several lengths (left padding of several widths), greedy and sampled: the same tokens and finish
-    reasons, log-probs within float rounding; the kernel's program decodes in one loop."""
+    """Prompts of several lengths (left padding of several widths), greedy and sampled (with stop tokens some rows
+    hit early: the kernel reads nothing of a finished row): the same tokens and finish reasons, log-probs within
+    float rounding."""
     model, tok = tiny_model
     prompts = [tok.encode(p) for p in ["Hello", "What is 12 + 30?", "a", "The quick brown fox jumps over the lazy"]]
     runs = {}
@@ -107,7 +113,9 @@ def test_the_sampler_with_the_kernel_gives_the_tokens_of_xlas_attention(tiny_mod
         assert engine.decode_attention == impl
         runs[impl] = [engine.generate(prompts, p) for p in (
             SamplingParams(temperature=0, max_new_tokens=32, stop_token_ids=(tok.eos_token_id,)),
-            SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3))]
+            SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3, stop_token_ids=tuple(range(0, 384, 24))))]
+    lengths = [len(s.token_ids) for s in runs["xla"][1].samples]
+    assert min(lengths) < max(lengths), lengths  # rows finished at several steps
     for xla, kernel in zip(runs["xla"], runs["interpret"], strict=True):
         for x, y in zip(xla.samples, kernel.samples, strict=True):
             np.testing.assert_array_equal(x.token_ids, y.token_ids)

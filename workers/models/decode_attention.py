@@ -1,9 +1,10 @@
 """`decode_attention`: one decode step's attention over a KV cache, reading only each row's filled slots.
 
-    attend(q (B, K, G, D), k (B, K, S, D), v (B, K, S, D), first (B,), end (), impl=) -> (B, K, G, D) float32
+    attend(q (B, K, G, D), k (B, K, S, D), v (B, K, S, D), first (B,), end () or (B,), impl=) -> (B, K, G, D) float32
 
-Row b attends to the slots [first[b], end) of its cache: the sampler's prompts are left-padded, so a row's valid
-slots are one contiguous run, from its first prompt token to the slot written last. K KV heads, G query heads per
+Row b attends to the slots [first[b], end[b]) of its cache: the sampler's prompts are left-padded, so a row's valid
+slots are one contiguous run, from its first prompt token to the slot written last; a row that has finished
+decoding gets an empty run, and the kernel reads none of its slots. K KV heads, G query heads per
 KV head (grouped-query attention), S slots, D the head's width.
 
 Why a kernel: at batch 128 a decode step's bytes are mostly the KV cache (docs/performance.md), and XLA's attention
@@ -39,9 +40,9 @@ NUM_WARPS = 4
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array, end, *, impl: str, block: int = BLOCK,
            num_warps: int = NUM_WARPS) -> jax.Array:
-    """q (B, K, G, D), k/v (B, K, S, D), first (B,) int, end () int -> (B, K, G, D) float32: softmax(q k^T /
-    sqrt(D)) v over slots [first[b], end) of row b. A row with no slot in that range gets zeros. `block`, `num_warps`:
-    the kernel's tiling (a power of two; the block is at most the largest power of two dividing S)."""
+    """q (B, K, G, D), k/v (B, K, S, D), first (B,) int, end () or (B,) int -> (B, K, G, D) float32: softmax(q k^T /
+    sqrt(D)) v over slots [first[b], end[b]) of row b. A row with no slot in that range gets zeros. `block`,
+    `num_warps`: the kernel's tiling (a power of two; the block is at most the largest power of two dividing S)."""
     if impl not in IMPLS:
         raise ValueError(f"decode attention {impl!r}: one of {IMPLS}")
     if impl == "xla":
@@ -56,7 +57,8 @@ def reference(q, k, v, first, end) -> jax.Array:
     d = q.shape[-1]
     scores = jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32) * d**-0.5
     slot = jnp.arange(k.shape[2])
-    valid = (slot[None, :] >= first[:, None]) & (slot[None, :] < end)  # (B, S)
+    end = jnp.broadcast_to(end, first.shape)
+    valid = (slot[None, :] >= first[:, None]) & (slot[None, :] < end[:, None])  # (B, S)
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.where(valid[:, None, None, :], jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)

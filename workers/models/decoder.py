@@ -125,10 +125,12 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, cfg=cfg) if cfg.qk_norm else None
 
     def __call__(self, x, positions, mask, cache: LayerCache | None, cache_index,
-                 adapters: AdapterBatch | None = None, prefix: str = "", decode_attention: str = "xla"):
+                 adapters: AdapterBatch | None = None, prefix: str = "", decode_attention: str = "xla",
+                 live: jax.Array | None = None):
         """x: (B, T, H); positions: (B, T); mask: (B, T, S) bool -> (B, T, H), updated cache. `prefix`: this
         module's path (`model.layers.<i>.self_attn`), naming its projections in `adapters`. `decode_attention`
-        (workers.models.decode_attention.IMPLS): how a one-token step with a cache attends."""
+        (workers.models.decode_attention.IMPLS): how a one-token step with a cache attends; `live` (B,): the rows
+        still decoding (a kernel reads no slot of the others, whose output is then zero attention)."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -152,7 +154,8 @@ class Attention(nnx.Module):
                 # A kernel reading each row's slots from its first valid one (left padding contiguous before it)
                 # to the one written now, whatever the mask's static length
                 first = jnp.argmax(mask[:, 0, :], axis=-1)
-                out = attend(q[:, 0], kk, v, first, cache_index + 1, impl=decode_attention)
+                end = cache_index + 1 if live is None else jnp.where(live, cache_index + 1, first)
+                out = attend(q[:, 0], kk, v, first, end, impl=decode_attention)
                 out = out.astype(v.dtype).reshape(b, t, n * d)
                 return self.o_proj(out, _delta(adapters, f"{prefix}.o_proj", out)), cache
             # Attend to the slots the mask covers, the cache's first S: a decode step reads the slots written so far,
@@ -192,11 +195,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoeBlock(cfg, rngs, _dtype(cfg)) if self.moe else MLP(cfg, rngs)
 
     def __call__(self, x, positions, mask, cache, cache_index, router_logits=None,
-                 adapters: AdapterBatch | None = None, prefix: str = "", decode_attention: str = "xla"):
+                 adapters: AdapterBatch | None = None, prefix: str = "", decode_attention: str = "xla", live=None):
         """`prefix`: this layer's path (`model.layers.<i>`), naming its projections in `adapters` (the MLP
         projections of a MoE layer are never adapted: lora.check_modules refuses them)."""
         attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, adapters,
-                                     f"{prefix}.self_attn", decode_attention)
+                                     f"{prefix}.self_attn", decode_attention, live)
         x = x + attn
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, router_logits) if self.moe else self.mlp(h, adapters, f"{prefix}.mlp")), cache
@@ -284,13 +287,14 @@ class CausalLM(nnx.Module):
 
     def forward(self, input_ids, positions, kv_mask, cache: list[LayerCache] | None, cache_index,
                 router_logits: list | None = None, adapters: AdapterBatch | None = None, remat: str = "off",
-                decode_attention: str = "xla"):
+                decode_attention: str = "xla", live: jax.Array | None = None):
         """input_ids, positions: (B, T); kv_mask: (B, S) -> hidden (B, T, H), cache. MoE layers append their
         router logits (B, T, E) to `router_logits` when given. `adapters.rows` (B,): each row's adapter. `remat`
         (REMAT, without a cache only): what each layer keeps for a backward; `off`, all of it. `decode_attention`
         (workers.models.decode_attention.IMPLS): how a one-token step with a cache attends; all but `xla` read row
         b's slots from its first valid one in kv_mask to cache_index, so its valid slots must be one run there
-        (left-padded prompts); S may then be less than the slots written."""
+        (left-padded prompts); S may then be less than the slots written. `live` (B,): the rows still decoding; the
+        others' attention, with a kernel, reads nothing and is zero (their outputs are the caller's to drop)."""
         if remat not in REMAT:
             raise ValueError(f"remat {remat!r}: one of {sorted(REMAT)}")
         if remat != "off" and cache is not None:
@@ -310,7 +314,7 @@ class CausalLM(nnx.Module):
                 x = _remat_layer(layer, x, positions, mask, router_logits, adapters, f"model.layers.{i}")
                 continue
             x, layer_cache = layer(x, positions, mask, cache[i] if cache is not None else None, cache_index,
-                                   router_logits, adapters, f"model.layers.{i}", decode_attention)
+                                   router_logits, adapters, f"model.layers.{i}", decode_attention, live)
             if cache is not None:
                 new_cache.append(layer_cache)
         return self.model.norm(x), new_cache

@@ -603,8 +603,9 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
     def body(c, slots):
         t, cache, out_tok, out_lp, done, length, stopped = c
         prev = out_tok[:, t - 1][:, None]  # (B, 1)
+        # a finished row's attention reads nothing with the kernel: its token is dropped (emit), whatever it is
         h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask[:, :slots], cache, plen + t - 1,
-                                 adapters=adapters, decode_attention=decode_attention)
+                                 adapters=adapters, decode_attention=decode_attention, live=~done)
         return (t + 1, cache, *emit(t, model.logits(h[:, 0], adapters), out_tok, out_lp, done, length, stopped))
 
     # Segments of the loop, each attending to the slots it can have written (static, the end of its last step):
