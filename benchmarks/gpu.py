@@ -207,11 +207,10 @@ def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path) -> 
     t0 = time.perf_counter()
     if not (model / "config.json").is_file():
         init_model(model, preset=preset, dtype=dtype)
-    model_s = time.perf_counter() - t0
     return dict(kind=device.device_kind, platform=device.platform, count=len(jax.devices()),
                 allocator_stats=stats is not None, bytes_limit=(stats or {}).get("bytes_limit"),
                 copy=dict(bytes=2 * x_bytes(mib), seconds=best, bandwidth_bytes_per_s=2 * x_bytes(mib) / best),
-                env=environment(), dtype=dtype, model_s=model_s,
+                env=environment(), dtype=dtype, model_s=time.perf_counter() - t0,
                 jax_platforms=os.environ.get("JAX_PLATFORMS"))  # what JAX was told here (None: its own choice)
 
 

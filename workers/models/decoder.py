@@ -125,12 +125,11 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, cfg=cfg) if cfg.qk_norm else None
 
     def __call__(self, x, positions, mask, cache: LayerCache | None, cache_index,
-                 adapters: AdapterBatch | None = None, prefix: str = "", decode_attention: str = "xla",
-                 live: jax.Array | None = None):
+                 adapters: AdapterBatch | None = None, prefix: str = "", span: tuple | None = None):
         """x: (B, T, H); positions: (B, T); mask: (B, T, S) bool -> (B, T, H), updated cache. `prefix`: this
-        module's path (`model.layers.<i>.self_attn`), naming its projections in `adapters`. `decode_attention`
-        (workers.models.decode_attention.IMPLS): how a one-token step with a cache attends; `live` (B,): the rows
-        still decoding (a kernel reads no slot of the others, whose output is then zero attention)."""
+        module's path (`model.layers.<i>.self_attn`), naming its projections in `adapters`. `span`: (impl, first
+        (B,), end (B,)) where a decode kernel attends (workers.models.decode_attention: row b's slots [first, end)
+        of the cache, whatever the mask's length), None for XLA's attention over the mask (CausalLM.forward)."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -150,12 +149,9 @@ class Attention(nnx.Module):
             kk = jax.lax.dynamic_update_slice_in_dim(cache.k, kk, cache_index, axis=2)
             v = jax.lax.dynamic_update_slice_in_dim(cache.v, v, cache_index, axis=2)
             cache = LayerCache(kk, v)
-            if t == 1 and decode_attention != "xla":
-                # A kernel reading each row's slots from its first valid one (left padding contiguous before it)
-                # to the one written now, whatever the mask's static length
-                first = jnp.argmax(mask[:, 0, :], axis=-1)
-                end = cache_index + 1 if live is None else jnp.where(live, cache_index + 1, first)
-                out = attend(q[:, 0], kk, v, first, end, impl=decode_attention)
+            if span is not None:
+                impl, first, end = span
+                out = attend(q[:, 0], kk, v, first, end, impl=impl)
                 out = out.astype(v.dtype).reshape(b, t, n * d)
                 return self.o_proj(out, _delta(adapters, f"{prefix}.o_proj", out)), cache
             # Attend to the slots the mask covers, the cache's first S: a decode step reads the slots written so far,
@@ -195,11 +191,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoeBlock(cfg, rngs, _dtype(cfg)) if self.moe else MLP(cfg, rngs)
 
     def __call__(self, x, positions, mask, cache, cache_index, router_logits=None,
-                 adapters: AdapterBatch | None = None, prefix: str = "", decode_attention: str = "xla", live=None):
+                 adapters: AdapterBatch | None = None, prefix: str = "", span: tuple | None = None):
         """`prefix`: this layer's path (`model.layers.<i>`), naming its projections in `adapters` (the MLP
         projections of a MoE layer are never adapted: lora.check_modules refuses them)."""
         attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, adapters,
-                                     f"{prefix}.self_attn", decode_attention, live)
+                                     f"{prefix}.self_attn", span)
         x = x + attn
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, router_logits) if self.moe else self.mlp(h, adapters, f"{prefix}.mlp")), cache
@@ -307,6 +303,13 @@ class CausalLM(nnx.Module):
         query_slot = cache_index + jnp.arange(t)
         causal = jnp.arange(s)[None, :] <= query_slot[:, None]  # (T, S)
         mask = causal[None] & kv_mask[:, None, :]  # (B, T, S)
+        span = None  # where a decode kernel attends, found once for every layer
+        if cache is not None and t == 1 and decode_attention != "xla":
+            # each row from its first valid slot (left padding contiguous before it) to the one written now; a
+            # finished row, nothing
+            first = jnp.argmax(kv_mask, axis=-1)
+            end = jnp.full_like(first, cache_index + 1) if live is None else jnp.where(live, cache_index + 1, first)
+            span = (decode_attention, first, end)
         x = self.model.embed_tokens(input_ids)
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.model.layers):
@@ -314,7 +317,7 @@ class CausalLM(nnx.Module):
                 x = _remat_layer(layer, x, positions, mask, router_logits, adapters, f"model.layers.{i}")
                 continue
             x, layer_cache = layer(x, positions, mask, cache[i] if cache is not None else None, cache_index,
-                                   router_logits, adapters, f"model.layers.{i}", decode_attention, live)
+                                   router_logits, adapters, f"model.layers.{i}", span)
             if cache is not None:
                 new_cache.append(layer_cache)
         return self.model.norm(x), new_cache
