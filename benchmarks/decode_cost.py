@@ -236,7 +236,7 @@ def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int,
     args = (sds(prompt, np.int32), sds(prompt, np.bool_), sds(rows, np.bool_), sds(rows, np.uint32),
             sds(rows, np.int32), sds(rows, np.int32), sds((), np.float32), sds((), np.float32), sds((), np.int32),
             sds((_STOP_SLOTS,), np.int32), None, new_tokens, False)
-    attention = resolve(decode_attention, platform=device.platform, devices=1, head_dim=config.head_dim)
+    attention = resolve(decode_attention, platform=device.platform, head_dim=config.head_dim)
     program = _program(graphdef, mesh, config.num_key_value_heads, shardings, attention)
     return (lambda: program.lower(weights, *args)), sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
 

@@ -129,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beta", type=float, default=0.08)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--decode-attention", choices=("auto", "xla", "pallas"), default="auto",
-                   help="the runs' rollout.engine_args.decode_attention (auto: the Pallas kernel on one GPU, unless "
+                   help="the runs' rollout.engine_args.decode_attention (auto: the Pallas kernel on GPUs, unless "
                         "the probe's check of it on the device failed: then xla, and the report says why)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="MiB of the bandwidth probe's copy (default 2048, 64 on CPU)")

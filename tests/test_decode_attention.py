@@ -85,20 +85,84 @@ def test_bfloat16_inputs_agree_with_the_float64_attention_to_bfloat16_rounding()
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)  # float32 inside: only the inputs are rounded
 
 
-def test_resolve_picks_the_kernel_on_one_gpu_only():
-    assert A.resolve("auto", platform="gpu", devices=1, head_dim=128) == "pallas"
-    assert A.resolve("auto", platform="cpu", devices=1, head_dim=128) == "xla"
-    assert A.resolve("auto", platform="gpu", devices=2, head_dim=128) == "xla"  # a sharded mesh: XLA partitions
-    assert A.resolve("auto", platform="gpu", devices=1, head_dim=96) == "xla"   # Triton's blocks: powers of two
-    assert A.resolve("interpret", platform="cpu", devices=1, head_dim=64) == "interpret"
+def test_resolve_picks_the_kernel_on_gpus():
+    assert A.resolve("auto", platform="gpu", head_dim=128) == "pallas"  # one GPU or a mesh: attend partitions it
+    assert A.resolve("auto", platform="cpu", head_dim=128) == "xla"
+    assert A.resolve("auto", platform="gpu", head_dim=96) == "xla"   # Triton's blocks: powers of two
+    assert A.resolve("interpret", platform="cpu", head_dim=64) == "interpret"
     with pytest.raises(ValueError, match="'interpret' runs the kernel here"):
-        A.resolve("pallas", platform="cpu", devices=1, head_dim=128)
+        A.resolve("pallas", platform="cpu", head_dim=128)
     with pytest.raises(ValueError, match="head_dim 96 is not a power of two"):
-        A.resolve("pallas", platform="gpu", devices=1, head_dim=96)
-    with pytest.raises(ValueError, match="one-device mesh"):
-        A.resolve("interpret", platform="cpu", devices=4, head_dim=128)
+        A.resolve("pallas", platform="gpu", head_dim=96)
     with pytest.raises(ValueError, match="one of"):
-        A.resolve("flash", platform="gpu", devices=1, head_dim=128)
+        A.resolve("flash", platform="gpu", head_dim=128)
+
+
+def _mesh(shape):
+    from workers.models import sharding as S
+
+    return S.mesh(shape, jax.devices()[: S.num_devices(shape)])
+
+
+@pytest.mark.parametrize("shape", [dict(dp=2, tp=2), dict(tp=4), dict(dp=4)], ids=str)
+def test_on_a_mesh_the_kernel_attends_on_each_devices_shard_of_the_cache(shape):
+    """The cache laid out as an engine's (rows over dp, 2 KV heads over tp 2; whole where tp 4 does not divide
+    them): each device attends to its shard, the same attention as numpy's, and the program moves no cache between
+    devices (no collective at all: a row's attention needs only its own KV heads)."""
+    from workers.models import sharding as S
+
+    mesh = _mesh(shape)
+    sharding = S.kv_cache_sharding(mesh, kv_heads=2)
+    q, k, v = _inputs(4, 2, 2, 64, 16, jnp.float32)
+    first, end = [0, 7, 40, 20], [64, 30, 41, 20]  # row 3 finished: nothing to read
+    rows = S.batch_sharding(mesh, 1)
+    q, k, v = (jax.device_put(x, sharding) for x in (q, k, v))
+    program = jax.jit(lambda q, k, v, f, e: A.attend(q, k, v, f, e, impl="interpret", sharding=sharding),
+                      out_shardings=sharding)
+    args = (q, k, v, jax.device_put(jnp.asarray(first, jnp.int32), rows), jax.device_put(jnp.asarray(end), rows))
+    out = program(*args)
+    np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, k, v, first, end), atol=2e-6)
+    assert out.sharding.is_equivalent_to(sharding, 4)
+    hlo = program.lower(*args).compile().as_text()
+    collectives = [op for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute") if op in hlo]
+    assert not collectives, collectives
+
+
+def test_a_cache_split_along_its_slots_is_refused_by_name():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh(dict(tp=2))
+    q, k, v = _inputs(2, 2, 1, 32, 16, jnp.float32)
+    with pytest.raises(ValueError, match="split along its slots"):
+        A.attend(q, k, v, jnp.zeros(2, jnp.int32), 32, impl="interpret",
+                 sharding=NamedSharding(mesh, P(None, None, "tp", None)))
+
+
+def test_a_sharded_engine_with_the_kernel_decodes_the_tokens_of_one_device(tmp_path):
+    """An engine on dp 2 x tp 2 (a model with 2 KV heads: rows and heads both split) with the kernel on each
+    device's shard against XLA's attention on the same mesh and on one device: the same greedy and sampled tokens;
+    log-probs within float rounding (the first token's, from the prefill both attend to alike, equal on one mesh)."""
+    from workers.models import init_model, load_pretrained
+
+    model, tok = load_pretrained(init_model(tmp_path / "small", preset="small", seed=0, initializer_range=0.2))
+    assert model.config.num_key_value_heads == 2
+    prompts = [tok.encode(p) for p in ["Hello", "What is 12 + 30?", "a", "The quick brown fox"]]
+    mesh = _mesh(dict(dp=2, tp=2))
+    engines = {"one": JaxSampler(model, max_prompt_len=32, max_new_tokens=8, decode_attention="xla"),
+               "mesh": JaxSampler(model, max_prompt_len=32, max_new_tokens=8, mesh=mesh, decode_attention="xla"),
+               "kernel": JaxSampler(model, max_prompt_len=32, max_new_tokens=8, mesh=mesh,
+                                    decode_attention="interpret")}
+    assert engines["kernel"].decode_attention == "interpret"
+    for params in (SamplingParams(temperature=0, max_new_tokens=8),
+                   SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3)):
+        runs = {name: engine.generate(prompts, params).samples for name, engine in engines.items()}
+        for one, xla, kernel in zip(runs["one"], runs["mesh"], runs["kernel"], strict=True):
+            np.testing.assert_array_equal(kernel.token_ids, xla.token_ids)
+            np.testing.assert_array_equal(kernel.token_ids, one.token_ids)
+            assert kernel.logprobs[0] == xla.logprobs[0]
+            np.testing.assert_allclose(kernel.logprobs, xla.logprobs, atol=1e-5)
+            np.testing.assert_allclose(kernel.logprobs, one.logprobs, atol=3e-5)  # the mesh's sums in their order
 
 
 def test_the_sampler_with_the_kernel_gives_the_tokens_of_xlas_attention(tiny_model):

@@ -355,9 +355,10 @@ class RolloutSection(_Section):
     """The engine's mesh (one device by default)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Engine-specific knobs, passed through to the engine untouched. jax_sampler's `decode_attention`: how a decode
-    step attends, `auto` (the default: a Pallas kernel reading each row's filled KV slots where the engine has one
-    GPU, XLA's attention elsewhere), `xla`, `pallas` (the kernel; a one-GPU engine) or `interpret` (the kernel under
-    Pallas's interpreter, any platform: slow, for tests); docs/performance.md has what it saves."""
+    step attends, `auto` (the default: a Pallas kernel reading each row's filled KV slots where the engine is on GPUs,
+    on each device's shard of the cache where its mesh has several; XLA's attention elsewhere), `xla`, `pallas` (the
+    kernel; GPUs) or `interpret` (the kernel under Pallas's interpreter, any platform: slow, for tests);
+    docs/performance.md has what it saves."""
     cobatch: bool = True
     """LoRA tasks of one base group: when several wait for ROLLOUT, one hold runs all their rows in one program run
     (up to max_batch_size rows). Each row keeps its task's seed, so a task samples what it would alone, to the bit on

@@ -1,6 +1,7 @@
 """`decode_attention`: one decode step's attention over a KV cache, reading only each row's filled slots.
 
-    attend(q (B, K, G, D), k (B, K, S, D), v (B, K, S, D), first (B,), end () or (B,), impl=) -> (B, K, G, D) float32
+    attend(q (B, K, G, D), k (B, K, S, D), v (B, K, S, D), first (B,), end () or (B,), impl=, sharding=)
+        -> (B, K, G, D) float32
 
 Row b attends to the slots [first[b], end[b]) of its cache: the sampler's prompts are left-padded, so a row's valid
 slots are one contiguous run, from its first prompt token to the slot written last; a row that has finished
@@ -22,6 +23,12 @@ Implementations (`IMPLS`), one contract:
   Mosaic GPU, which stages a program's whole blocks in shared memory).
 - `interpret`: that kernel under Pallas's interpreter, on any platform: the same kernel body, for the CPU's tests,
   slowly.
+
+On a mesh of several devices (`sharding`: the KV cache's, workers.models.sharding.kv_cache_sharding) the kernel
+runs on each device's shard under `jax.shard_map`: rows split as the cache's rows (dp x fsdp x ep), KV heads as its
+heads (tp, or whole where tp does not divide them). A row's attention needs only its own KV heads' slots, so no
+device reads another's cache; XLA cannot partition a kernel it does not see into, and would gather the whole cache
+onto every device around it.
 """
 
 from __future__ import annotations
@@ -39,16 +46,38 @@ NUM_WARPS = 4
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, first: jax.Array, end, *, impl: str, block: int = BLOCK,
-           num_warps: int = NUM_WARPS) -> jax.Array:
+           num_warps: int = NUM_WARPS, sharding=None) -> jax.Array:
     """q (B, K, G, D), k/v (B, K, S, D), first (B,) int, end () or (B,) int -> (B, K, G, D) float32: softmax(q k^T /
     sqrt(D)) v over slots [first[b], end[b]) of row b. A row with no slot in that range gets zeros. `block`,
-    `num_warps`: the kernel's tiling (a power of two; the block is at most the largest power of two dividing S)."""
+    `num_warps`: the kernel's tiling (a power of two; the block is at most the largest power of two dividing S).
+    `sharding`: the cache's NamedSharding where it lies on several devices (the kernel then runs on each one's
+    shard; q and the output split alike); None on one device."""
     if impl not in IMPLS:
         raise ValueError(f"decode attention {impl!r}: one of {IMPLS}")
     if impl == "xla":
         return reference(q, k, v, first, end)
-    return _pallas(q, k, v, first.astype(jnp.int32), jnp.asarray(end, jnp.int32), interpret=impl == "interpret",
-                   block=block, num_warps=num_warps)
+    kernel = functools.partial(_pallas, interpret=impl == "interpret", block=block, num_warps=num_warps)
+    first = first.astype(jnp.int32)
+    ends = jnp.broadcast_to(jnp.asarray(end, jnp.int32), first.shape)
+    if sharding is not None and sharding.mesh.size > 1:
+        kernel = partitioned(kernel, sharding)
+    return kernel(q, k, v, first, ends)
+
+
+def partitioned(kernel, sharding):
+    """`kernel(q, k, v, first, end)` on each device's shard of a cache laid out as `sharding` (B, K, S, D): q and
+    the output (B, K, G, D) split as the cache's rows and heads, first and end (B,) as its rows. The slots and the
+    head's width are never split (workers.models.sharding.KV_CACHE), so each shard is a whole attention."""
+    from jax.sharding import PartitionSpec as P
+
+    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+    if spec[2] is not None or spec[3] is not None:
+        raise ValueError(f"decode attention on a cache split along its slots or head width ({sharding.spec}): the "
+                         f"kernel attends over a head's slots whole")
+    heads, rows = P(spec[0], spec[1], None, None), P(spec[0])
+    # check_vma off: JAX cannot see into a Pallas call to tell which mesh axes its output varies over
+    return jax.shard_map(kernel, mesh=sharding.mesh, in_specs=(heads, heads, heads, rows, rows), out_specs=heads,
+                         check_vma=False)
 
 
 def reference(q, k, v, first, end) -> jax.Array:
@@ -85,22 +114,19 @@ def unavailable() -> str | None:
     return None
 
 
-def resolve(requested: str, *, platform: str, devices: int, head_dim: int) -> str:
-    """The implementation a generate program uses: `auto` is `pallas` on one GPU where the kernel can run, `xla`
-    elsewhere (a kernel on a sharded mesh would need its own partitioning); an explicit choice is checked."""
+def resolve(requested: str, *, platform: str, head_dim: int) -> str:
+    """The implementation a generate program uses: `auto` is `pallas` on GPUs (one or a mesh of them: `attend`
+    partitions it as the cache) where the kernel can run, `xla` elsewhere; an explicit choice is checked."""
     choices = ("auto", *IMPLS)
     if requested not in choices:
         raise ValueError(f"decode_attention={requested!r}: one of {choices}")
     why = unsupported(head_dim) or (unavailable() if requested != "interpret" and platform == "gpu" else None)
     if requested == "auto":
-        return "pallas" if platform == "gpu" and devices == 1 and why is None else "xla"
+        return "pallas" if platform == "gpu" and why is None else "xla"
     if requested == "xla":
         return requested
     if why:
         raise ValueError(f"decode_attention={requested!r}: {why}; use 'xla'")
-    if devices > 1:
-        raise ValueError(f"decode_attention={requested!r} runs on a one-device mesh (this one has {devices}); use "
-                         f"'xla'")
     if requested == "pallas" and platform != "gpu":
         raise ValueError(f"decode_attention='pallas' lowers for a GPU (this platform: {platform}); 'interpret' runs "
                          f"the kernel here under Pallas's interpreter, 'xla' the jnp attention")
@@ -117,7 +143,6 @@ def _pallas(q, k, v, first, end, *, interpret: bool, block: int, num_warps: int)
     if why:
         raise ValueError(f"decode attention: {why}; use 'xla'")
     block = math.gcd(block, s & -s)  # a power of two dividing S (the sampler's are a sum of two powers of two)
-    ends = jnp.broadcast_to(end, (b,)).astype(jnp.int32)
     kernel = functools.partial(_kernel, groups=g, block=block, scale=d**-0.5)
     return pl.pallas_call(
         kernel,
@@ -136,7 +161,7 @@ def _pallas(q, k, v, first, end, *, interpret: bool, block: int, num_warps: int)
         compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="rlsched_decode_attention",
-    )(q, k, v, first, ends)
+    )(q, k, v, first, end)
 
 
 def _kernel(q_ref, k_ref, v_ref, first_ref, end_ref, o_ref, *, groups: int, block: int, scale: float):

@@ -128,8 +128,9 @@ class Attention(nnx.Module):
                  adapters: AdapterBatch | None = None, prefix: str = "", span: tuple | None = None):
         """x: (B, T, H); positions: (B, T); mask: (B, T, S) bool -> (B, T, H), updated cache. `prefix`: this
         module's path (`model.layers.<i>.self_attn`), naming its projections in `adapters`. `span`: (impl, first
-        (B,), end (B,)) where a decode kernel attends (workers.models.decode_attention: row b's slots [first, end)
-        of the cache, whatever the mask's length), None for XLA's attention over the mask (CausalLM.forward)."""
+        (B,), end (B,), the cache's sharding or None) where a decode kernel attends (workers.models.decode_attention:
+        row b's slots [first, end) of the cache, whatever the mask's length), None for XLA's attention over the mask
+        (CausalLM.forward)."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -150,8 +151,8 @@ class Attention(nnx.Module):
             v = jax.lax.dynamic_update_slice_in_dim(cache.v, v, cache_index, axis=2)
             cache = LayerCache(kk, v)
             if span is not None:
-                impl, first, end = span
-                out = attend(q[:, 0], kk, v, first, end, impl=impl)
+                impl, first, end, sharding = span
+                out = attend(q[:, 0], kk, v, first, end, impl=impl, sharding=sharding)
                 out = out.astype(v.dtype).reshape(b, t, n * d)
                 return self.o_proj(out, _delta(adapters, f"{prefix}.o_proj", out)), cache
             # Attend to the slots the mask covers, the cache's first S: a decode step reads the slots written so far,
@@ -283,14 +284,16 @@ class CausalLM(nnx.Module):
 
     def forward(self, input_ids, positions, kv_mask, cache: list[LayerCache] | None, cache_index,
                 router_logits: list | None = None, adapters: AdapterBatch | None = None, remat: str = "off",
-                decode_attention: str = "xla", live: jax.Array | None = None):
+                decode_attention: str = "xla", live: jax.Array | None = None, kv_sharding=None):
         """input_ids, positions: (B, T); kv_mask: (B, S) -> hidden (B, T, H), cache. MoE layers append their
         router logits (B, T, E) to `router_logits` when given. `adapters.rows` (B,): each row's adapter. `remat`
         (REMAT, without a cache only): what each layer keeps for a backward; `off`, all of it. `decode_attention`
         (workers.models.decode_attention.IMPLS): how a one-token step with a cache attends; all but `xla` read row
         b's slots from its first valid one in kv_mask to cache_index, so its valid slots must be one run there
         (left-padded prompts); S may then be less than the slots written. `live` (B,): the rows still decoding; the
-        others' attention, with a kernel, reads nothing and is zero (their outputs are the caller's to drop)."""
+        others' attention, with a kernel, reads nothing and is zero (their outputs are the caller's to drop).
+        `kv_sharding`: the cache's NamedSharding on a mesh of several devices, where a kernel runs on each device's
+        shard (decode_attention.attend)."""
         if remat not in REMAT:
             raise ValueError(f"remat {remat!r}: one of {sorted(REMAT)}")
         if remat != "off" and cache is not None:
@@ -309,7 +312,7 @@ class CausalLM(nnx.Module):
             # finished row, nothing
             first = jnp.argmax(kv_mask, axis=-1)
             end = jnp.full_like(first, cache_index + 1) if live is None else jnp.where(live, cache_index + 1, first)
-            span = (decode_attention, first, end)
+            span = (decode_attention, first, end, kv_sharding)
         x = self.model.embed_tokens(input_ids)
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.model.layers):

@@ -20,11 +20,11 @@ Design decisions:
   max_batch_size: XLA's matmuls sum in a batch-size-dependent order. The requests share the program's
   scalars (temperature, top_p, stop ids, max_new_tokens); `generate` is generate_many of one request.
 - The loop stops as soon as every row has hit a stop token. At batch 128 the KV cache, not the weights, is most of
-  what a step reads, and neither a row's left padding nor the slots not yet written need be. On one GPU a Pallas
-  kernel attends (`decode_attention`, workers.models.decode_attention): each row from its first prompt token to
-  the slot written last, in one loop. With XLA's attention (the CPU, a sharded mesh) the loop runs in segments on
-  a GPU (`SEGMENTS`, `_segment_ends`), each attending to the static prefix of slots it can have written; on the
-  CPU in one loop (each segment is a loop body compiled more).
+  what a step reads, and neither a row's left padding nor the slots not yet written need be. On GPUs a Pallas
+  kernel attends (`decode_attention`, workers.models.decode_attention; on a mesh, on each device's shard of the
+  cache): each row from its first prompt token to the slot written last, in one loop. With XLA's attention (the
+  CPU) the loop runs in segments on a GPU (`SEGMENTS`, `_segment_ends`), each attending to the static prefix of
+  slots it can have written; on the CPU in one loop (each segment is a loop body compiled more).
 - `prepare` compiles a request's programs ahead of time, from the weights' shapes and shardings only (no
   weights on the devices needed): the scheduler's caller does it before asking for the rollout lock, so
   no task compiles while it holds a lock. `generate` runs those executables; a shape nobody prepared
@@ -108,8 +108,9 @@ class JaxSampler(StampedWeights):
         prompt_padding: "bucket" (a chunk's prompts padded to the power-of-two bucket of its longest) or "max"
         (to max_prompt_len): see the module docstring.
         decode_attention: how a decode step attends (workers.models.decode_attention): "auto" (the Pallas kernel on
-        a one-GPU mesh, XLA's attention elsewhere), "xla", "pallas" (a GPU's), "interpret" (the kernel under Pallas's
-        interpreter: tests). A config sets it as rollout.engine_args.decode_attention."""
+        GPUs, partitioned as the KV cache on a mesh; XLA's attention elsewhere), "xla", "pallas" (a GPU's),
+        "interpret" (the kernel under Pallas's interpreter: tests). A config sets it as
+        rollout.engine_args.decode_attention."""
         cfg = model.config
         if prompt_padding not in PROMPT_PADDINGS:
             raise ValueError(f"prompt_padding={prompt_padding!r}; choose one of {PROMPT_PADDINGS}")
@@ -122,7 +123,7 @@ class JaxSampler(StampedWeights):
         self.prompt_padding = prompt_padding
         self.mesh = mesh if mesh is not None else S.mesh({}, jax.devices()[:1])
         self.decode_attention = resolve_attention(decode_attention, platform=self.mesh.devices.flat[0].platform,
-                                                  devices=self.mesh.devices.size, head_dim=cfg.head_dim)
+                                                  head_dim=cfg.head_dim)
         self._rows = S.batch_rows(dict(self.mesh.shape))  # request rows split this many ways
         self._graphdef, state = nnx.split(model)
         self._shardings = S.state_shardings(state, self.mesh, kv_heads=cfg.num_key_value_heads)
@@ -605,7 +606,8 @@ def _generate_program(graphdef, state, tokens, mask, active, seed, prompt_idx, s
         prev = out_tok[:, t - 1][:, None]  # (B, 1)
         # a finished row's attention reads nothing with the kernel: its token is dropped (emit), whatever it is
         h, cache = model.forward(prev, (prompt_len + t - 1)[:, None], kv_mask[:, :slots], cache, plen + t - 1,
-                                 adapters=adapters, decode_attention=decode_attention, live=~done)
+                                 adapters=adapters, decode_attention=decode_attention, live=~done,
+                                 kv_sharding=kv_sharding)
         return (t + 1, cache, *emit(t, model.logits(h[:, 0], adapters), out_tok, out_lp, done, length, stopped))
 
     # Segments of the loop, each attending to the slots it can have written (static, the end of its last step):
