@@ -1,7 +1,7 @@
 """What one decode step of the built-in sampler reads and writes, from the compiled program, without a GPU.
 
     python -m benchmarks.decode_cost [--preset qwen3-0.6b] [--batch 128] [--prompt-len 256] [--new-tokens 256]
-                                     [--target h100 | h200 | present | FILE] [--top 15] [--out DIR]
+                                     [--target h100 | h200 | present | FILE] [--mesh tp=2] [--top 15] [--out DIR]
 
 The sampler's generate program (workers.rollout.jax_sampler._program: prefill, then `lax.while_loop`s of decode
 steps, one per segment of the new tokens, over a KV cache of prompt-len + new-tokens slots) for `--batch` rows,
@@ -20,6 +20,10 @@ imports it). Reported:
   bandwidth.
 This is an estimate of HBM traffic from shapes, not a profile: caches, re-reads inside a kernel and a kernel's own
 efficiency are not in it. It says which ops move the bytes.
+`--mesh` (e.g. `tp=2`, `dp=2,tp=2`) compiles the engine on a mesh of that many devices of one host (deviceless GPUs,
+or the present backend's first devices), laid out as a JaxSampler on that mesh lays it out: the optimized HLO is one
+device's program, so every byte above is one device's (its shard of the weights and of the KV cache), and the
+report counts the program's collectives.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.common import save_results  # first: sets JAX to CPU, hubs offline
-from benchmarks.gpu_memory import TARGETS, environment, stats, target_device, target_name
+from benchmarks.gpu_memory import TARGETS, environment, stats, target_devices, target_name
 from rlsched.base.units import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +173,22 @@ def step_ops(hlo: str, loop: int = 0, kernel_share: float = 1.0) -> list[dict]:
     return ops
 
 
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collective_ops(hlo: str, ops: list[dict] | None = None) -> dict[str, int]:
+    """{kind: count} of the collectives (COLLECTIVES; an async one counted at its start) among `ops` (step_ops's:
+    one decode step's), or in every computation of the program where None."""
+    if ops is None:
+        ops = [i for name, insts in computations(hlo).items() if name != "ENTRY" for i in insts]  # ENTRY: an alias
+    out: dict[str, int] = {}
+    for op in ops:
+        kind = op["op"].removesuffix("-start")
+        if kind in COLLECTIVES:
+            out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def kernel_slots(prompt_len: int, new_tokens: int, prompt_tokens: int) -> float:
     """The slots the decode attention kernel (workers.models.decode_attention) reads a step, on average over a
     generation's decode steps, for rows of `prompt_tokens` real prompt tokens left-padded to `prompt_len`: from
@@ -198,23 +218,39 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the sampler's decode attention (workers.models.decode_attention; auto: as the engine on "
                         "the target resolves it, the Pallas kernel on a GPU)")
     p.add_argument("--target", default="h100", help="h100, h200, present (the first device JAX sees) or a file")
+    p.add_argument("--mesh", type=mesh_arg, default={}, help="the engine's mesh, e.g. tp=2 or dp=2,tp=2 (axes dp, "
+                   "tp; default one device)")
     p.add_argument("--top", type=int, default=15, help="the body's ops listed, largest first")
     p.add_argument("--out", type=Path, default=None,
                    help="default benchmarks/results/decode_cost-<target, or the platform with present>-<preset>")
     return p.parse_args(argv)
 
 
-def compile_generate(config, device, batch: int, prompt_len: int, new_tokens: int, decode_attention: str = "auto"):
-    """The sampler's generate program for `batch` rows on one `device`, compiled from abstract weights; and the
-    weights' bytes."""
-    lower, weight_bytes = lower_generate(config, device, batch, prompt_len, new_tokens, decode_attention)
+def mesh_arg(text: str) -> dict[str, int]:
+    """'tp=2' / 'dp=2,tp=2' -> {"tp": 2} / {"dp": 2, "tp": 2}: a rollout mesh's axes."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        axis, _, size = part.partition("=")
+        if axis not in ("dp", "tp") or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: give the engine's mesh as axis=size, axes dp and tp (e.g. "
+                                             f"tp=2 or dp=2,tp=2)")
+        out[axis] = int(size)
+    return out
+
+
+def compile_generate(config, device, batch: int, prompt_len: int, new_tokens: int, decode_attention: str = "auto",
+                     *, mesh=None):
+    """The sampler's generate program for `batch` rows on one `device` (or `mesh`), compiled from abstract weights;
+    and one device's bytes of the weights."""
+    lower, weight_bytes = lower_generate(config, device, batch, prompt_len, new_tokens, decode_attention, mesh=mesh)
     return lower().compile(), weight_bytes
 
 
-def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int, decode_attention: str = "auto"):
-    """(a function that traces and lowers the sampler's generate program for `batch` rows on one `device`, from
-    abstract weights, its decode attention as a JaxSampler on that device resolves `decode_attention`; the
-    weights' bytes)."""
+def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int, decode_attention: str = "auto",
+                   *, mesh=None):
+    """(a function that traces and lowers the sampler's generate program for `batch` rows on one `device` (or on
+    `mesh`, a jax Mesh of the rollout's axes: workers.models.sharding.mesh), from abstract weights, its decode
+    attention as a JaxSampler there resolves `decode_attention`; one device's bytes of the weights)."""
     import jax
     import numpy as np
     from flax import nnx
@@ -225,7 +261,7 @@ def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int,
     from workers.rollout.jax_sampler import _STOP_SLOTS, _program
 
     model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
-    mesh = S.mesh({}, [device])
+    mesh = S.mesh({}, [device]) if mesh is None else mesh
     graphdef, state = nnx.split(model)
     shardings = S.state_shardings(state, mesh, kv_heads=config.num_key_value_heads)
     weights = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
@@ -238,13 +274,18 @@ def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int,
             sds((_STOP_SLOTS,), np.int32), None, new_tokens, False)
     attention = resolve(decode_attention, platform=device.platform, head_dim=config.head_dim)
     program = _program(graphdef, mesh, config.num_key_value_heads, shardings, attention)
-    return (lambda: program.lower(weights, *args)), sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights))
+    shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(weights))
+    return (lambda: program.lower(weights, *args)), shard_bytes
 
 
-def kv_bytes(config, batch: int, slots: int) -> int:
-    """The KV cache of `slots` slots: keys and values of every layer."""
+def kv_bytes(config, batch: int, slots: int, sharding=None) -> int:
+    """The KV cache of `slots` slots: keys and values of every layer; with `sharding` (the cache's,
+    workers.models.sharding.kv_cache_sharding), one device's shard of it."""
     itemsize = 2 if config.dtype == "bfloat16" else 4
-    return 2 * config.num_hidden_layers * batch * slots * config.num_key_value_heads * config.head_dim * itemsize
+    shape = (batch, config.num_key_value_heads, slots, config.head_dim)
+    if sharding is not None:
+        shape = sharding.shard_shape(shape)
+    return 2 * config.num_hidden_layers * math.prod(shape) * itemsize
 
 
 def target_bandwidth(target: str) -> float | None:
@@ -257,14 +298,19 @@ def target_bandwidth(target: str) -> float | None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from workers.models import sharding as S
     from workers.models.presets import preset_config
 
-    device = target_device(args.target)
+    if args.batch % S.batch_rows(args.mesh):
+        raise SystemExit(f"--batch {args.batch} does not split over the mesh's rows ({S.describe_rows(args.mesh)})")
+    devices = target_devices(args.target, S.num_devices(args.mesh))
+    device, mesh = devices[0], S.mesh(args.mesh, devices)
     vocab = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     config = preset_config(args.preset, dtype=args.dtype, **vocab)
+    kv_sharding = S.kv_cache_sharding(mesh, kv_heads=config.num_key_value_heads)
     t0 = time.perf_counter()
     compiled, weight_bytes = compile_generate(config, device, args.batch, args.prompt_len, args.new_tokens,
-                                              args.decode_attention)
+                                              args.decode_attention, mesh=mesh)
     memory = stats(compiled, time.perf_counter() - t0)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -286,11 +332,13 @@ def main(argv=None) -> dict:
     loop_bytes = [sum(op["read"] + op["written"] for op in ops) for ops in loops]
     step = sum(loop_bytes) / len(loops)
     ops = loops[0]
-    kv_full = kv_bytes(config, args.batch, slots)
-    kv_mean = kv_bytes(config, args.batch, args.prompt_len + (args.new_tokens + 1) // 2)  # filled, on average
+    kv_full = kv_bytes(config, args.batch, slots, kv_sharding)
+    kv_mean = kv_bytes(config, args.batch, args.prompt_len + (args.new_tokens + 1) // 2, kv_sharding)  # filled
     floor = weight_bytes + kv_mean
     # without the left padding: the slots of the prompt's real tokens and the new ones, on average
-    floor_unpadded = weight_bytes + kv_bytes(config, args.batch, args.prompt_tokens + (args.new_tokens + 1) // 2)
+    floor_unpadded = weight_bytes + kv_bytes(config, args.batch, args.prompt_tokens + (args.new_tokens + 1) // 2,
+                                             kv_sharding)
+    collectives = dict(program=collective_ops(hlo), step=collective_ops(hlo, ops))
     bandwidth = target_bandwidth(args.target)
     ms = (lambda n: None) if bandwidth is None else (lambda n: 1e3 * n / bandwidth)
     top = sorted(by_label.items(), key=lambda kv: -(kv[1]["read"] + kv[1]["written"]))[: args.top]
@@ -301,13 +349,20 @@ def main(argv=None) -> dict:
                   ms_at_bandwidth=ms(step), floor_ms_at_bandwidth=ms(floor), unpadded_floor_bytes=floor_unpadded,
                   unpadded_floor_ms_at_bandwidth=ms(floor_unpadded)),
         decode_attention=dict(kernel=kernel, slots_read_mean=read if kernel else None),
+        mesh=dict(shape=S.mesh_shape(args.mesh), devices=len(devices), collectives=collectives),
         step_by_source=[dict(label=k, **v) for k, v in top],
         timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
     rows = [f"| {k} | {v['ops']:.0f} | {format_bytes(v['read'])} | {format_bytes(v['written'])} |" for k, v in top]
     at = (lambda n: "") if bandwidth is None else (lambda n: f" ({ms(n):.2f} ms at {bandwidth / 1e12:.2f} TB/s)")
+    count = lambda found: ", ".join(f"{n} {kind}" for kind, n in found.items()) or "none"  # noqa: E731
+    on_mesh = [] if len(devices) == 1 else [
+        f"On a mesh of {S.describe(args.mesh)} ({len(devices)} devices): every byte below is one device's (its shard "
+        f"of the weights and of the KV cache). Collectives: in the program {count(collectives['program'])}; in a "
+        f"decode step {count(collectives['step'])}.", ""]
     report = "\n".join([
         f"{args.preset} ({args.dtype}) generate program, batch {args.batch}, {args.prompt_len} prompt + "
-        f"{args.new_tokens} new slots, compiled for {results['env']['target']} ({args.target})", "",
+        f"{args.new_tokens} new slots, compiled for {results['env']['target']} ({args.target}) in "
+        f"{memory['compile_s']:.1f} s", "", *on_mesh,
         "| program | bytes |", "|---|---:|",
         *(f"| {k} | {format_bytes(memory[k])} |" for k in ("argument_bytes", "output_bytes", "temp_bytes")),
         f"| weights | {format_bytes(weight_bytes)} |", f"| KV cache ({slots} slots) | {format_bytes(kv_full)} |",
@@ -322,7 +377,9 @@ def main(argv=None) -> dict:
          f"reads a step on average" if kernel else "Decode attention: XLA's, over the static slots of its loop"),
         "",
         "| source (jax op name) | kernels | read | written |", "|---|---:|---:|---:|", *rows])
-    out = args.out or ROOT / "benchmarks" / "results" / f"decode_cost-{target_name(device, args.target)}-{args.preset}"
+    suffix = "".join(f"-{axis}{n}" for axis, n in args.mesh.items() if n > 1)
+    out = args.out or ROOT / "benchmarks" / "results" / \
+        f"decode_cost-{target_name(device, args.target)}-{args.preset}{suffix}"
     save_results(out, "One decode step of the sampler: bytes by XLA's compiled program", results, report)
     return results
 

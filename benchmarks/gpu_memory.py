@@ -95,19 +95,27 @@ def add_task_args(p: argparse.ArgumentParser, *, preset: str, micro_batch: int) 
 
 def target_device(target: str):
     """The device to compile for: the first one JAX sees, or a GPU described by `target` (deviceless)."""
+    return target_devices(target)[0]
+
+
+def target_devices(target: str, count: int = 1) -> list:
+    """`count` devices to compile for: the first JAX sees, or `count` GPUs of one host described by `target`
+    (deviceless: topology 1 slice x 1 host x `count` devices)."""
     import jax
 
     if target == "present":
-        return jax.devices()[0]
+        if len(jax.devices()) < count:
+            raise SystemExit(f"--target present: {count} devices wanted, JAX sees {len(jax.devices())}")
+        return jax.devices()[:count]
     from jax.experimental import topologies
 
     config = TARGETS[target] if target in TARGETS else Path(target).read_text()
     try:
-        topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+        topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology=f"1x1x{count}")
     except Exception as e:  # the plugin is absent, or refuses the description: say which, and how to get it
         raise SystemExit(f"--target {target}: cannot describe the GPU to XLA ({type(e).__name__}: {e}); the CUDA "
                          f"plugin is needed (this module's docstring), or use --target present") from e
-    return topology.devices[0]
+    return list(topology.devices)
 
 
 def task_config(args, accumulate: int):

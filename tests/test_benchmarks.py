@@ -287,6 +287,41 @@ def check_decode_cost(results: dict, out: Path) -> None:
     assert results["step_by_source"] and results["program_cost"]["bytes accessed"] > 0  # XLA:CPU gives a cost
 
 
+def test_decode_cost_on_a_mesh_counts_one_devices_bytes(tmp_path):
+    """benchmarks/decode_cost.py --mesh dp=2,tp=2 (4 CPU devices; the tiny model's one KV head whole on each tp
+    device): one device's KV cache is half the rows', its weights the tp shard of the projections and the vocabulary
+    (the norms and the k/v projections whole), and the program's collectives are counted; a mesh it cannot take is
+    refused by name."""
+    import math
+
+    from flax import nnx
+
+    from benchmarks import decode_cost
+    from workers.models.decoder import CausalLM
+    from workers.models.presets import preset_config
+
+    argv = [*SMALLEST["decode_cost"][0], "--out", str(tmp_path)]
+    results = decode_cost.main([*argv, "--mesh", "dp=2,tp=2"])
+    args = decode_cost.parse_args(argv)
+    config = preset_config(args.preset, dtype=args.dtype, vocab_size=args.vocab_size)
+    slots = args.prompt_len + args.new_tokens
+    assert results["mesh"]["devices"] == 4 and results["mesh"]["shape"]["tp"] == 2
+    assert results["kv_cache_bytes"] == decode_cost.kv_bytes(config, args.batch, slots) // 2
+    assert config.num_key_value_heads == 1
+    state = nnx.state(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))))
+    flat = {".".join(str(k) for k in path): leaf for path, leaf in nnx.to_flat_state(state)}
+    nbytes = {name: math.prod(x.value.shape) * x.value.dtype.itemsize for name, x in flat.items()}
+    whole = [name for name in nbytes if name.endswith("norm.weight") or ".k_proj." in name or ".v_proj." in name]
+    assert results["weight_bytes"] == sum(nbytes[n] for n in whole) + sum(
+        nbytes[n] // 2 for n in nbytes if n not in whole)  # the rest split over tp 2, none over dp
+    assert results["mesh"]["collectives"]["program"].get("all-reduce", 0) > 0  # tp's row-parallel projections
+    assert "dp 2 x tp 2" in (tmp_path / "report.md").read_text()
+    with pytest.raises(SystemExit):
+        decode_cost.parse_args([*argv, "--mesh", "fsdp=2"])
+    with pytest.raises(SystemExit, match="does not split"):
+        decode_cost.main([*argv, "--mesh", "dp=8"])
+
+
 def test_decode_cost_counts_hlo_bytes():
     """benchmarks/decode_cost.py's byte count of a loop body: an in-place dynamic-update-slice writes its update
     only, a gather reads what it takes, a dot its operands and output."""
