@@ -2,7 +2,7 @@
 
     python -m benchmarks.compile_cost [--preset qwen3-0.6b] [--batch 128] [--prompt-len 256] [--new-tokens 256]
                                       [--micro-batch 16] [--beta 0.08] [--target h100 | h200 | present | FILE]
-                                      [--out DIR]
+                                      [--lora K [--lora-rank 16] [--lora-rows 256]] [--out DIR]
 
 The programs the first step of benchmarks/gpu.py's setting compiles: the engine's generate
 (benchmarks.decode_cost.lower_generate), the actor's reference log-probabilities, gradient and update
@@ -16,6 +16,12 @@ a fresh process (nothing cached, JAX's persistent cache off):
 Per program, its trace + lowering and its compile alone (the first way); the wall of each way and their ratio. The
 host's cores bound the gain: XLA compiles a program mostly on one core (a GPU compile without a GPU skips the
 autotuning a GPU's compile does, on the device).
+
+`--lora K`: the first step of K LoRA tasks on one base (benchmarks/gpu.py's LoRA runs: rank 16 on every projection,
+`--lora-rows` the engine's max_batch_size) instead: the base group's co-batched generate programs, K adapters stacked,
+one per batch size its `prepare` compiles (one task's rows, then c tasks' until they fill the rows:
+workers.rollout.shared_engine), and one LoRA actor's programs (the K actors of one setting share them in a device
+group's process: workers.compiling.shared), its reference log-probabilities the base's row of its logprobs program.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compile_cost", description=__doc__.splitlines()[0])
     add_task_args(p, preset="qwen3-0.6b", micro_batch=16)  # beta > 0: the reference's log-probabilities compile
     p.add_argument("--batch", type=int, default=128, help="rows of the generate program (16 prompts x 8)")
+    p.add_argument("--lora", type=int, default=0, help="K > 0: the first step of K LoRA tasks on one base")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-rows", type=int, default=256,
+                   help="the LoRA engine's max_batch_size: rows of several tasks in one co-batched generate")
     p.add_argument("--out", type=Path, default=None,
                    help="default benchmarks/results/compile_cost-<target, or the platform with present>-<preset>")
     p.add_argument("--way", choices=WAYS, default=None, help=argparse.SUPPRESS)  # a child process: one way
@@ -54,9 +64,11 @@ def lowerings(args) -> tuple[dict, object]:
     from flax import nnx
 
     from benchmarks.decode_cost import lower_generate
+    from benchmarks.gpu import LORA_TARGETS  # every projection
     from benchmarks.gpu_memory import lower_programs, target_device, task_config
     from rlsched.config.spec import actor_settings
     from workers.models.decoder import CausalLM
+    from workers.models.lora import LoraSpec
     from workers.models.presets import preset_config
 
     device = target_device(args.target)
@@ -64,12 +76,37 @@ def lowerings(args) -> tuple[dict, object]:
     config = preset_config(args.preset, dtype=args.dtype, **vocab)
     model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
     length = args.prompt_len + args.new_tokens
-    actor = lower_programs(model, actor_settings(task_config(args, 1).tasks[0]), device, 1, length)
-    programs = {"generate": lower_generate(config, device, args.batch, args.prompt_len, args.new_tokens)[0]}
+    lora = None if not args.lora else LoraSpec(rank=args.lora_rank, alpha=2.0 * args.lora_rank,
+                                               targets=tuple(LORA_TARGETS))
+    actor = lower_programs(model, actor_settings(task_config(args, 1).tasks[0]), device, 1, length, lora=lora)
+    if lora is None:
+        programs = {"generate": lower_generate(config, device, args.batch, args.prompt_len, args.new_tokens)[0]}
+    else:
+        programs = {f"generate ({rows} rows)": lower_generate(config, device, rows, args.prompt_len, args.new_tokens,
+                                                              lora=lora, lora_slots=args.lora)[0]
+                    for rows in lora_batches(args.batch, args.lora, args.lora_rows)}
     if args.beta > 0:
         programs["reference"] = actor["reference"]
     programs |= {"gradient": actor["gradient"], "update": actor["update"]}
     return programs, device
+
+
+def lora_batches(rows: int, tasks: int, max_rows: int) -> list[int]:
+    """The batch sizes of the co-batched generate programs a LoRA base group's `prepare` compiles for `tasks` tasks
+    of `rows` rows each, the engine's max_batch_size max(rows, min(max_rows, rows x tasks)) (benchmarks/gpu.py's):
+    the rows of c tasks for c = 1 .. tasks until those of c - 1 fill a chunk
+    (workers.rollout.shared_engine.SharedSampler.prepare), in chunks of at most max_batch_size, each padded to its
+    power-of-two bucket (workers.rollout.jax_sampler: JaxSampler._joint_chunks)."""
+    from workers.rollout.jax_sampler import _bucket
+
+    limit = max(rows, min(max_rows, rows * tasks))
+    sizes = set()
+    for copies in range(1, tasks + 1):
+        if copies > 1 and (copies - 1) * rows >= limit:
+            break
+        total = copies * rows
+        sizes |= {_bucket(min(limit, total - start), 1, limit) for start in range(0, total, limit)}
+    return sorted(sizes)
 
 
 def run_way(args) -> dict:
@@ -117,14 +154,18 @@ def main(argv=None) -> dict:
     report = "\n".join([
         f"{args.preset} ({args.dtype}), the first step's programs at benchmarks/gpu.py's setting (generate: batch "
         f"{args.batch}, {args.prompt_len} + {args.new_tokens} slots; the actor's: micro-batch {args.micro_batch}, "
-        f"remat {args.remat}, beta {args.beta}), compiled for {env['target']} ({args.target}) on a host of "
-        f"{env['cpus_usable']} usable cores", "",
+        f"remat {args.remat}, beta {args.beta}"
+        + (f"; {args.lora} LoRA tasks on one base, rank {args.lora_rank} on every projection, the engine's rows "
+           f"{max(args.batch, min(args.lora_rows, args.batch * args.lora))}" if args.lora else "")
+        + f"), compiled for {env['target']} ({args.target}) on a host of {env['cpus_usable']} usable cores", "",
         "| program | trace + lower | compile |", "|---|---:|---:|", *rows, "",
         f"one after another: **{alone['wall_s']:.1f} s**; at once: **{together['wall_s']:.1f} s** "
         f"({ratio:.2f} x faster)"])
     results = dict(args={k: str(v) for k, v in vars(args).items() if k not in ("way", "result")}, env=env,
                    ways=ways, ratio=ratio, timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
-    out = args.out or ROOT / "benchmarks" / "results" / f"compile_cost-{target_name(device, args.target)}-{args.preset}"
+    lora = f"-lora{args.lora}" if args.lora else ""
+    out = args.out or ROOT / "benchmarks" / "results" / \
+        f"compile_cost-{target_name(device, args.target)}-{args.preset}{lora}"
     save_results(out, "A first step's compiles: one after another, and at once", results, report)
     return results
 

@@ -247,14 +247,17 @@ def compile_generate(config, device, batch: int, prompt_len: int, new_tokens: in
 
 
 def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int, decode_attention: str = "auto",
-                   *, mesh=None):
+                   *, mesh=None, lora=None, lora_slots: int = 1):
     """(a function that traces and lowers the sampler's generate program for `batch` rows on one `device` (or on
     `mesh`, a jax Mesh of the rollout's axes: workers.models.sharding.mesh), from abstract weights, its decode
-    attention as a JaxSampler there resolves `decode_attention`; one device's bytes of the weights)."""
+    attention as a JaxSampler there resolves `decode_attention`; one device's bytes of the weights). `lora` (a
+    workers.models.lora.LoraSpec): a LoRA base group's program, `lora_slots` adapters of that spec stacked
+    (workers.rollout.shared_engine: every task's slot, whichever rows run)."""
     import jax
     import numpy as np
     from flax import nnx
 
+    from workers.models import lora_batch as LB
     from workers.models import sharding as S
     from workers.models.decode_attention import resolve
     from workers.models.decoder import CausalLM
@@ -269,9 +272,16 @@ def lower_generate(config, device, batch: int, prompt_len: int, new_tokens: int,
     rows, prompt = (batch,), (batch, prompt_len)
     # as JaxSampler._joint_chunks makes them: tokens, mask, active, seed, prompt_idx, sample_idx, temperature,
     # top_p, max_new, stop, adapters, the static new-token bucket, and no nucleus (a run's top_p 1)
+    adapters = None
+    if lora is not None:  # as SharedSampler stacks its slots (replicated on the mesh), each row's adapter its own
+        repl = S.replicated(mesh)
+        adapter = jax.eval_shape(lambda: LB.init_adapter(config, lora, jax.random.key(0)))
+        adapters = jax.eval_shape(lambda a: LB.stack([a] * lora_slots, [lora] * lora_slots,
+                                                     np.zeros(batch, np.int32)), adapter)
+        adapters = jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding=repl), adapters)
     args = (sds(prompt, np.int32), sds(prompt, np.bool_), sds(rows, np.bool_), sds(rows, np.uint32),
             sds(rows, np.int32), sds(rows, np.int32), sds((), np.float32), sds((), np.float32), sds((), np.int32),
-            sds((_STOP_SLOTS,), np.int32), None, new_tokens, False)
+            sds((_STOP_SLOTS,), np.int32), adapters, new_tokens, False)
     attention = resolve(decode_attention, platform=device.platform, head_dim=config.head_dim)
     program = _program(graphdef, mesh, config.num_key_value_heads, shardings, attention)
     shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(weights))

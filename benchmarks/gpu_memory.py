@@ -154,16 +154,20 @@ def compile_programs(model, settings, device, accumulate: int, length: int) -> d
     return out
 
 
-def lower_programs(model, settings, device, accumulate: int, length: int) -> dict:
-    """{name: a function that traces and lowers it} of a full-weight actor's programs on one `device`, with the
-    shardings workers.actor.ActorWorker gives them, from abstract arguments: "gradient", "update", and
-    "reference" (the reference's log-probabilities of one micro-batch, on the completion windows)."""
+def lower_programs(model, settings, device, accumulate: int, length: int, lora=None) -> dict:
+    """{name: a function that traces and lowers it} of a full-weight actor's programs on one `device` (a LoRA
+    actor's with `lora`, a workers.models.lora.LoraSpec: its adapter trained, the base frozen), with the shardings
+    workers.actor.ActorWorker gives them, from abstract arguments: "gradient", "update", and "reference" (the
+    reference's log-probabilities of one micro-batch, on the completion windows: a LoRA actor's is its logprobs
+    program, the base's row)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
 
+    from workers.models import lora_batch as LB
+    from workers.models import params as P
     from workers.models import sharding as S
     from workers.train_step import (
         ROW_KEYS,
@@ -181,15 +185,21 @@ def lower_programs(model, settings, device, accumulate: int, length: int) -> dic
     repl = S.replicated(mesh)
     graphdef, params = nnx.split(model)
     param_sh = S.state_shardings(params, mesh, kv_heads=model.config.num_key_value_heads)
+    abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+    base, base_sh = (), ()  # a LoRA actor's frozen base and the logprobs' adapter row: arguments of its programs
+    if lora is not None:  # what trains is the adapter (float32), laid out as the projections it adapts
+        base_sh = (param_sh, repl)
+        base = (abstract(params, param_sh), jax.ShapeDtypeStruct((), jnp.int32, sharding=repl))
+        params = jax.eval_shape(lambda: LB.init_adapter(model.config, lora, jax.random.key(0)))
+        param_sh = S.adapter_shardings(P.to_flat(param_sh), params)
     tx = make_optimizer(settings)
-    master = jax.eval_shape(master_params, params)
+    master = params if lora is not None else jax.eval_shape(master_params, params)
     opt = jax.eval_shape(tx.init, master)
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt, param_sh, transform_non_params=lambda _: repl)
     shardings = TrainState(param_sh, opt_sh, repl)
-    abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
     state = abstract(TrainState(master, opt, jax.ShapeDtypeStruct((), jnp.int32)), shardings)
-    dtype = None if model.config.dtype == "float32" else jnp.dtype(model.config.dtype)
+    dtype = None if model.config.dtype == "float32" or lora is not None else jnp.dtype(model.config.dtype)
     served = None if dtype is None else abstract(jax.eval_shape(partial(compute_params, dtype=dtype), master),
                                                  param_sh)
     m, f32 = settings.micro_batch_size, np.float32
@@ -200,22 +210,23 @@ def lower_programs(model, settings, device, accumulate: int, length: int) -> dic
         batch["ref_logp"] = ((accumulate, m, length - 1), f32)
     batch_sh = {k: S.batch_sharding(mesh, 2 if k in ROW_KEYS else 3, leading=1) for k in batch}
     batch = {k: jax.ShapeDtypeStruct(*v, sharding=batch_sh[k]) for k, v in batch.items()}
-    fn = partial(gradients, graphdef=graphdef, settings=settings, lora=None, dtype=dtype)
-    frozen_sh, frozen = ((), ()) if dtype is None else ((None, param_sh), (None, served))
+    fn = partial(gradients, graphdef=graphdef, settings=settings, lora=lora, dtype=dtype)
+    frozen_sh, frozen = (base_sh[:1], base[:1]) if dtype is None else ((None, param_sh), (None, served))
     grad = jax.jit(fn, in_shardings=(shardings, batch_sh, *frozen_sh), out_shardings=(param_sh, repl))
     step = jax.jit(lambda st, gr, skipped: update(st, gr, skipped == 0, tx=tx, platform=device.platform),
                    in_shardings=(shardings, param_sh, repl), out_shardings=(shardings, param_sh), donate_argnums=(0, 1))
     skipped = jax.ShapeDtypeStruct((), f32, sharding=repl)
     rows, vec = S.batch_sharding(mesh, 2), S.batch_sharding(mesh, 1)
     reference = jax.jit(partial(window_token_logprobs, graphdef, width=settings.max_new_tokens,
-                                temperature=settings.temperature, lora=None, dtype=dtype),
-                        in_shardings=(param_sh, rows, rows, vec), out_shardings=rows)
-    ref_params = abstract(jax.eval_shape(partial(compute_params, dtype=dtype or jnp.float32), master), param_sh)
+                                temperature=settings.temperature, lora=lora, dtype=dtype),
+                        in_shardings=(param_sh, rows, rows, vec, *base_sh), out_shardings=rows)
+    ref_params = state.params if lora is not None else abstract(
+        jax.eval_shape(partial(compute_params, dtype=dtype or jnp.float32), master), param_sh)
     micro = [jax.ShapeDtypeStruct((m, length), t, sharding=rows) for t in (np.int32, np.bool_)]
     starts = jax.ShapeDtypeStruct((m,), np.int32, sharding=vec)
     return {"gradient": lambda: grad.lower(state, batch, *frozen),
             "update": lambda: step.lower(state, state.params, skipped),
-            "reference": lambda: reference.lower(ref_params, *micro, starts)}
+            "reference": lambda: reference.lower(ref_params, *micro, starts, *base)}
 
 
 def target_name(device, target: str) -> str:

@@ -417,6 +417,60 @@ def check_compile_cost(results: dict, out: Path) -> None:
     assert f"({results['ratio']:.2f} x faster)" in (out / "report.md").read_text()
 
 
+def test_compile_cost_lora_builds_the_programs_a_lora_group_compiles(tiny_model_dir):
+    """benchmarks/compile_cost.py --lora K builds a LoRA group's first-step programs itself (for a GPU it may not
+    have): the generate programs' batch sizes are those a base group's shared sampler prepares for K tasks, and on
+    the present backend every program's memory analysis is, byte for byte, that of the program the sampler or a
+    LoRA ActorWorker compiles for the same config."""
+    import jax
+    from flax import nnx
+
+    from benchmarks import compile_cost, decode_cost, gpu_memory
+    from rlsched.config.spec import actor_settings
+    from workers.actor import ActorWorker
+    from workers.models import load_pretrained
+    from workers.models import sharding as S
+    from workers.models.lora import LoraSpec
+    from workers.rollout.base import SamplingParams
+    from workers.rollout.shared_engine import open_view
+
+    args = compile_cost.parse_args([*SMALLEST["compile_cost"][0], "--lora", "3", "--lora-rows", "8",
+                                    "--lora-rank", "4"])
+    spec = LoraSpec(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    model, _ = load_pretrained(tiny_model_dir)
+    config, device = model.config, jax.devices()[0]
+    # the engine: 3 tasks of 4 rows (2 prompts x 2) on a sampler of 8 rows
+    views = [open_view(tiny_model_dir, dtype=None, mesh=S.mesh({}, [device]), spec=spec,
+                       max_prompt_len=args.prompt_len, max_new_tokens=args.new_tokens, max_batch_size=8)
+             for _ in range(args.lora)]
+    try:
+        prompts = [[5] * args.prompt_len, [6] * args.prompt_len]
+        views[0].prepare(prompts, SamplingParams(n=args.batch // 2, max_new_tokens=args.new_tokens))
+        executables = views[0].group.sampler._executables
+        assert sorted(key[5] for key in executables) == compile_cost.lora_batches(args.batch, args.lora, 8) == [4, 8]
+        for key, program in executables.items():
+            ours = decode_cost.lower_generate(config, device, key[5], args.prompt_len, args.new_tokens, lora=spec,
+                                              lora_slots=args.lora)[0]().compile().memory_analysis()
+            m = program.memory_analysis()
+            assert (m.temp_size_in_bytes, m.argument_size_in_bytes) == \
+                (ours.temp_size_in_bytes, ours.argument_size_in_bytes), key[5]
+    finally:
+        for view in views:
+            view.close()
+    # the actor
+    task = gpu_memory.task_config(args, 1).task_specs()[0]
+    settings = actor_settings(task.config)
+    length = args.prompt_len + args.new_tokens
+    worker = ActorWorker(load_pretrained(tiny_model_dir)[0], settings, lora=spec)
+    worker.prepare(task.plan.mini_batch_size, length)
+    ours = gpu_memory.lower_programs(nnx.eval_shape(lambda: model), settings, device, 1, length, lora=spec)
+    for kind, name in (("train", "gradient"), ("update", "update"), ("logprobs", "reference")):
+        (program,) = [p for key, p in worker._prepared.items() if key[0] == kind]
+        m, o = program.memory_analysis(), ours[name]().compile().memory_analysis()
+        assert (m.temp_size_in_bytes, m.output_size_in_bytes, m.argument_size_in_bytes) == \
+            (o.temp_size_in_bytes, o.output_size_in_bytes, o.argument_size_in_bytes), name
+
+
 DEEPER = {"lora": check_lora, "cobatch": check_cobatch, "cotrain": check_cotrain, "gpu": check_gpu,
           "startup": check_startup, "gpu_memory": check_gpu_memory, "plan_fit": check_plan_fit,
           "decode_cost": check_decode_cost, "compile_cost": check_compile_cost}
