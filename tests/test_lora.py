@@ -192,6 +192,34 @@ def test_gradients_reach_each_rows_adapter_and_a_step_leaves_the_base_alone():
             assert np.abs(np.asarray(g_ab["b"]["model.layers.0.self_attn.q_proj"][1])).max() > 0
 
 
+def test_one_adapter_dense_computes_and_learns_what_the_gather_does():
+    """stack(..., dense=True) (a LoRA actor's: one adapter, no per-row gather) against the gathered batch of the
+    same adapter: the same logits and the same gradient to float32 rounding, rows of -1 exactly the base (the same
+    bits as the gathered program's), and dense refuses more than one adapter."""
+    graphdef, state, cfg = _setup("tiny")
+    spec = LoraSpec(4, 8.0, ALL)
+    adapter = _random_adapter(cfg, spec, seed=30)
+    tokens, mask = _batch(b=4)
+    rows = [0, -1, 0, 0]
+    gathered, dense = stack([adapter], [spec], rows), stack([adapter], [spec], rows, dense=True)
+    assert dense.dense and not gathered.dense
+    run = _logits_fn(graphdef)
+    got, expected = np.asarray(run(state, tokens, mask, dense)), np.asarray(run(state, tokens, mask, gathered))
+    base = np.asarray(run(state, tokens, mask, with_rows(gathered, [-1] * 4)))
+    assert np.abs(expected[0] - base[0]).max() > 1e-2  # the adapter changes the logits
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=2e-6)
+    assert np.array_equal(got[1], base[1]) and np.array_equal(got[1], expected[1])
+    weights = jnp.asarray(np.random.default_rng(4).standard_normal((4, tokens.shape[1], VOCAB)), jnp.float32)
+    grad = jax.jit(jax.grad(functools.partial(_loss, graphdef=graphdef)))
+    g = {name: grad({"a": b.a, "b": b.b}, state, batch=b, tokens=tokens, mask=mask, weights=weights)
+         for name, b in (("dense", dense), ("gathered", gathered))}
+    assert np.abs(np.asarray(g["dense"]["b"]["model.layers.0.mlp.down_proj"])).max() > 0
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6),
+                 g["dense"], g["gathered"])
+    with pytest.raises(ValueError, match="dense is one adapter"):
+        stack([adapter, adapter], [spec, spec], [0], dense=True)
+
+
 def test_a_fresh_adapter_learns_through_b_first():
     """With B = 0, dL/dA = scale x^T (dL/dy) B^T is exactly 0 and dL/dB is not (as in PEFT): step 1 moves B."""
     graphdef, state, cfg = _setup("tiny")

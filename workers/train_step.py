@@ -207,7 +207,7 @@ def policy_model(graphdef, params, base, lora, rows: int, *, row=0, dtype=None):
     if base is None:
         params = params if dtype is None else compute_params(params, dtype)
         return nnx.merge(graphdef, params), None
-    return nnx.merge(graphdef, base), LB.stack([params], [lora], jnp.full(rows, row, jnp.int32))
+    return nnx.merge(graphdef, base), LB.stack([params], [lora], jnp.full(rows, row, jnp.int32), dense=True)
 
 
 def policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, *, temperature, router_loss: bool = False,
