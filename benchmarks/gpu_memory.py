@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_memory", description=__doc__.splitlines()[0])
     add_task_args(p, preset="qwen3-4b", micro_batch=8)
     p.add_argument("--accumulate", default="1,16", help="micro-batches per optimizer step, one compile each")
+    p.add_argument("--fsdp", type=int, default=1,
+                   help="the actor's mesh: fsdp N over N devices of one host (every figure is then one device's)")
     p.add_argument("--out", type=Path, default=None,
                    help="default benchmarks/results/gpu_memory-<target, or the platform with present>-<preset>")
     return p.parse_args(argv)
@@ -129,7 +131,8 @@ def task_config(args, accumulate: int):
         f"tasks.0.actor.adam_mu_dtype={args.adam_mu_dtype}", f"tasks.0.grpo.max_prompt_len={args.prompt_len}",
         f"tasks.0.grpo.max_new_tokens={args.new_tokens}", f"tasks.0.grpo.beta={args.beta}",
         f"tasks.0.grpo.prompts_per_step={rows // generations}", f"tasks.0.grpo.num_generations={generations}",
-        f"tasks.0.grpo.mini_batch_size={rows}", f"tasks.0.grpo.micro_batch_size={args.micro_batch}"])
+        f"tasks.0.grpo.mini_batch_size={rows}", f"tasks.0.grpo.micro_batch_size={args.micro_batch}",
+        f"tasks.0.actor.mesh.fsdp={getattr(args, 'fsdp', 1)}"])
 
 
 def stats(compiled, seconds: float) -> dict:
@@ -143,23 +146,24 @@ def stats(compiled, seconds: float) -> dict:
             "compile_s": seconds}
 
 
-def compile_programs(model, settings, device, accumulate: int, length: int) -> dict:
-    """The gradient and update programs of a full-weight actor on one `device`, with the shardings
+def compile_programs(model, settings, device, accumulate: int, length: int, mesh=None) -> dict:
+    """The gradient and update programs of a full-weight actor on one `device` (or `mesh`), with the shardings
     workers.actor.ActorWorker gives them, compiled from abstract arguments: each one's memory analysis."""
     out = {}
-    lowerings = lower_programs(model, settings, device, accumulate, length)
+    lowerings = lower_programs(model, settings, device, accumulate, length, mesh=mesh)
     for name in ("gradient", "update"):
         t0 = time.perf_counter()
         out[name] = stats(lowerings[name]().compile(), time.perf_counter() - t0)
     return out
 
 
-def lower_programs(model, settings, device, accumulate: int, length: int, lora=None) -> dict:
+def lower_programs(model, settings, device, accumulate: int, length: int, lora=None, mesh=None) -> dict:
     """{name: a function that traces and lowers it} of a full-weight actor's programs on one `device` (a LoRA
     actor's with `lora`, a workers.models.lora.LoraSpec: its adapter trained, the base frozen), with the shardings
     workers.actor.ActorWorker gives them, from abstract arguments: "gradient", "update", and "reference" (the
     reference's log-probabilities of one micro-batch, on the completion windows: a LoRA actor's is its logprobs
-    program, the base's row)."""
+    program, the base's row). `mesh`: a jax Mesh of the actor's axes (workers.models.sharding.mesh) instead of the
+    one device."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -181,7 +185,7 @@ def lower_programs(model, settings, device, accumulate: int, length: int, lora=N
         window_token_logprobs,
     )
 
-    mesh = S.mesh({}, [device])
+    mesh = S.mesh({}, [device]) if mesh is None else mesh
     repl = S.replicated(mesh)
     graphdef, params = nnx.split(model)
     param_sh = S.state_shardings(params, mesh, kv_heads=model.config.num_key_value_heads)
@@ -268,10 +272,12 @@ def main(argv=None) -> dict:
 
     from rlsched.config.plan import actor_bytes
     from rlsched.config.spec import actor_settings
+    from workers.models import sharding as S
     from workers.models.decoder import CausalLM
     from workers.models.presets import preset_config
 
-    device = target_device(args.target)
+    devices = target_devices(args.target, args.fsdp)
+    device, mesh = devices[0], S.mesh({"fsdp": args.fsdp}, devices)
     vocab = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
     config = preset_config(args.preset, dtype=args.dtype, **vocab)
     model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
@@ -279,7 +285,7 @@ def main(argv=None) -> dict:
     runs = []
     for accumulate in (int(a) for a in args.accumulate.split(",")):
         task = task_config(args, accumulate).tasks[0]
-        programs = compile_programs(model, actor_settings(task), device, accumulate, length)
+        programs = compile_programs(model, actor_settings(task), device, accumulate, length, mesh=mesh)
         plan = actor_bytes(task, config, backend="cpu" if device.platform == "cpu" else "gpu")
         grad, upd = programs["gradient"], programs["update"]
         # as tests/test_plan_memory.py: the gradient (the plan's grads, the gradient program's output) and the
@@ -302,7 +308,8 @@ def main(argv=None) -> dict:
     report = "\n".join([
         f"{args.preset} ({args.dtype}, remat {args.remat}), micro-batches of {args.micro_batch} x {length} positions "
         f"(window {args.new_tokens}, beta {args.beta}), compiled for {env['target']} ({args.target}"
-        + (f", {format_bytes(memory)}" if memory else "") + "); XLA's memory_analysis() of each program", "",
+        + (f", {format_bytes(memory)}" if memory else "") + "); XLA's memory_analysis() of each program"
+        + (f", one device's of fsdp {args.fsdp}" if args.fsdp > 1 else ""), "",
         "| micro-batches a step | gradient temp | gradient out | gradient args | gradient peak | update temp | "
         "update peak | plan activations | plan grads | plan / allocated |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
@@ -312,7 +319,9 @@ def main(argv=None) -> dict:
         "float32 gradient); plan = grads + activations (rlsched.config.plan.actor_bytes)"])
     results = dict(args={k: str(v) for k, v in vars(args).items()}, env=env, runs=runs,
                    timestamp=datetime.now(UTC).isoformat(timespec="seconds"))
-    out = args.out or ROOT / "benchmarks" / "results" / f"gpu_memory-{target_name(device, args.target)}-{args.preset}"
+    fsdp = f"-fsdp{args.fsdp}" if args.fsdp > 1 else ""
+    out = args.out or ROOT / "benchmarks" / "results" / \
+        f"gpu_memory-{target_name(device, args.target)}-{args.preset}{fsdp}"
     save_results(out, "The actor's train programs: XLA's memory analysis beside the plan", results, report)
     return results
 

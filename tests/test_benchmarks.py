@@ -417,6 +417,21 @@ def check_compile_cost(results: dict, out: Path) -> None:
     assert f"({results['ratio']:.2f} x faster)" in (out / "report.md").read_text()
 
 
+def test_gpu_memory_on_an_fsdp_mesh_counts_one_devices_programs(tmp_path):
+    """benchmarks/gpu_memory.py --fsdp 2 (2 CPU devices): the actor's programs on its mesh, one device's bytes: the
+    float32 gradient (the gradient program's output, beside a few metrics) is the plan's grads for that mesh (the
+    matrices split, the norms whole), about half of one device's; the report says which mesh."""
+    from benchmarks import gpu_memory
+
+    argv = [*SMALLEST["gpu_memory"][0], "--accumulate", "1"]
+    one = gpu_memory.main([*argv, "--out", str(tmp_path / "one")])["runs"][0]
+    two = gpu_memory.main([*argv, "--fsdp", "2", "--out", str(tmp_path / "two")])["runs"][0]
+    for run in (one, two):  # the output is the gradient and the step's metrics (a few scalars)
+        assert 0 <= run["gradient"]["output_bytes"] - run["plan"]["grads"] < 1024
+    assert 0.5 < two["plan"]["grads"] / one["plan"]["grads"] < 0.51
+    assert "one device's of fsdp 2" in (tmp_path / "two" / "report.md").read_text()
+
+
 def test_compile_cost_lora_builds_the_programs_a_lora_group_compiles(tiny_model_dir):
     """benchmarks/compile_cost.py --lora K builds a LoRA group's first-step programs itself (for a GPU it may not
     have): the generate programs' batch sizes are those a base group's shared sampler prepares for K tasks, and on

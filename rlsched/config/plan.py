@@ -73,8 +73,10 @@ were measured (jax 0.10, benchmarks/plan_fit.py):
   head's chunk inside gradients' buffers where the count's rule does not expect it; where it under-counts (4B, 2
   rows: 0.93) it kept more than at 8 rows. Small widths allocate relatively more there (split-K partial sums: 0.5-1.4
   x of the count at the `small` widths), which matters little in bytes. No GPU's allocator measured it at run time.
-What it leaves out: a TPU's compiler, the fsdp all-gathered weights of the layer in flight (meshes were measured on
-one device), and a LoRA adapter's own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe)
+What it leaves out: a TPU's compiler, what an fsdp mesh adds (the fit was measured on one device; compiled for 2 and
+4 H100s, Qwen3-0.6B at 16 x 512, one device's gradient program keeps 5.83 and 4.67 GiB of temporaries where this
+counts 1.54 and 0.28 GiB of activations: benchmarks/gpu_memory.py --fsdp, docs/performance.md), and a LoRA adapter's
+own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe)
 runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I) intermediates: the ep group's
 rows (gathered over ep) x E / ep experts x I / tp, which per device is the device's own rows x E x I / tp;
 MOE_VALUES_PER_EXPERT float32 values of them per token. That count is XLA:CPU's, not the block's three (gate, up,
