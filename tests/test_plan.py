@@ -74,6 +74,23 @@ def test_disaggregated_tasks_of_different_sizes_never_overlap(tmp_path):
     assert not engines & actors
 
 
+def test_the_plan_says_what_it_under_counts_for_an_fsdp_actor_on_a_gpu(tmp_path):
+    """An actor on fsdp > 1 counted for XLA:GPU: the plan names the task and the measured shortfall, in its text and
+    its JSON; one device per actor, or XLA:CPU's count (not measured on fsdp), says nothing."""
+    path = tmp_path / "two.yaml"
+    path.write_text((CONFIGS / "demo_mesh.yaml").read_text())
+    fsdp = load_config(path, ["cluster.placement=disaggregated", "cluster.num_devices=null",
+                              "tasks.0.actor.mesh={fsdp: 2, tp: 1}", "tasks.1.actor.mesh={fsdp: 1, tp: 2}"])
+    plan = device_plan(fsdp)
+    (caveat,) = plan.caveats
+    assert "addition (fsdp 2)" in caveat and "subtraction" not in caveat and "2.6 x" in caveat
+    assert f"note: {caveat}" in plan.render() and plan.as_dict()["caveats"] == [caveat]
+    assert device_plan(fsdp, backend="cpu").caveats == []
+    one = load_config(path, ["cluster.placement=disaggregated", "cluster.num_devices=null",
+                             "tasks.0.actor.mesh={fsdp: 1, tp: 2}", "tasks.1.actor.mesh={fsdp: 1, tp: 2}"])
+    assert device_plan(one).caveats == [] and "note:" not in device_plan(one).render()
+
+
 def test_a_process_that_sees_only_its_group_places_the_mesh_within_it():
     """On an accelerator the group's host sees its bundle's devices only: the rule holds within them (engine
     first, disaggregated actor last); a process that sees the pool takes the role's place in it."""

@@ -168,6 +168,10 @@ FIT = {
                                       vocab_grad=2, head_in_gradient=True)},
 }
 BACKENDS = tuple(FIT)  # `rlsched plan --backend`: whose compiler's count (a TPU's is not measured)
+# An actor on an fsdp mesh, compiled for H100s (benchmarks/gpu_memory.py --fsdp, Qwen3-0.6B, 16 x 512): what one
+# device's gradient program allocated against this module's grads + activations. Not yet attributed, so not counted.
+FSDP_MEASURED = ("Qwen3-0.6B at 16 x 512 rows x positions allocated 2.6 x the counted gradient + activations on "
+                 "fsdp 2 and 6.3 x on fsdp 4")
 VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.kernel")  # (vocab, hidden) parameters: ActivationFit.vocab_grad
 # The optimizer's step (workers.train_step.update, a program of its own) allocates this many float32 copies of the
 # trained params beside the gradient, its argument, by backend and actor.adam_mu_dtype: none with a float32 first
@@ -343,6 +347,16 @@ class DevicePlan:
     def runnable(self) -> bool:
         return all(g.fits != "no" for g in self.groups)
 
+    @property
+    def caveats(self) -> list[str]:
+        """What the figures are known to miss for this plan: an actor on an fsdp mesh (XLA:GPU's, FSDP_MEASURED)."""
+        fsdp = sorted({(r.task, r.mesh["fsdp"]) for r in self.roles if r.role == "actor" and r.mesh["fsdp"] > 1})
+        if not fsdp or self.backend != "gpu":
+            return []
+        tasks = ", ".join(f"{task} (fsdp {n})" for task, n in fsdp)
+        return [f"actor on an fsdp mesh: {tasks}. On fsdp meshes XLA:GPU keeps more than counted here: "
+                f"{FSDP_MEASURED}; leave that headroom (docs/performance.md)"]
+
     def as_dict(self) -> dict[str, Any]:
         roles = [dataclasses.asdict(r) | {"bytes": r.bytes | {"total": r.total}} for r in self.roles]
         return {"placement": self.placement, "backend": self.backend, "num_devices": self.num_devices,
@@ -350,7 +364,7 @@ class DevicePlan:
                 "models": self.models, "roles": roles, "per_device": self.per_device,
                 "groups": [dataclasses.asdict(g) for g in self.groups], "runnable": self.runnable,
                 "rollout_batches": [dataclasses.asdict(b) for b in self.rollout_batches],
-                "train_batches": [dataclasses.asdict(b) for b in self.train_batches]}
+                "train_batches": [dataclasses.asdict(b) for b in self.train_batches], "caveats": self.caveats}
 
     def render(self) -> str:
         budget = "no memory budget" if self.budget is None else f"memory budget {_size(self.budget)} per device"
@@ -381,6 +395,7 @@ class DevicePlan:
                              f"in one program run, {rows}" if b.phase == "rollout" else
                              f"co-batched train: {names}, one update program; the waiting ones share a hold, their "
                              f"optimizer steps in one program run, {rows}")
+        lines += [f"note: {c}" for c in self.caveats]
         return "\n".join(lines)
 
 
