@@ -214,7 +214,8 @@ def lower_programs(model, settings, device, accumulate: int, length: int, lora=N
         batch["ref_logp"] = ((accumulate, m, length - 1), f32)
     batch_sh = {k: S.batch_sharding(mesh, 2 if k in ROW_KEYS else 3, leading=1) for k in batch}
     batch = {k: jax.ShapeDtypeStruct(*v, sharding=batch_sh[k]) for k, v in batch.items()}
-    fn = partial(gradients, graphdef=graphdef, settings=settings, lora=lora, dtype=dtype)
+    stream = S.batch_sharding(mesh, 3) if S.batch_rows(dict(mesh.shape)) > 1 else None  # as ActorWorker's `_rows`
+    fn = partial(gradients, graphdef=graphdef, settings=settings, lora=lora, dtype=dtype, rows=stream)
     frozen_sh, frozen = (base_sh[:1], base[:1]) if dtype is None else ((None, param_sh), (None, served))
     grad = jax.jit(fn, in_shardings=(shardings, batch_sh, *frozen_sh), out_shardings=(param_sh, repl))
     step = jax.jit(lambda st, gr, skipped: update(st, gr, skipped == 0, tx=tx, platform=device.platform),
@@ -222,7 +223,7 @@ def lower_programs(model, settings, device, accumulate: int, length: int, lora=N
     skipped = jax.ShapeDtypeStruct((), f32, sharding=repl)
     rows, vec = S.batch_sharding(mesh, 2), S.batch_sharding(mesh, 1)
     reference = jax.jit(partial(window_token_logprobs, graphdef, width=settings.max_new_tokens,
-                                temperature=settings.temperature, lora=lora, dtype=dtype),
+                                temperature=settings.temperature, lora=lora, dtype=dtype, rows=stream),
                         in_shardings=(param_sh, rows, rows, vec, *base_sh), out_shardings=rows)
     ref_params = state.params if lora is not None else abstract(
         jax.eval_shape(partial(compute_params, dtype=dtype or jnp.float32), master), param_sh)

@@ -17,6 +17,7 @@ from workers.models import params as P
 from workers.models import sharding as S
 from workers.models.checkpoint import abstract_model
 from workers.models.config import Qwen3Config
+from workers.models.decoder import CausalLM
 from workers.models.presets import PRESETS, preset_config
 from workers.rollout import SamplingParams
 from workers.rollout.jax_sampler import JaxSampler
@@ -153,6 +154,24 @@ def test_the_compiled_train_step_never_gathers_a_tp_split_parameter_whole():
     assert gathered, "fsdp gathers parameters per use; none found: the regex no longer reads the HLO"
     whole_tp = {tuple(v.shape) for k, v in P.to_flat(actor.state.params).items() if "tp" in v.sharding.spec}
     assert not gathered & whole_tp, f"whole tp-split parameters gathered: {gathered & whole_tp}"
+
+
+@pytest.mark.slow
+def test_on_fsdp_the_residual_stream_keeps_its_rows_and_the_weights_are_gathered():
+    """An actor on fsdp 2 (the `small` preset, bfloat16): its gradient program gathers weights per use and keeps
+    each layer's activations on their rows (CausalLM.forward's `rows`). Without that layout XLA's partitioner met
+    rows and the weights' hidden dimension both split over fsdp and shuffled activations inside every layer: 37
+    all-to-alls and 49 all-reduces in this program (2 and 8 with it), 229 all-to-alls and 2.5 x the temporaries at
+    Qwen3-0.6B's shape (benchmarks/gpu_memory.py --fsdp)."""
+    cfg = preset_config("small", vocab_size=512, dtype="bfloat16")
+    actor = ActorWorker(CausalLM(cfg, rngs=nnx.Rngs(0)), dataclasses.replace(SETTINGS, mini_batch_size=8),
+                        mesh=_mesh(dict(fsdp=2)))
+    assert actor.prepare(8, 64) > 0
+    (program,) = [p for key, p in actor._prepared.items() if key[0] == "train"]
+    hlo = program.as_text()
+    count = {op: len(re.findall(rf"= [^\n]*? {op}(?:-start)?\(", hlo)) for op in ("all-gather", "all-to-all")}
+    assert count["all-gather"] >= cfg.num_hidden_layers  # the weights, gathered per use
+    assert count["all-to-all"] < cfg.num_hidden_layers, count  # no activation shuffle per layer
 
 
 @pytest.mark.slow

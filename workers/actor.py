@@ -130,6 +130,9 @@ class ActorWorker:
             raise S.ShardingError(f"micro_batch_size {settings.micro_batch_size} does not split over "
                                   f"{S.describe_rows(dict(self.mesh.shape))}")
         self.tx = make_optimizer(settings)
+        # The residual stream's layout where the mesh splits rows: rows over the batch's axes, held by every layer
+        # (CausalLM.forward's `rows`: else XLA's partitioner gathered activations over fsdp inside the layers)
+        self._rows = S.batch_sharding(self.mesh, 3) if rows > 1 else None
         self._lease = base
         if base is None:
             self.graphdef, params = nnx.split(model)
@@ -219,7 +222,8 @@ class ActorWorker:
 
     def gradient_function(self):
         """`gradients` with this actor's static parts bound: (state, batch[, base[, served]]) -> (grads, metrics)."""
-        return partial(gradients, graphdef=self.graphdef, settings=self.settings, lora=self.lora, dtype=self.dtype)
+        return partial(gradients, graphdef=self.graphdef, settings=self.settings, lora=self.lora, dtype=self.dtype,
+                       rows=self._rows)
 
     def _program(self, kind: str, keys: tuple[str, ...] = ()):
         """The jitted train step's gradient program (per set of batch keys), its update program, or a logprobs
@@ -250,7 +254,7 @@ class ActorWorker:
             fn = partial(window_token_logprobs, width=self.settings.max_new_tokens) if window else token_logprobs
             starts = (S.batch_sharding(self.mesh, 1),) if window else ()
             fn = jax.jit(partial(fn, self.graphdef, temperature=self.settings.temperature, lora=self.lora,
-                                 dtype=self.dtype),
+                                 dtype=self.dtype, rows=self._rows),
                          in_shardings=(param_sh, rows, rows, *starts, *base_sh), out_shardings=rows)
         self._programs[kind, keys] = fn
         return fn

@@ -212,18 +212,19 @@ def policy_model(graphdef, params, base, lora, rows: int, *, row=0, dtype=None):
 
 def policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, *, temperature, router_loss: bool = False,
                     row=0, dtype=None, remat: str = "off", start=None,
-                    width: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    width: int | None = None, rows=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`policy_model`'s log p(tokens[:, 1:]) (B, T-1), its entropy there (B, T-1, no gradient) and the MoE
     load-balancing loss (0 without `router_loss`), all float32, for tokens, attention_mask (B, T): the output head
     runs on chunks of positions (workers.token_logprobs), so no [B, T, V] float32 logits are ever alive, in the
     forward or the backward. `remat`: what each decoder layer keeps for a backward (the update's: `layers`).
     `start` int (B,) and a static `width`: the head runs on logprob positions [start_i, start_i + width) of each row
-    only (a train batch's completion windows: workers.batch), log p and entropy are 0 elsewhere."""
+    only (a train batch's completion windows: workers.batch), log p and entropy are 0 elsewhere. `rows`: the
+    residual stream's layout on the actor's mesh (CausalLM.forward; None on one device)."""
     if (start is None) != (width is None):
         raise ValueError(f"give a completion window's start and width together, got start {start!r}, width {width!r}")
     model, adapters = policy_model(graphdef, params, base, lora, tokens.shape[0], row=row, dtype=dtype)
     hidden, aux = model.hidden_states(tokens, attention_mask=attention_mask, adapters=adapters,
-                                      router_loss=router_loss, remat=remat)
+                                      router_loss=router_loss, remat=remat, rows=rows)
     head = lambda h: model.logits(h, adapters)  # noqa: E731
     if start is None:
         logp, entropy = target_logprobs(head, hidden[:, :-1], tokens[:, 1:], temperature=temperature)
@@ -233,21 +234,21 @@ def policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, *, tem
 
 
 def token_logprobs(graphdef, params, tokens, attention_mask, base=None, row=0, *, temperature,
-                   lora=None, dtype=None) -> jax.Array:
+                   lora=None, dtype=None, rows=None) -> jax.Array:
     """tokens, attention_mask (B, T) -> log p(tokens[:, 1:]) (B, T-1), float32 (`policy_logprobs`). A LoRA
     actor passes `row` as a traced int32 (0: its policy, -1: its reference, the base): both are one executable,
     so a fresh adapter's logprobs equal its reference's bit for bit (XLA fuses a program without the adapter
     otherwise, about 1e-6 away)."""
     return policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, temperature=temperature, row=row,
-                           dtype=dtype)[0]
+                           dtype=dtype, rows=rows)[0]
 
 
 def window_token_logprobs(graphdef, params, tokens, attention_mask, start, base=None, row=0, *, width: int,
-                          temperature, lora=None, dtype=None) -> jax.Array:
+                          temperature, lora=None, dtype=None, rows=None) -> jax.Array:
     """`token_logprobs` in each row's completion window only: start int (B,), positions [start_i, start_i + width)
     of the (B, T-1) result; 0 elsewhere (`policy_logprobs`)."""
     return policy_logprobs(graphdef, params, base, lora, tokens, attention_mask, temperature=temperature, row=row,
-                           dtype=dtype, start=start, width=width)[0]
+                           dtype=dtype, start=start, width=width, rows=rows)[0]
 
 
 def router_aux_coef(settings: ActorSettings, config) -> float:
@@ -270,7 +271,7 @@ def train_step(state: TrainState, batch: dict, base=None, served=None, *, graphd
 
 
 def gradients(state: TrainState, batch: dict, base=None, served=None, *, graphdef, settings: ActorSettings,
-              lora: L.LoraSpec | None = None, dtype=None):
+              lora: L.LoraSpec | None = None, dtype=None, rows=None):
     """The gradient of one optimizer step's loss over a mini-batch shaped (A, micro, ...) -> (grads, metrics):
     grads as state.params (the master's dtype), summed over the micro-batches; metrics["skipped"] 1 where the loss or
     the gradient is not finite (`update` then leaves the state as it was).
@@ -283,7 +284,8 @@ def gradients(state: TrainState, batch: dict, base=None, served=None, *, graphde
     gradients, their sum over micro-batches and the optimizer's moments are the master's dtype. `served` (with
     `dtype`): state.params already cast to `dtype` (`compute_params`), which the forward reads; the gradient with
     respect to it, cast to the master's dtype, is the cast's gradient, so the step is the one that casts inside
-    (served None), without the params-sized temporary that cast allocates.
+    (served None), without the params-sized temporary that cast allocates. `rows`: the residual stream's layout on
+    the actor's mesh (policy_logprobs).
     """
     s = settings
     # a batch with completion windows (workers.batch; ActorWorker.windowed checks them) runs the head on those alone
@@ -300,7 +302,7 @@ def gradients(state: TrainState, batch: dict, base=None, served=None, *, graphde
         # with aux_coef, the router's load-balancing loss too, averaged over the mini-batch's micro-batches
         logp, entropy, aux = policy_logprobs(graphdef, params, base, lora, mb["tokens"], mb["attention_mask"],
                                              temperature=s.temperature, router_loss=bool(aux_coef), dtype=cast,
-                                             remat=s.remat, start=mb.get(WINDOW), width=width)
+                                             remat=s.remat, start=mb.get(WINDOW), width=width, rows=rows)
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
         loss, m = grpo.policy_loss(logp, old, mb.get("ref_logp"), mb["advantages"], mb["loss_mask"],
                                    epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta,

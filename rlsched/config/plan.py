@@ -74,7 +74,7 @@ were measured (jax 0.10, benchmarks/plan_fit.py):
   rows: 0.93) it kept more than at 8 rows. Small widths allocate relatively more there (split-K partial sums: 0.5-1.4
   x of the count at the `small` widths), which matters little in bytes. No GPU's allocator measured it at run time.
 What it leaves out: a TPU's compiler, what an fsdp mesh adds (the fit was measured on one device; compiled for 2 and
-4 H100s, Qwen3-0.6B at 16 x 512, one device's gradient program keeps 5.83 and 4.67 GiB of temporaries where this
+4 H100s, Qwen3-0.6B at 16 x 512, one device's gradient program keeps 2.32 and 2.17 GiB of temporaries where this
 counts 1.54 and 0.28 GiB of activations: benchmarks/gpu_memory.py --fsdp, docs/performance.md), and a LoRA adapter's
 own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe)
 runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I) intermediates: the ep group's
@@ -170,8 +170,8 @@ FIT = {
 BACKENDS = tuple(FIT)  # `rlsched plan --backend`: whose compiler's count (a TPU's is not measured)
 # An actor on an fsdp mesh, compiled for H100s (benchmarks/gpu_memory.py --fsdp, Qwen3-0.6B, 16 x 512): what one
 # device's gradient program allocated against this module's grads + activations. Not yet attributed, so not counted.
-FSDP_MEASURED = ("Qwen3-0.6B at 16 x 512 rows x positions allocated 2.6 x the counted gradient + activations on "
-                 "fsdp 2 and 6.3 x on fsdp 4")
+FSDP_MEASURED = ("Qwen3-0.6B at 16 x 512 rows x positions allocated 1.3 x the counted gradient + activations on "
+                 "fsdp 2 and 3.3 x on fsdp 4")
 VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.kernel")  # (vocab, hidden) parameters: ActivationFit.vocab_grad
 # The optimizer's step (workers.train_step.update, a program of its own) allocates this many float32 copies of the
 # trained params beside the gradient, its argument, by backend and actor.adam_mu_dtype: none with a float32 first

@@ -192,14 +192,22 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoeBlock(cfg, rngs, _dtype(cfg)) if self.moe else MLP(cfg, rngs)
 
     def __call__(self, x, positions, mask, cache, cache_index, router_logits=None,
-                 adapters: AdapterBatch | None = None, prefix: str = "", span: tuple | None = None):
+                 adapters: AdapterBatch | None = None, prefix: str = "", span: tuple | None = None, rows=None):
         """`prefix`: this layer's path (`model.layers.<i>`), naming its projections in `adapters` (the MLP
-        projections of a MoE layer are never adapted: lora.check_modules refuses them)."""
+        projections of a MoE layer are never adapted: lora.check_modules refuses them). `rows`: the layout the
+        residual stream (B, T, H) keeps in and out of the layer (CausalLM.forward)."""
+        x = _keep(x, rows)
         attn, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache, cache_index, adapters,
                                      f"{prefix}.self_attn", span)
         x = x + attn
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, router_logits) if self.moe else self.mlp(h, adapters, f"{prefix}.mlp")), cache
+        out = x + (self.mlp(h, router_logits) if self.moe else self.mlp(h, adapters, f"{prefix}.mlp"))
+        return _keep(out, rows), cache
+
+
+def _keep(x: jax.Array, rows) -> jax.Array:
+    """x laid out as `rows` (a NamedSharding), where one is given."""
+    return x if rows is None else jax.lax.with_sharding_constraint(x, rows)
 
 
 class Embedding(nnx.Module):
@@ -261,14 +269,14 @@ class CausalLM(nnx.Module):
         return self.logits(hidden, adapters), load_balancing_loss(collected, k, mask)
 
     def hidden_states(self, input_ids, *, attention_mask=None, adapters: AdapterBatch | None = None,
-                      router_loss: bool = False, remat: str = "off") -> tuple[jax.Array, jax.Array]:
+                      router_loss: bool = False, remat: str = "off", rows=None) -> tuple[jax.Array, jax.Array]:
         """The final hidden states (B, T, H) of a padded batch (before the output head: `logits` of a slice of them
         gives what `model(...)` would there), and the MoE load-balancing loss with `router_loss` (else 0). `remat`:
-        what each layer keeps for a backward (REMAT)."""
+        what each layer keeps for a backward (REMAT); `rows`: the residual stream's layout (`forward`)."""
         positions, mask = self._defaults(input_ids, None, attention_mask)
         collected: list | None = [] if router_loss else None
         hidden, _ = self.forward(input_ids, positions, mask, None, 0, router_logits=collected, adapters=adapters,
-                                 remat=remat)
+                                 remat=remat, rows=rows)
         if not router_loss:
             return hidden, jnp.zeros((), jnp.float32)
         return hidden, load_balancing_loss(collected, getattr(self.config, "num_experts_per_tok", 1), mask)
@@ -284,7 +292,7 @@ class CausalLM(nnx.Module):
 
     def forward(self, input_ids, positions, kv_mask, cache: list[LayerCache] | None, cache_index,
                 router_logits: list | None = None, adapters: AdapterBatch | None = None, remat: str = "off",
-                decode_attention: str = "xla", live: jax.Array | None = None, kv_sharding=None):
+                decode_attention: str = "xla", live: jax.Array | None = None, kv_sharding=None, rows=None):
         """input_ids, positions: (B, T); kv_mask: (B, S) -> hidden (B, T, H), cache. MoE layers append their
         router logits (B, T, E) to `router_logits` when given. `adapters.rows` (B,): each row's adapter. `remat`
         (REMAT, without a cache only): what each layer keeps for a backward; `off`, all of it. `decode_attention`
@@ -293,7 +301,11 @@ class CausalLM(nnx.Module):
         (left-padded prompts); S may then be less than the slots written. `live` (B,): the rows still decoding; the
         others' attention, with a kernel, reads nothing and is zero (their outputs are the caller's to drop).
         `kv_sharding`: the cache's NamedSharding on a mesh of several devices, where a kernel runs on each device's
-        shard (decode_attention.attend)."""
+        shard (decode_attention.attend). `rows`: a NamedSharding of the residual stream (B, T, H), rows over the
+        batch's mesh axes, that every layer keeps in and out (an actor on a mesh that splits rows: without it, XLA's
+        partitioner met the batch and the weights' hidden dimension both split over fsdp and gathered activations
+        over the batch inside the layers, 229 all-to-alls and 5.8 GiB of temporaries in a Qwen3-0.6B gradient on
+        fsdp 2 where the weights' gathers need 2.3: benchmarks/gpu_memory.py --fsdp)."""
         if remat not in REMAT:
             raise ValueError(f"remat {remat!r}: one of {sorted(REMAT)}")
         if remat != "off" and cache is not None:
@@ -317,10 +329,10 @@ class CausalLM(nnx.Module):
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.model.layers):
             if remat != "off":
-                x = _remat_layer(layer, x, positions, mask, router_logits, adapters, f"model.layers.{i}")
+                x = _remat_layer(layer, x, positions, mask, router_logits, adapters, f"model.layers.{i}", rows)
                 continue
             x, layer_cache = layer(x, positions, mask, cache[i] if cache is not None else None, cache_index,
-                                   router_logits, adapters, f"model.layers.{i}", span)
+                                   router_logits, adapters, f"model.layers.{i}", span, rows)
             if cache is not None:
                 new_cache.append(layer_cache)
         return self.model.norm(x), new_cache
@@ -343,7 +355,7 @@ class CausalLM(nnx.Module):
 
 
 def _remat_layer(layer: DecoderLayer, x, positions, mask, router_logits: list | None,
-                 adapters: AdapterBatch | None, prefix: str) -> jax.Array:
+                 adapters: AdapterBatch | None, prefix: str, rows=None) -> jax.Array:
     """`layer`'s output (B, T, H) for x (B, T, H) without a cache, rematerialised: the forward keeps its inputs
     (x, the layer's params, the mask, the adapters), and the backward recomputes the layer's forward from them
     only after the cotangent of its output exists, so one layer's internals are alive at a time. A MoE layer's
@@ -354,7 +366,7 @@ def _remat_layer(layer: DecoderLayer, x, positions, mask, router_logits: list | 
     def run(inputs):
         params, x, positions, mask, adapters = inputs
         collected = [] if collect else None
-        y, _ = nnx.merge(graphdef, params)(x, positions, mask, None, 0, collected, adapters, prefix)
+        y, _ = nnx.merge(graphdef, params)(x, positions, mask, None, 0, collected, adapters, prefix, None, rows)
         return y, collected
 
     @jax.custom_vjp
