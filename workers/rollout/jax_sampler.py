@@ -23,8 +23,9 @@ Design decisions:
   what a step reads, and neither a row's left padding nor the slots not yet written need be. On GPUs a Pallas
   kernel attends (`decode_attention`, workers.models.decode_attention; on a mesh, on each device's shard of the
   cache): each row from its first prompt token to the slot written last, in one loop. With XLA's attention (the
-  CPU) the loop runs in segments on a GPU (`SEGMENTS`, `_segment_ends`), each attending to the static prefix of
-  slots it can have written; on the CPU in one loop (each segment is a loop body compiled more).
+  CPU's; a GPU's where `xla` is chosen or head_dim is not a power of two) the loop runs in segments on a GPU
+  (`SEGMENTS`, `_segment_ends`), each attending to the static prefix of slots it can have written; on the CPU in one
+  loop (each segment is a loop body compiled more).
 - `prepare` compiles a request's programs ahead of time, from the weights' shapes and shardings only (no
   weights on the devices needed): the scheduler's caller does it before asking for the rollout lock, so
   no task compiles while it holds a lock. `generate` runs those executables; a shape nobody prepared
