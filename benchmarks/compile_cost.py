@@ -97,9 +97,10 @@ def lora_batches(rows: int, tasks: int, max_rows: int) -> list[int]:
     the rows of c tasks for c = 1 .. tasks until those of c - 1 fill a chunk
     (workers.rollout.shared_engine.SharedSampler.prepare), in chunks of at most max_batch_size, each padded to its
     power-of-two bucket (workers.rollout.jax_sampler: JaxSampler._joint_chunks)."""
+    from benchmarks.gpu import lora_engine_rows
     from workers.rollout.jax_sampler import _bucket
 
-    limit = max(rows, min(max_rows, rows * tasks))
+    limit = lora_engine_rows(rows, tasks, max_rows)
     sizes = set()
     for copies in range(1, tasks + 1):
         if copies > 1 and (copies - 1) * rows >= limit:
@@ -134,6 +135,7 @@ def main(argv=None) -> dict:
     if args.way is not None:  # a child: one way, its figures to --result
         args.result.write_text(json.dumps(run_way(args)))
         return {}
+    from benchmarks.gpu import lora_engine_rows
     from benchmarks.gpu_memory import environment, target_device, target_name
 
     child = [a for a in (argv if argv is not None else sys.argv[1:])]
@@ -156,7 +158,7 @@ def main(argv=None) -> dict:
         f"{args.batch}, {args.prompt_len} + {args.new_tokens} slots; the actor's: micro-batch {args.micro_batch}, "
         f"remat {args.remat}, beta {args.beta}"
         + (f"; {args.lora} LoRA tasks on one base, rank {args.lora_rank} on every projection, the engine's rows "
-           f"{max(args.batch, min(args.lora_rows, args.batch * args.lora))}" if args.lora else "")
+           f"{lora_engine_rows(args.batch, args.lora, args.lora_rows)}" if args.lora else "")
         + f"), compiled for {env['target']} ({args.target}) on a host of {env['cpus_usable']} usable cores", "",
         "| program | trace + lower | compile |", "|---|---:|---:|", *rows, "",
         f"one after another: **{alone['wall_s']:.1f} s**; at once: **{together['wall_s']:.1f} s** "

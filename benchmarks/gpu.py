@@ -179,6 +179,12 @@ def child_env() -> dict[str, str]:
 
 # ---- the device: its kind, allocator and copy bandwidth (in a child: this process never opens the device) ----
 
+def lora_engine_rows(rows: int, tasks: int, max_rows: int) -> int:
+    """A LoRA run's rollout.max_batch_size: the rows of all its tasks (`rows` each), at most `max_rows` (--lora-rows),
+    at least one task's."""
+    return max(rows, min(max_rows, rows * tasks))
+
+
 def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path) -> dict:
     """Run in the probe's child: the device's kind, the bandwidth of a copy of `copy_mib` MiB on it, and the
     model of `preset` at `model` (made here, if it is not there yet: one process start less)."""
@@ -326,7 +332,7 @@ def experiment(run: Run, args, *, model: Path, dtype: str, work: Path) -> dict:
     template["grpo"] = {**template["grpo"], "prompts_per_step": args.prompts, "num_generations": args.generations,
                         "max_prompt_len": args.prompt_len, "max_new_tokens": args.new_tokens, "beta": args.beta,
                         "mini_batch_size": rows, "micro_batch_size": min(args.micro_batch, rows)}
-    template["rollout"] = {"max_batch_size": max(rows, min(args.lora_rows, rows * run.tasks)) if run.lora else rows,
+    template["rollout"] = {"max_batch_size": lora_engine_rows(rows, run.tasks, args.lora_rows) if run.lora else rows,
                            "engine_args": {"decode_attention": args.decode_attention}}
     if run.lora:
         template["lora"] = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank, "targets": LORA_TARGETS}

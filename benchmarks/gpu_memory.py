@@ -214,7 +214,7 @@ def lower_programs(model, settings, device, accumulate: int, length: int, lora=N
         batch["ref_logp"] = ((accumulate, m, length - 1), f32)
     batch_sh = {k: S.batch_sharding(mesh, 2 if k in ROW_KEYS else 3, leading=1) for k in batch}
     batch = {k: jax.ShapeDtypeStruct(*v, sharding=batch_sh[k]) for k, v in batch.items()}
-    stream = S.batch_sharding(mesh, 3) if S.batch_rows(dict(mesh.shape)) > 1 else None  # as ActorWorker's `_rows`
+    stream = S.residual_sharding(mesh)  # as ActorWorker holds it
     fn = partial(gradients, graphdef=graphdef, settings=settings, lora=lora, dtype=dtype, rows=stream)
     frozen_sh, frozen = (base_sh[:1], base[:1]) if dtype is None else ((None, param_sh), (None, served))
     grad = jax.jit(fn, in_shardings=(shardings, batch_sh, *frozen_sh), out_shardings=(param_sh, repl))

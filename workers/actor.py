@@ -130,9 +130,9 @@ class ActorWorker:
             raise S.ShardingError(f"micro_batch_size {settings.micro_batch_size} does not split over "
                                   f"{S.describe_rows(dict(self.mesh.shape))}")
         self.tx = make_optimizer(settings)
-        # The residual stream's layout where the mesh splits rows: rows over the batch's axes, held by every layer
-        # (CausalLM.forward's `rows`: else XLA's partitioner gathered activations over fsdp inside the layers)
-        self._rows = S.batch_sharding(self.mesh, 3) if rows > 1 else None
+        # The residual stream's layout where the mesh splits rows, held by every layer (CausalLM.forward's `rows`:
+        # else XLA's partitioner gathered activations over fsdp inside the layers)
+        self._rows = S.residual_sharding(self.mesh)
         self._lease = base
         if base is None:
             self.graphdef, params = nnx.split(model)

@@ -208,6 +208,12 @@ def batch_sharding(mesh_, ndim: int, *, leading: int = 0):
     return named(mesh_, (None,) * leading + (entry,) + (None,) * (ndim - leading - 1))
 
 
+def residual_sharding(mesh_):
+    """The residual stream (B, T, H) of an actor's forward, rows over dp x fsdp x ep, held in and out of every layer
+    (workers.models.decoder's `rows`), where the mesh splits rows; None where it does not (nothing to hold)."""
+    return batch_sharding(mesh_, 3) if batch_rows(dict(mesh_.shape)) > 1 else None
+
+
 def replicated(mesh_):
     return named(mesh_, ())
 
