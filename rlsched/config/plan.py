@@ -39,10 +39,16 @@ constants are FIT[backend][the model's dtype] (ActivationFit):
                           they split a run's completion window of max_new_tokens) x vocab / tp: the chunk's float32
                           logits, softmax and gradient, never the whole [rows, positions, vocab]. XLA:GPU places
                           it inside the embedding's float32 gradient, before writing that, where it fits
-                          (2 x rows x chunk <= H): not counted there (`head_in_gradient`)
+                          (2 x rows x chunk <= H) on one fsdp shard: not counted there (`head_in_gradient`)
     the rest              `rest` x T x H (the embedding's output, the final norm and their gradients)
     vocabulary gradients  XLA:GPU, a bfloat16 model: its embedding's (and an untied head's) gradient in bfloat16,
                           before the float32 sum (`vocab_grad` bytes a parameter of their shards)
+    an fsdp mesh          fsdp > 1: every layer's weights gathered, less the device's own shard, in the model's
+                          dtype, counted as if all at once (the compiler starts the gathers ahead of the layers as
+                          far as the device's memory lets it: a Qwen3-4B gradient for 4 H100s kept dozens of
+                          layers' gathered matrices alive at once); each vocabulary matrix gathered, and a
+                          full-weight actor's float32 gradient of it whole, before the reduce-scatter that leaves
+                          the device its shard (`fsdp_gathered_bytes`)
     accumulation          several micro-batches a step (mini_batch_size > micro_batch_size): ACCUMULATION_COPIES x
                           the trained params' float32 bytes (XLA:CPU keeps a float32 copy of bfloat16 weights
                           through the loop: 1.7 x; XLA:GPU little: 0.1 x)
@@ -73,21 +79,22 @@ were measured (jax 0.10, benchmarks/plan_fit.py):
   head's chunk inside gradients' buffers where the count's rule does not expect it; where it under-counts (4B, 2
   rows: 0.93) it kept more than at 8 rows. Small widths allocate relatively more there (split-K partial sums: 0.5-1.4
   x of the count at the `small` widths), which matters little in bytes. No GPU's allocator measured it at run time.
-What it leaves out: a TPU's compiler, what an fsdp mesh adds (the fit was measured on one device; compiled for 2 and
-4 H100s, Qwen3-0.6B at 16 x 512, one device's gradient program keeps 2.32 and 2.17 GiB of temporaries where this
-counts 1.54 and 0.28 GiB of activations: benchmarks/gpu_memory.py --fsdp, docs/performance.md), and a LoRA adapter's
-own intermediates (rank-sized). A mixture-of-experts layer (workers.models.moe)
-runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I) intermediates: the ep group's
-rows (gathered over ep) x E / ep experts x I / tp, which per device is the device's own rows x E x I / tp;
-MOE_VALUES_PER_EXPERT float32 values of them per token. That count is XLA:CPU's, not the block's three (gate, up,
-their product): the compiled train step of a 2- and a 4-layer model of Qwen3-30B-A3B's shapes on 8 CPU devices
-(`memory_analysis()`, float32, remat off) holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x tp 2, ep 4 x tp 2
-and fsdp 2 x ep 4. The MoE share is not fitted to the remat-aware program nor to XLA:GPU: on one device, 16 experts
-256 wide (hidden 256, 2-4 layers, 2-8 rows of 256 positions), XLA:CPU's temporaries were 1.4-1.9 x grads +
-activations with remat layers, by the count before its refit (one layer's recompute of its (B, T, E, I) values, and
-per further layer 0.3-0.4 x its float32 gradient more in bfloat16, the same at 2 and 8 rows, 1.6 x in float32) and
-0.5-0.8 x with remat off (float32: about 8 values per expert and token, not 12). The KV cache is jax_sampler's,
-the most it can hold.
+- An fsdp mesh, XLA:GPU compiled for 2 and 4 H100s (benchmarks/gpu_memory.py --fsdp), Qwen3 0.6B, 1.7B and 4B shapes
+  at 4-16 rows a device: 0.98-1.26 x over 9 programs (0.30-0.96 without the fsdp count); it over-counts most at fsdp
+  2, where the compiler held fewer layers gathered. XLA:CPU, Qwen3-0.6B on fsdp 2: 0.77 (its one-device count at
+  that size is 0.91).
+What it leaves out: a TPU's compiler, a LoRA adapter's own intermediates (rank-sized), and a LoRA actor on fsdp (its
+frozen base's gathers are counted as a full-weight actor's, not measured). A mixture-of-experts layer
+(workers.models.moe) runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I)
+intermediates: the ep group's rows (gathered over ep) x E / ep experts x I / tp, which per device is the device's own
+rows x E x I / tp; MOE_VALUES_PER_EXPERT float32 values of them per token. That count is XLA:CPU's, not the block's
+three (gate, up, their product): the compiled train step of a 2- and a 4-layer model of Qwen3-30B-A3B's shapes on 8 CPU
+devices (`memory_analysis()`, float32, remat off) holds 11-16 per token per MoE layer on fsdp 2 x ep 2 x tp 2, ep 4 x tp
+2 and fsdp 2 x ep 4. The MoE share is not fitted to the remat-aware program nor to XLA:GPU: on one device, 16 experts
+256 wide (hidden 256, 2-4 layers, 2-8 rows of 256 positions), XLA:CPU's temporaries were 1.4-1.9 x grads + activations
+with remat layers, by the count before its refit (one layer's recompute of its (B, T, E, I) values, and per further
+layer 0.3-0.4 x its float32 gradient more in bfloat16, the same at 2 and 8 rows, 1.6 x in float32) and 0.5-0.8 x with
+remat off (float32: about 8 values per expert and token, not 12). The KV cache is jax_sampler's, the most it can hold.
 
 LoRA tasks of one base group (the same base, dtype and role mesh) in a device group's process share one copy of
 the base (workers.shared_base): their rows show the adapter, and one row `base` holds the base, resident for the
@@ -168,10 +175,6 @@ FIT = {
                                       vocab_grad=2, head_in_gradient=True)},
 }
 BACKENDS = tuple(FIT)  # `rlsched plan --backend`: whose compiler's count (a TPU's is not measured)
-# An actor on an fsdp mesh, compiled for H100s (benchmarks/gpu_memory.py --fsdp, Qwen3-0.6B, 16 x 512): what one
-# device's gradient program allocated against this module's grads + activations. Not yet attributed, so not counted.
-FSDP_MEASURED = ("Qwen3-0.6B at 16 x 512 rows x positions allocated 1.3 x the counted gradient + activations on "
-                 "fsdp 2 and 3.3 x on fsdp 4")
 VOCAB_MATRICES = ("model.embed_tokens.weight", "lm_head.kernel")  # (vocab, hidden) parameters: ActivationFit.vocab_grad
 # The optimizer's step (workers.train_step.update, a program of its own) allocates this many float32 copies of the
 # trained params beside the gradient, its argument, by backend and actor.adam_mu_dtype: none with a float32 first
@@ -223,7 +226,7 @@ def actor_bytes(task: TaskConfig, model: ModelConfig, *, backend: str = "gpu") -
     lora_head = 4 * vocab if task.lora is not None and "lm_head" in task.lora.targets else 0
     fit, chunk = FIT[backend][task.model.dtype], head_chunk(task.grpo.max_new_tokens)
     head = chunk * (fit.head * vocab + lora_head)
-    if fit.head_in_gradient and task.lora is None and 2 * rows * chunk <= model.hidden_size:
+    if fit.head_in_gradient and task.lora is None and mesh["fsdp"] == 1 and 2 * rows * chunk <= model.hidden_size:
         head = 0  # in the embedding's float32 gradient's buffer, before the backward writes it (ActivationFit)
     # a bfloat16 model's gradient of its vocabulary matrices (the embedding, an untied head), laid out as they are,
     # before their float32 sum (none for a LoRA actor's frozen base)
@@ -236,10 +239,29 @@ def actor_bytes(task: TaskConfig, model: ModelConfig, *, backend: str = "gpu") -
     cast = params if task.lora is None and item != ITEMSIZE[MASTER_DTYPE] and several else 0
     micro_batch = rows * activation_bytes(model, mesh, positions, task.model.dtype, task.actor.remat, head=head,
                                           backend=backend) + vocab_grads
+    micro_batch += fsdp_gathered_bytes(model, mesh, item, trained=task.lora is None)
     if batches.grad_accumulation > 1:  # several micro-batches a step
         micro_batch += int(ACCUMULATION_COPIES[backend][task.model.dtype] * trained)
     out["activations"] = max(micro_batch, int(UPDATE_COPIES[backend][task.actor.adam_mu_dtype] * trained)) + cast
     return out
+
+
+def fsdp_gathered_bytes(model: ModelConfig, mesh: dict[str, int], itemsize: int, *, trained: bool) -> int:
+    """What the gradient's program of an actor on an fsdp mesh allocates beyond its shards (module docstring): every
+    layer's weights gathered over fsdp, less the device's own shard, in the model's dtype (`itemsize`), counted as if
+    all at once (the compiler gathers layers ahead, as far as the device's memory lets it); each vocabulary matrix
+    gathered, and with `trained` (a full-weight actor) its float32 gradient whole before the reduce-scatter that
+    leaves the device its shard. 0 off fsdp."""
+    if mesh["fsdp"] == 1:
+        return 0
+    whole, kv_heads = {**mesh, "fsdp": 1}, model.num_key_value_heads
+    shapes = model.param_shapes()
+    layers = {k: v for k, v in shapes.items() if k.startswith("model.layers.")}
+    matrices = {k: v for k, v in shapes.items() if k in VOCAB_MATRICES}
+    gathered = param_bytes(layers, whole, kv_heads=kv_heads, itemsize=itemsize) - \
+        param_bytes(layers, mesh, kv_heads=kv_heads, itemsize=itemsize)
+    vocab = itemsize + (ITEMSIZE[MASTER_DTYPE] if trained else 0)
+    return gathered + param_bytes(matrices, whole, kv_heads=kv_heads, itemsize=vocab)
 
 
 def lora_bytes(task: TaskConfig, model: ModelConfig) -> int:
@@ -347,16 +369,6 @@ class DevicePlan:
     def runnable(self) -> bool:
         return all(g.fits != "no" for g in self.groups)
 
-    @property
-    def caveats(self) -> list[str]:
-        """What the figures are known to miss for this plan: an actor on an fsdp mesh (XLA:GPU's, FSDP_MEASURED)."""
-        fsdp = sorted({(r.task, r.mesh["fsdp"]) for r in self.roles if r.role == "actor" and r.mesh["fsdp"] > 1})
-        if not fsdp or self.backend != "gpu":
-            return []
-        tasks = ", ".join(f"{task} (fsdp {n})" for task, n in fsdp)
-        return [f"actor on an fsdp mesh: {tasks}. On fsdp meshes XLA:GPU keeps more than counted here: "
-                f"{FSDP_MEASURED}; leave that headroom (docs/performance.md)"]
-
     def as_dict(self) -> dict[str, Any]:
         roles = [dataclasses.asdict(r) | {"bytes": r.bytes | {"total": r.total}} for r in self.roles]
         return {"placement": self.placement, "backend": self.backend, "num_devices": self.num_devices,
@@ -364,7 +376,7 @@ class DevicePlan:
                 "models": self.models, "roles": roles, "per_device": self.per_device,
                 "groups": [dataclasses.asdict(g) for g in self.groups], "runnable": self.runnable,
                 "rollout_batches": [dataclasses.asdict(b) for b in self.rollout_batches],
-                "train_batches": [dataclasses.asdict(b) for b in self.train_batches], "caveats": self.caveats}
+                "train_batches": [dataclasses.asdict(b) for b in self.train_batches]}
 
     def render(self) -> str:
         budget = "no memory budget" if self.budget is None else f"memory budget {_size(self.budget)} per device"
@@ -395,7 +407,6 @@ class DevicePlan:
                              f"in one program run, {rows}" if b.phase == "rollout" else
                              f"co-batched train: {names}, one update program; the waiting ones share a hold, their "
                              f"optimizer steps in one program run, {rows}")
-        lines += [f"note: {c}" for c in self.caveats]
         return "\n".join(lines)
 
 
