@@ -78,27 +78,29 @@ def test_an_fsdp_actor_counts_the_weights_it_gathers(tmp_path, monkeypatch):
     """The small preset (hidden 256, MLP 768, 4 layers, 4 heads, 2 KV heads, head_dim 128, vocabulary 4,096, untied),
     bfloat16. Per layer q (256, 512), k and v (256, 256), o (512, 256), gate/up (256, 768), down (768, 256): 983,040
     values in matrices, all split over fsdp (the norms are not: nothing to gather); embed (4,096, 256) and the head
-    (256, 4,096): 2 x 1,048,576. On fsdp 2 a device gathers the half it lacks of every layer (bfloat16) and both
-    vocabulary matrices whole (bfloat16), and a full-weight actor their float32 gradients whole too."""
+    (256, 4,096): 2 x 1,048,576. On fsdp 2 a device gathers a layer at a time, whole (with its 768 values of norms:
+    983,808, bfloat16; with remat off the forward's gathers of every layer wait for the backward: the half it lacks
+    of all 4), and both vocabulary matrices whole (bfloat16), a full-weight actor their float32 gradients too."""
     from rlsched.config.plan import fsdp_gathered_bytes
     from workers.models.presets import preset_config
 
     model = preset_config("small", vocab_size=4096, dtype="bfloat16")
     mesh = {"dp": 1, "fsdp": 2, "ep": 1, "tp": 1}
-    layers, vocab = 4 * 983_040 // 2 * 2, 2 * 1_048_576
-    assert fsdp_gathered_bytes(model, mesh, 2, trained=True) == layers + vocab * (2 + 4)
-    assert fsdp_gathered_bytes(model, mesh, 2, trained=False) == layers + vocab * 2  # a LoRA actor's frozen base
-    # tp 2 splits what fsdp gathers: heads (2 KV heads split too), the MLP's width and the vocabulary
-    assert fsdp_gathered_bytes(model, mesh | {"tp": 2}, 2, trained=True) == (layers + vocab * (2 + 4)) // 2
+    layer, vocab = 983_808 * 2, 2 * 1_048_576
+    assert fsdp_gathered_bytes(model, mesh, 2, trained=True) == layer + vocab * (2 + 4)
+    assert fsdp_gathered_bytes(model, mesh, 2, trained=False) == layer + vocab * 2  # a LoRA actor's frozen base
+    assert fsdp_gathered_bytes(model, mesh, 2, trained=True, remat="off") == 4 * 983_040 // 2 * 2 + vocab * (2 + 4)
+    # tp 2 splits what fsdp gathers: heads (2 KV heads split too), the MLP's width and the vocabulary; not the norms
+    assert fsdp_gathered_bytes(model, mesh | {"tp": 2}, 2, trained=True) == (983_040 // 2 + 768) * 2 + vocab * 3
     assert fsdp_gathered_bytes(model, mesh | {"fsdp": 1}, 2, trained=True) == 0  # nothing to gather
 
-    # in the plan, an fsdp actor's activations carry it: the tiny preset (float32) on fsdp 2 gathers half of its 2
-    # layers' 86,016 values in matrices, and its tied embedding (384, 64) whole with its float32 gradient
+    # in the plan, an fsdp actor's activations carry it: the tiny preset (float32) on fsdp 2 gathers a layer whole
+    # (86,400 values), and its tied embedding (384, 64) whole with its float32 gradient
     cfg = _demo_mesh(tmp_path, ["tasks.0.actor.mesh={fsdp: 2, tp: 1}"])
     task, tiny = cfg.tasks[0], read_model_config(cfg.tasks[0], 0)
     counted = actor_bytes(task, tiny)["activations"]
     monkeypatch.setattr("rlsched.config.plan.fsdp_gathered_bytes", lambda *a, **k: 0)
-    assert counted - actor_bytes(task, tiny)["activations"] == 2 * 86_016 // 2 * 4 + 384 * 64 * (4 + 4)
+    assert counted - actor_bytes(task, tiny)["activations"] == 86_400 * 4 + 384 * 64 * (4 + 4)
 
 
 def test_a_process_that_sees_only_its_group_places_the_mesh_within_it():
@@ -220,10 +222,10 @@ def test_tiny_plan_by_hand(tmp_path):
         # tokens x (8 x 64 + 8 x 2 x 128 / tp 2 + 8 x 128, the one KV head whole + 8 x 192 / 2) = 20 x 3,328, + 2 B x
         # 1 head per tp x 20^2 scores) and the head on each row's completion window (max_new_tokens 4 log-prob
         # positions, one chunk: 4 x 8 B x 384 / tp 2)]; a float32 model: no vocabulary gradient in the model's dtype.
-        # On fsdp 2, what the layers gather: per layer, over tp 2 alone, 4 x 8,192 + 3 x 6,144 = 51,200 values, less
-        # the device's 25,600; the embedding gathered (192 x 64 = 12,288 values) and its float32 gradient whole
+        # On fsdp 2, what it gathers: a layer at a time, whole over fsdp (split over tp 2 alone: 4 x 8,192 + 3 x 6,144
+        # + 384 of norms = 51,584 values); the embedding (192 x 64 = 12,288 values) and its float32 gradient whole
         "activations": 32 * (2 * 4 * 20 * 64 + 8 * 20 * 64 + max(20 * 3_328 + 2 * 1 * 20 * 20, 4 * 8 * 192))
-        + 2 * 25_600 * 4 + 12_288 * (4 + 4),
+        + 51_584 * 4 + 12_288 * (4 + 4),
     }
     # engine tp 2: embed 192 x 64 = 12,288; per layer q 64 x 128, k, v 64 x 128 (replicated), o 128 x 64 ->
     # 4 x 8,192; gate/up 64 x 96, down 96 x 64 -> 3 x 6,144; norms 384: 12,288 + 64 + 2 x 51,584 = 115,520.
@@ -316,16 +318,16 @@ def test_qwen3_1p7b_recipe_plan_by_hand(tmp_path, capsys):
     # / 2 KV heads x 128 + 6,144 / 2) + 2 B x 8 heads x 1,280^2) or the head's chunk (128 positions x 8 B x 151,936 /
     # tp 2), whichever is larger: the chunk (on fsdp the embedding's float32 gradient is a shard, no room for it)] +
     # the bfloat16 gradient of the tied embedding (2 B x 151,936 x 2,048 / (fsdp 4 x tp 2)) + the accumulation of 16
-    # micro-batches of 8 (0.1 x the float32 master, 2 x actor_params) + what fsdp 4 gathers: 3/4 of every layer's
-    # matrices over tp 2 (28 x (50,336,000 - 4,352 norms) / 2 x 3/4 values, bfloat16) and the embedding over tp 2,
-    # bfloat16, with its float32 gradient whole (151,936 x 2,048 / 2 x (2 + 4) B): 2.62 GB. The update allocates
+    # micro-batches of 8 (0.1 x the float32 master, 2 x actor_params) + what fsdp 4 gathers: a layer at a time over tp
+    # 2 ((50,336,000 - 4,352 norms) / 2 + 4,352 values, bfloat16) and the embedding over tp 2, bfloat16, with its
+    # float32 gradient whole (151,936 x 2,048 / 2 x (2 + 4) B): 1.62 GB. The update allocates
     # nothing beside the gradient (a float32 first moment). One optimizer step a GRPO step (mini-batch 128 = the step's
     # samples): the forward reads the bfloat16 copy the actor serves, no cast
     work, head = 1280 * 4 * (2048 + 1024 + 512 + 3072) + 2 * 8 * 1280**2, 128 * 8 * 151_936 // 2
-    gathered = 28 * (50_336_000 - 4_352) // 2 * 3 // 4 * 2 + 151_936 * 2048 // 2 * (2 + 4)
+    gathered = ((50_336_000 - 4_352) // 2 + 4_352) * 2 + 151_936 * 2048 // 2 * (2 + 4)
     activations = (8 // 4) * (28 * 2 * 1280 * 2048 + 4 * 1280 * 2048 + max(work, head)) \
         + 2 * 151_936 * 2048 // 8 + int(0.1 * 2 * actor_params) + gathered
-    assert head > work and activations == 2_624_478_003
+    assert head > work and activations == 1_617_853_747
     # bfloat16: the actor trains float32 master weights (2 x the bfloat16 bytes) and serves the bfloat16 params;
     # its gradients and both moments are float32; the reference (beta 0.08) is bfloat16
     assert actor["bytes"] == {
@@ -374,26 +376,25 @@ def test_qwen2p5_7b_recipe_plan_by_hand(tmp_path):
     # 1,280 x 3,584) + one layer recomputed (1,280 tokens x 4 B x (3,584 + 28 / tp 2 heads x 128 + 4 / 2 KV heads x 128
     # + 18,944 / 2) + 2 B x 14 heads x 1,280^2), larger than the head's chunk (128 positions x 8 B x 152,064 / 2)]
     # + the bfloat16 gradients of the untied embedding and head (2 B x 2 x 152,064 x 3,584 / (fsdp 4 x tp 2)) + the
-    # accumulation of 32 micro-batches (0.1 x the float32 master) + what fsdp 4 gathers: 3/4 of every layer's matrices
-    # over tp 2 (28 x (233,057,792 - 7,168 of norms - 4,608 of biases, split over tp alone) / 2 x 3/4 values) and the
-    # embedding and head over tp 2 in bfloat16 with their float32 gradients (2 x 152,064 x 3,584 / 2 x (2 + 4) B):
-    # 9.2 GB; the update allocates nothing beside the gradient (a float32 first moment:
-    # rlsched.config.plan.UPDATE_COPIES)
-    gathered = 28 * (233_057_792 - 7_168 - 4_608) // 2 * 3 // 4 * 2 + 2 * 152_064 * 3584 // 2 * (2 + 4)
+    # accumulation of 32 micro-batches (0.1 x the float32 master) + what fsdp 4 gathers: a layer at a time over tp 2
+    # ((233,057,792 - 7,168 of norms) / 2 + 7,168 values, the biases split over tp too) and the embedding and head over
+    # tp 2 in bfloat16 with their float32 gradients (2 x 152,064 x 3,584 / 2 x (2 + 4) B): 4.55 GB; the update
+    # allocates nothing beside the gradient (a float32 first moment: rlsched.config.plan.UPDATE_COPIES)
+    gathered = ((233_057_792 - 7_168) // 2 + 7_168) * 2 + 2 * 152_064 * 3584 // 2 * (2 + 4)
     activations = 1 * (28 * 2 * 1280 * 3584 + 4 * 1280 * 3584 + 1280 * 4 * (3584 + 1792 + 256 + 9472)
                        + 2 * 14 * 1280**2) + 2 * 2 * 152_064 * 3584 // 8 + int(0.1 * 2 * actor_params) + gathered
-    assert activations == 9_215_779_840
+    assert activations == 4_554_878_464
     kv = 128 * 1280 * 28 * 2 * 1 * 128 * 2  # 128 rows x 1,280 slots x 28 layers x (k, v) x 1 head x 128 x bf16
     actor, engine = plan.roles
     assert (actor.devices, engine.devices) == (list(range(8)), [0, 1, 2, 3])
     assert actor.bytes == {"params": 3 * actor_params, "grads": 2 * actor_params,  # float32 master (module doc)
                            "optimizer": 4 * actor_params + 8, "reference": actor_params, "activations": activations}
     assert engine.bytes == {"params": engine_params, "kv_cache": kv}
-    # 10 x 1,904,358,400 + 8 of state + 9,215,779,840 of activations
-    assert (actor.total, engine.total) == (28_259_363_848, 6_156_924_928)  # 26.3, 5.7 GiB
+    # 10 x 1,904,358,400 + 8 of state + 4,554,878,464 of activations
+    assert (actor.total, engine.total) == (23_598_462_472, 6_156_924_928)  # 22.0, 5.7 GiB
     assert plan.per_device == [actor.total + engine.total] * 4 + [actor.total] * 4
     (group,) = plan.groups
-    assert group.fits == "yes" and group.resident == 34_416_288_776 < 64 * 2**30  # 32.1 GiB
+    assert group.fits == "yes" and group.resident == 29_755_387_400 < 64 * 2**30  # 27.7 GiB
 
 
 def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
@@ -441,11 +442,12 @@ def test_qwen3_30b_a3b_recipe_plan_by_hand(tmp_path):
     # The 80 GB budget: the actor alone at one row per device, for the header's layouts (GiB, one decimal). Each is
     # over 64 GiB by its state alone; e.g. fsdp 2 x ep 4: params (experts / 8 + rest / fsdp 2 + routers / 2 + norms
     # 210,944) x 2 B = 8,789,061,632 -> 10 x that + 8 = 87,890,616,328, + activations of 4 rows per device (micro-batch
-    # 8 / fsdp 2) 8,821,020,262, + what fsdp 2 gathers: half of every layer's attention, router and experts (over ep 4)
-    # in bfloat16, 48 x (18,874,368 + 262,144 + 603,979,776 / 4) / 2 values, and both vocabulary matrices (622,329,856
-    # values) in bfloat16 with their float32 gradients, 11,900,289,024: 108,611,925,614 = 101.2 GiB.
-    assert 48 * (18_874_368 + 262_144 + 603_979_776 // 4) // 2 * 2 + 622_329_856 * 6 == 11_900_289_024
-    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 101.2), ("{fsdp: 2, ep: 2, tp: 2}", 4, 88.6),
+    # 8 / fsdp 2) 8,821,020,262, + what fsdp 2 gathers: a layer at a time, whole over fsdp (its attention, norms,
+    # router and experts over ep 4: 18,874,368 + 4,352 + 262,144 + 603,979,776 / 4 values) in bfloat16, and both
+    # vocabulary matrices (622,329,856 values) in bfloat16 with their float32 gradients, 4,074,250,752:
+    # 100,785,887,342 = 93.9 GiB.
+    assert (18_874_368 + 4_352 + 262_144 + 603_979_776 // 4) * 2 + 622_329_856 * 6 == 4_074_250_752
+    for mesh, micro, gib in (("{fsdp: 2, ep: 4}", 8, 93.9), ("{fsdp: 2, ep: 2, tp: 2}", 4, 81.7),
                              ("{ep: 2, tp: 4}", 2, 78.3), ("{tp: 8}", 1, 75.5)):
         cfg = load_config(CONFIGS / "gsm8k_qwen3_30b_a3b.yaml", [
             f"tasks.0.model.path={tmp_path}", f"tasks.0.actor.mesh={mesh}", f"tasks.0.grpo.micro_batch_size={micro}",
@@ -474,21 +476,21 @@ def test_moe_activations_count_experts_only_in_moe_layers():
 def test_budget_verdicts(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_1P7B))
     recipe = [str(CONFIGS / "gsm8k_qwen3_1p7b_mesh.yaml"), "--set", f"tasks.0.model.path={tmp_path}"]
-    # Device 0 holds the actor, 6,928,083,771 B (6.5 GiB), and the engine, 6,418,319,360 B (6.0 GiB): 13,346,403,131 B
-    # (12.4 GiB) resident (test_qwen3_1p7b_recipe_plan_by_hand's bytes). 13 GiB: both at once.
-    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=13"]) == 0
+    # Device 0 holds the actor, 5,921,459,515 B (5.5 GiB), and the engine, 6,418,319,360 B (6.0 GiB): 12,339,778,875 B
+    # (11.5 GiB) resident (test_qwen3_1p7b_recipe_plan_by_hand's bytes). 12 GiB: both at once.
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=12"]) == 0
     out = capsys.readouterr().out
-    assert "group shared (devices 0-7): 12.4 GiB on device 0 with every role resident; largest role 6.5 GiB; " \
+    assert "group shared (devices 0-7): 11.5 GiB on device 0 with every role resident; largest role 6.0 GiB; " \
            "fits\n" in out
     assert "gsm8k  actor   fsdp 4 x tp 2  0-7" in out and "gsm8k  engine  tp 2           0-1" in out
     # 8 GiB: not both at once, each alone.
     assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=8"]) == 0
-    assert "12.4 GiB on device 0 with every role resident; largest role 6.5 GiB; fits one role at a time (idle roles " \
+    assert "11.5 GiB on device 0 with every role resident; largest role 6.0 GiB; fits one role at a time (idle roles " \
            "offload)" in capsys.readouterr().out
-    # 6.2 GiB (6,657,199,308 B): the engine alone fits, the actor alone does not.
-    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=6.2"]) == 1
+    # 5.8 GiB (6,227,702,579 B): the actor alone fits, the engine alone does not.
+    assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=5.8"]) == 1
     out = capsys.readouterr()
-    assert "largest role 6.5 GiB; does NOT fit: a role alone is over the budget" in out.out
+    assert "largest role 6.0 GiB; does NOT fit: a role alone is over the budget" in out.out
     assert out.err == "error: a role does not fit cluster.memory_budget_gb even alone (see the group lines)\n"
 
 

@@ -43,10 +43,10 @@ constants are FIT[backend][the model's dtype] (ActivationFit):
     the rest              `rest` x T x H (the embedding's output, the final norm and their gradients)
     vocabulary gradients  XLA:GPU, a bfloat16 model: its embedding's (and an untied head's) gradient in bfloat16,
                           before the float32 sum (`vocab_grad` bytes a parameter of their shards)
-    an fsdp mesh          fsdp > 1: every layer's weights gathered, less the device's own shard, in the model's
-                          dtype, counted as if all at once (the compiler starts the gathers ahead of the layers as
-                          far as the device's memory lets it: a Qwen3-4B gradient for 4 H100s kept dozens of
-                          layers' gathered matrices alive at once); each vocabulary matrix gathered, and a
+    an fsdp mesh          fsdp > 1, in the model's dtype: with remat layers, the largest layer's weights gathered
+                          whole (each layer gathers its own in the forward and again in its recompute, one layer at
+                          a time: decoder._remat_layer); with remat off, every layer's, less the device's shard (the
+                          forward's gathers wait for the backward); each vocabulary matrix gathered, and a
                           full-weight actor's float32 gradient of it whole, before the reduce-scatter that leaves
                           the device its shard (`fsdp_gathered_bytes`)
     accumulation          several micro-batches a step (mini_batch_size > micro_batch_size): ACCUMULATION_COPIES x
@@ -80,9 +80,9 @@ were measured (jax 0.10, benchmarks/plan_fit.py):
   rows: 0.93) it kept more than at 8 rows. Small widths allocate relatively more there (split-K partial sums: 0.5-1.4
   x of the count at the `small` widths), which matters little in bytes. No GPU's allocator measured it at run time.
 - An fsdp mesh, XLA:GPU compiled for 2 and 4 H100s (benchmarks/gpu_memory.py --fsdp), Qwen3 0.6B, 1.7B and 4B shapes
-  at 4-16 rows a device: 0.98-1.26 x over 9 programs (0.30-0.96 without the fsdp count); it over-counts most at fsdp
-  2, where the compiler held fewer layers gathered. XLA:CPU, Qwen3-0.6B on fsdp 2: 0.77 (its one-device count at
-  that size is 0.91).
+  at 4-16 rows a device, remat layers: 1.03-1.19 x over 9 programs (0.30-0.96 without the fsdp count); remat off
+  (0.6B on fsdp 2, 1.7B on fsdp 4, 4 and 2 rows): 0.94 and 0.95. XLA:CPU, Qwen3-0.6B on fsdp 2: 1.07 (its
+  one-device count at that size is 0.91).
 What it leaves out: a TPU's compiler, a LoRA adapter's own intermediates (rank-sized), and a LoRA actor on fsdp (its
 frozen base's gathers are counted as a full-weight actor's, not measured). A mixture-of-experts layer
 (workers.models.moe) runs every expert on every token, so instead of the MLP's share it keeps (B, T, E, I)
@@ -239,29 +239,34 @@ def actor_bytes(task: TaskConfig, model: ModelConfig, *, backend: str = "gpu") -
     cast = params if task.lora is None and item != ITEMSIZE[MASTER_DTYPE] and several else 0
     micro_batch = rows * activation_bytes(model, mesh, positions, task.model.dtype, task.actor.remat, head=head,
                                           backend=backend) + vocab_grads
-    micro_batch += fsdp_gathered_bytes(model, mesh, item, trained=task.lora is None)
+    micro_batch += fsdp_gathered_bytes(model, mesh, item, trained=task.lora is None, remat=task.actor.remat)
     if batches.grad_accumulation > 1:  # several micro-batches a step
         micro_batch += int(ACCUMULATION_COPIES[backend][task.model.dtype] * trained)
     out["activations"] = max(micro_batch, int(UPDATE_COPIES[backend][task.actor.adam_mu_dtype] * trained)) + cast
     return out
 
 
-def fsdp_gathered_bytes(model: ModelConfig, mesh: dict[str, int], itemsize: int, *, trained: bool) -> int:
-    """What the gradient's program of an actor on an fsdp mesh allocates beyond its shards (module docstring): every
-    layer's weights gathered over fsdp, less the device's own shard, in the model's dtype (`itemsize`), counted as if
-    all at once (the compiler gathers layers ahead, as far as the device's memory lets it); each vocabulary matrix
-    gathered, and with `trained` (a full-weight actor) its float32 gradient whole before the reduce-scatter that
+def fsdp_gathered_bytes(model: ModelConfig, mesh: dict[str, int], itemsize: int, *, trained: bool,
+                        remat: str = "layers") -> int:
+    """What the gradient's program of an actor on an fsdp mesh allocates beyond its shards (module docstring), in the
+    model's dtype (`itemsize`): with remat layers, the largest layer's weights gathered whole over fsdp (each layer
+    gathers its own in the forward and again in its recompute, one at a time); with remat off, every layer's gathered
+    weights less the device's shard (the forward's gathers are kept for the backward); each vocabulary matrix
+    gathered, and with `trained` (a full-weight actor) its float32 gradient whole, before the reduce-scatter that
     leaves the device its shard. 0 off fsdp."""
     if mesh["fsdp"] == 1:
         return 0
     whole, kv_heads = {**mesh, "fsdp": 1}, model.num_key_value_heads
     shapes = model.param_shapes()
-    layers = {k: v for k, v in shapes.items() if k.startswith("model.layers.")}
+    layers = [{k: v for k, v in shapes.items() if k.startswith(f"model.layers.{i}.")}
+              for i in range(model.num_hidden_layers)]
+    gathered = [param_bytes(layer, whole, kv_heads=kv_heads, itemsize=itemsize) for layer in layers]
+    if remat == "off":
+        gathered = [sum(gathered) - sum(param_bytes(layer, mesh, kv_heads=kv_heads, itemsize=itemsize)
+                                        for layer in layers)]
     matrices = {k: v for k, v in shapes.items() if k in VOCAB_MATRICES}
-    gathered = param_bytes(layers, whole, kv_heads=kv_heads, itemsize=itemsize) - \
-        param_bytes(layers, mesh, kv_heads=kv_heads, itemsize=itemsize)
     vocab = itemsize + (ITEMSIZE[MASTER_DTYPE] if trained else 0)
-    return gathered + param_bytes(matrices, whole, kv_heads=kv_heads, itemsize=vocab)
+    return max(gathered) + param_bytes(matrices, whole, kv_heads=kv_heads, itemsize=vocab)
 
 
 def lora_bytes(task: TaskConfig, model: ModelConfig) -> int:

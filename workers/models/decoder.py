@@ -358,8 +358,9 @@ def _remat_layer(layer: DecoderLayer, x, positions, mask, router_logits: list | 
                  adapters: AdapterBatch | None, prefix: str, rows=None) -> jax.Array:
     """`layer`'s output (B, T, H) for x (B, T, H) without a cache, rematerialised: the forward keeps its inputs
     (x, the layer's params, the mask, the adapters), and the backward recomputes the layer's forward from them
-    only after the cotangent of its output exists, so one layer's internals are alive at a time. A MoE layer's
-    router logits come out as an output (appended to `router_logits`)."""
+    only after the cotangent of its output exists, so one layer's internals are alive at a time (and, on fsdp, one
+    layer's gathered weights: `rows`). A MoE layer's router logits come out as an output (appended to
+    `router_logits`)."""
     graphdef, params = nnx.split(layer)
     collect = router_logits is not None
 
@@ -380,8 +381,15 @@ def _remat_layer(layer: DecoderLayer, x, positions, mask, router_logits: list | 
         # The recompute waits for the cotangent: x + 0 x (one of its values), x itself for a finite cotangent (a
         # non-finite one makes the gradient non-finite either way). XLA:CPU drops optimization barriers before it
         # schedules; a data dependency holds on every backend, and no compiler may fold it (0 x NaN is NaN).
+        # On a mesh that splits rows (fsdp), the layer's weight shards wait for it too: their gathers in the recompute
+        # are then gathers of other values than the forward's, which XLA would otherwise merge into one, keeping
+        # every layer's gathered weights from the forward to the backward (a Qwen3-4B gradient for 4 H100s: 8.6 GiB
+        # of temporaries, 3.3 with each layer gathered again in its recompute; benchmarks/gpu_memory.py --fsdp).
         params, x, positions, mask, adapters = inputs
-        x = x + (0 * cotangent[0].ravel()[0]).astype(x.dtype)
+        zero = 0 * cotangent[0].ravel()[0]
+        x = x + zero.astype(x.dtype)
+        if rows is not None:
+            params = jax.tree.map(lambda p: p + zero.astype(p.dtype), params)
         return jax.vjp(run, (params, x, positions, mask, adapters))[1](cotangent)
 
     remat.defvjp(forward, backward)
