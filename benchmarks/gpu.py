@@ -179,12 +179,6 @@ def child_env() -> dict[str, str]:
 
 # ---- the device: its kind, allocator and copy bandwidth (in a child: this process never opens the device) ----
 
-def lora_engine_rows(rows: int, tasks: int, max_rows: int) -> int:
-    """A LoRA run's rollout.max_batch_size: the rows of all its tasks (`rows` each), at most `max_rows` (--lora-rows),
-    at least one task's."""
-    return max(rows, min(max_rows, rows * tasks))
-
-
 def probe_device(copy_mib: int | None, preset: str, dtype: str, model: Path) -> dict:
     """Run in the probe's child: the device's kind, the bandwidth of a copy of `copy_mib` MiB on it, and the
     model of `preset` at `model` (made here, if it is not there yet: one process start less)."""
@@ -319,6 +313,12 @@ def slug(text: str) -> str:
 
 
 # ---- one run ------------------------------------------------------------------------------------------------
+
+def lora_engine_rows(rows: int, tasks: int, max_rows: int) -> int:
+    """A LoRA run's rollout.max_batch_size: the rows of all its tasks (`rows` each), at most `max_rows` (--lora-rows),
+    at least one task's."""
+    return max(rows, min(max_rows, rows * tasks))
+
 
 def experiment(run: Run, args, *, model: Path, dtype: str, work: Path) -> dict:
     """The config of `run`: N tasks of gsm8k_qwen3.yaml's task at the benchmark's setting on the model made here."""

@@ -258,15 +258,16 @@ def fsdp_gathered_bytes(model: ModelConfig, mesh: dict[str, int], itemsize: int,
         return 0
     whole, kv_heads = {**mesh, "fsdp": 1}, model.num_key_value_heads
     shapes = model.param_shapes()
-    layers = [{k: v for k, v in shapes.items() if k.startswith(f"model.layers.{i}.")}
-              for i in range(model.num_hidden_layers)]
-    gathered = [param_bytes(layer, whole, kv_heads=kv_heads, itemsize=itemsize) for layer in layers]
-    if remat == "off":
-        gathered = [sum(gathered) - sum(param_bytes(layer, mesh, kv_heads=kv_heads, itemsize=itemsize)
-                                        for layer in layers)]
+    if remat == "off":  # every layer's gathers, less the shards the device holds anyway
+        layers = {k: v for k, v in shapes.items() if k.startswith("model.layers.")}
+        gathered = param_bytes(layers, whole, kv_heads=kv_heads, itemsize=itemsize) - \
+            param_bytes(layers, mesh, kv_heads=kv_heads, itemsize=itemsize)
+    else:  # the largest layer's, whole
+        gathered = max(param_bytes({k: v for k, v in shapes.items() if k.startswith(f"model.layers.{i}.")}, whole,
+                                   kv_heads=kv_heads, itemsize=itemsize) for i in range(model.num_hidden_layers))
     matrices = {k: v for k, v in shapes.items() if k in VOCAB_MATRICES}
     vocab = itemsize + (ITEMSIZE[MASTER_DTYPE] if trained else 0)
-    return max(gathered) + param_bytes(matrices, whole, kv_heads=kv_heads, itemsize=vocab)
+    return gathered + param_bytes(matrices, whole, kv_heads=kv_heads, itemsize=vocab)
 
 
 def lora_bytes(task: TaskConfig, model: ModelConfig) -> int:
