@@ -15,7 +15,8 @@ imports it). Reported:
   the program has one per segment of the new tokens), each counted as the bytes of its operands plus its output
   (what a memory-bound kernel moves), except where the fused computation says less is touched: a
   dynamic-update-slice into an operand writes only the update (the operand is the output's buffer, in place), a
-  slice, gather or dynamic-slice of an operand (its only use) reads only what it takes. Summed, beside the floor
+  slice, gather or dynamic-slice of an operand (its only use), directly or through elementwise ops of its shape,
+  reads only what it takes (a loop kernel computes those ops at the elements taken). Summed, beside the floor
   of one step (the weights once, the KV cache of the filled slots once) and the time both take at the target's
   bandwidth.
 This is an estimate of HBM traffic from shapes, not a profile: caches, re-reads inside a kernel and a kernel's own
@@ -48,6 +49,10 @@ _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>[^\s=]+) = (?P<shape>.*?) (?P<op>[a-z][a-z0-9-]*)"
                           r"\((?P<args>[^)]*)\)(?P<attrs>.*)$")
 _FREE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant"}  # no kernel, no bytes moved
+# ops a loop kernel computes element by element: where only some elements of their result are taken (a slice's
+# source), only those of their operands are read
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "select", "convert", "exponential", "log", "negate", "abs",
+                "maximum", "minimum", "compare", "and", "or", "not", "clamp", "power", "sqrt", "rsqrt", "tanh"}
 KERNEL = "rlsched_decode_attention"  # the name of workers.models.decode_attention's kernel in the HLO
 
 
@@ -86,24 +91,53 @@ def computations(hlo: str) -> dict[str, list[dict]]:
 
 def _touched(fused: list[dict]) -> tuple[dict[int, int], tuple[int, int] | None]:
     """In a fused computation: {parameter number: bytes read of it} for a parameter only sliced, gathered or
-    dynamic-sliced (what those take), and, for a dynamic-update-slice into a parameter, (that parameter's
-    number, the update's bytes)."""
+    dynamic-sliced (what those take), directly or through elementwise ops of its shape (a loop kernel computes those
+    only at the elements taken: sampling's log-probability gathers the token's logit of the temperature-divided
+    logits), and, for a dynamic-update-slice into a parameter, (that parameter's number, the update's bytes)."""
     by_name = {i["name"]: i for i in fused}
-    partial_reads: dict[int, int] = {}
-    whole: set[int] = set()
-    in_place = None
+    users: dict[str, list[tuple[dict, int]]] = {}
     for inst in fused:
         for k, operand in enumerate(inst["operands"]):
-            p = _param_number(by_name, operand) if inst["op"] != "bitcast" else None
-            if p is None:
-                continue
-            if k == 0 and inst["op"] in ("gather", "dynamic-slice", "slice"):
-                partial_reads[p] = partial_reads.get(p, 0) + shape_bytes(inst["shape"])
-            elif k == 0 and inst["op"] == "dynamic-update-slice":
-                in_place = (p, shape_bytes(by_name[inst["operands"][1]]["shape"]))
-            else:
-                whole.add(p)
-    return {p: n for p, n in partial_reads.items() if p not in whole}, in_place
+            users.setdefault(operand, []).append((inst, k))
+    in_place = None
+    for inst in fused:
+        p = _param_number(by_name, inst["operands"][0]) if inst["op"] == "dynamic-update-slice" else None
+        if p is not None:
+            in_place = (p, shape_bytes(by_name[inst["operands"][1]]["shape"]))
+
+    def taken(name: str) -> set[str] | None:
+        """The slices that take elements of `name`'s value, where every use of it is a slice's source, an in-place
+        update's buffer or an elementwise op of its shape whose own value is taken so; None where any use reads it
+        whole (the fusion's output among them)."""
+        if by_name[name]["root"]:
+            return None
+        slices: set[str] = set()
+        for user, k in users.get(name, []):
+            if k == 0 and user["op"] in ("gather", "dynamic-slice", "slice"):
+                slices.add(user["name"])
+            elif user["op"] == "bitcast" or (user["op"] in _ELEMENTWISE
+                                              and _elements(user["shape"]) == _elements(by_name[name]["shape"])):
+                more = taken(user["name"])
+                if more is None:
+                    return None
+                slices |= more
+            elif not (k == 0 and user["op"] == "dynamic-update-slice"):
+                return None
+        return slices
+
+    partial_reads = {}
+    for inst in fused:
+        if inst["op"] == "parameter" and "number" in inst and inst["number"] != (in_place or (None,))[0]:
+            slices = taken(inst["name"])
+            elements = None if slices is None else sum(_elements(by_name[n]["shape"]) for n in slices)
+            if elements is not None and elements < _elements(inst["shape"]):
+                partial_reads[inst["number"]] = elements * shape_bytes(inst["shape"]) // _elements(inst["shape"])
+    return partial_reads, in_place
+
+
+def _elements(shape: str) -> int:
+    dims = _ARRAY.search(shape)
+    return math.prod(int(d) for d in dims.group(2).split(",") if d) if dims else 0
 
 
 def _param_number(by_name: dict, name: str) -> int | None:

@@ -344,6 +344,32 @@ def test_decode_cost_counts_hlo_bytes():
   ROOT %g = bf16[4,8]{1,0} gather(%q0, %q1), offset_dims={1}
 }
 
+%fused_scaled (r0: bf16[100,8], r1: bf16[], r2: s32[4]) -> bf16[4,8] {
+  %r0 = bf16[100,8]{1,0} parameter(0)
+  %r1 = bf16[] parameter(1)
+  %b = bf16[100,8]{1,0} broadcast(%r1), dimensions={}
+  %dv = bf16[100,8]{1,0} divide(%r0, %b)
+  %sel = bf16[100,8]{1,0} select(%dv, %r0, %dv)
+  %r2 = s32[4]{0} parameter(2)
+  ROOT %g3 = bf16[4,8]{1,0} gather(%sel, %r2), offset_dims={1}
+}
+
+%fused_convert (c0: f32[16,8]) -> bf16[16,8] {
+  %c0 = f32[16,8]{1,0} parameter(0)
+  ROOT %cv = bf16[16,8]{1,0} convert(%c0)
+}
+
+%fused_w (w0: bf16[100,8], w1: bf16[], w2: s32[4]) -> (bf16[4,8], bf16[8]) {
+  %w0 = bf16[100,8]{1,0} parameter(0)
+  %w1 = bf16[] parameter(1)
+  %wb = bf16[100,8]{1,0} broadcast(%w1), dimensions={}
+  %wdv = bf16[100,8]{1,0} divide(%w0, %wb)
+  %w2 = s32[4]{0} parameter(2)
+  %g4 = bf16[4,8]{1,0} gather(%wdv, %w2), offset_dims={1}
+  %sum = bf16[8]{0} reduce(%wdv, %w1), dimensions={0}, to_apply=%add
+  ROOT %both = (bf16[4,8]{1,0}, bf16[8]{0}) tuple(%g4, %sum)
+}
+
 %body (arg: (s32[], f32[16,8], bf16[100,8], s32[4], f32[1,8])) -> (s32[], f32[16,8], bf16[100,8], s32[4], f32[1,8]) {
   %arg = (s32[], f32[16,8]{1,0}, bf16[100,8]{1,0}, s32[4]{0}, f32[1,8]{1,0}) parameter(0)
   %i = s32[] get-tuple-element(%arg), index=0
@@ -353,6 +379,10 @@ def test_decode_cost_counts_hlo_bytes():
   %new = f32[1,8]{1,0} get-tuple-element(%arg), index=4
   %upd = f32[16,8]{1,0} fusion(%cache, %new, %i), kind=kLoop, calls=%fused_dus, metadata={op_name="dus"}
   %emb = bf16[4,8]{1,0} fusion(%table, %ids), kind=kLoop, calls=%fused_gather, metadata={op_name="take"}
+  %two = bf16[] constant(2)
+  %half = bf16[16,8]{1,0} fusion(%upd), kind=kLoop, calls=%fused_convert, metadata={op_name="convert"}
+  %scaled = bf16[4,8]{1,0} fusion(%table, %two, %ids), kind=kLoop, calls=%fused_scaled, metadata={op_name="scaled"}
+  %whole = (bf16[4,8]{1,0}, bf16[8]{0}) fusion(%table, %two, %ids), kind=kInput, calls=%fused_w, metadata={op_name="s"}
   %dot = f32[16,4]{1,0} dot(%upd, %emb), lhs_contracting_dims={1}, metadata={op_name="jit(f)/while/body/dot"}
   ROOT %t = (s32[], f32[16,8]{1,0}, bf16[100,8]{1,0}, s32[4]{0}, f32[1,8]{1,0}) tuple(%i, %upd, %table, %ids, %new)
 }
@@ -371,8 +401,13 @@ ENTRY %main (a: (s32[], f32[16,8], bf16[100,8], s32[4], f32[1,8])) -> (s32[], f3
     ops = {op["label"]: (op["read"], op["written"]) for op in step_ops(hlo)}
     # dus: reads the update (1 x 8 f32 = 32) and the index (4), writes the update (32); the cache is its buffer
     # take: 4 rows of 8 bf16 = 64 read of the table, the 4 int32 ids (16); writes 4 x 8 bf16 = 64
+    # scaled: the gather takes 4 rows of an elementwise function of the table (reaching it two ways): those 4
+    # rows read (64), the scalar (2) and the ids (16)
+    # convert: an elementwise op of the whole of its operand, its output: 16 x 8 f32 read (512), bf16 written (256)
+    # s: the same function also reduced whole: the table read whole (1,600), the scalar, the ids; both outputs
     # dot: 16 x 8 f32 (512) + 4 x 8 bf16 (64) read, 16 x 4 f32 (256) written
-    assert ops == {"dus": (36, 32), "take": (80, 64), "dot": (576, 256)}
+    assert ops == {"dus": (36, 32), "take": (80, 64), "scaled": (82, 64), "s": (1618, 80), "convert": (512, 256),
+                   "dot": (576, 256)}
 
 
 def test_decode_cost_counts_the_slots_the_decode_attention_kernel_reads():

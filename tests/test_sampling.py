@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,3 +72,35 @@ def test_a_static_nucleus_choice_samples_what_the_run_time_branch_does():
         np.testing.assert_allclose(np.asarray(lp), want, rtol=1e-6, atol=1e-6)
         if temperature == 0:
             assert (np.asarray(tok) == np.asarray(logits.argmax(-1))).all()
+
+
+def test_tokens_are_categoricals_and_argmaxs_from_one_pass_over_the_vocabulary():
+    """The sampled token is jax.random.categorical's for the row's key, the greedy one argmax's (ties to the first,
+    as argmax), and the log-prob log_softmax's at it, the same bits; the token and the log-softmax's max come out of
+    one reduction over the vocabulary, with the log-softmax's sum the only other (each reads the (B, V) float32 logits:
+    74 MiB a decode step at batch 128 and Qwen3's vocabulary)."""
+    logits = jax.random.normal(jax.random.key(5), (32, 300), jnp.float32) * 3
+    logits = logits.at[0, :].set(1.0).at[1, :150].set(-jnp.inf)  # row 0: all equal; row 1: half filtered out
+    keys = jax.random.split(jax.random.key(6), 32)
+    for temperature in (1.0, 0.6, 0.0):
+        t = jnp.float32(temperature)
+        tok, lp = jax.jit(sample_tokens, static_argnums=4)(logits, keys, t, jnp.float32(1.0), False)
+        dist = logits if temperature == 0 else logits / t
+        want = jnp.argmax(logits, -1) if temperature == 0 else jax.vmap(jax.random.categorical)(keys, dist)
+        assert (np.asarray(tok) == np.asarray(want)).all()
+        assert temperature > 0 or tok[0] == 0
+        want_lp = jnp.take_along_axis(jax.nn.log_softmax(dist, axis=-1), want[:, None], axis=-1)[:, 0]
+        assert (np.asarray(lp) == np.asarray(want_lp)).all()
+
+    def reductions(jaxpr) -> list[str]:  # over the (B, V) logits, in nested jaxprs too
+        found = []
+        for e in jaxpr.eqns:
+            if e.primitive.name in ("reduce", "reduce_max", "reduce_sum", "argmax", "argmin", "reduce_min") and any(
+                    getattr(v.aval, "shape", None) == logits.shape for v in e.invars):
+                found.append(e.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                found += reductions(sub)
+        return found
+
+    jaxpr = jax.make_jaxpr(lambda x, k: sample_tokens(x, k, jnp.float32(1.0), jnp.float32(1.0), False))(logits, keys)
+    assert sorted(reductions(jaxpr.jaxpr)) == ["reduce", "reduce_sum"]

@@ -32,6 +32,8 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     logprobs are under the distribution sampled from; for greedy (temperature == 0) they are the
     model's own log-softmax, since greedy decoding has no other distribution. `nucleus` (static): whether top_p
     filters (the caller knows top_p < 1: True; top_p is 1: False), or None to decide from the traced top_p.
+    A sampled token is `jax.random.categorical`'s (the Gumbel-max of the row's key), a greedy one `argmax(logits)`,
+    the same bits; either comes out of one pass over the vocabulary with the max of its log-softmax (`_pick`).
     """
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)
@@ -39,10 +41,35 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
         filtered = jax.lax.cond(top_p < 1.0, nucleus_filter, lambda s, _: s, scaled, top_p)
     else:
         filtered = nucleus_filter(scaled, top_p) if nucleus else scaled
-    sampled = jax.vmap(jax.random.categorical)(keys, filtered)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    # The log-softmax of the one distribution the row's token came from (greedy is one scalar for all rows), at
-    # that token: one max and one sum over the vocabulary, where both distributions' log-softmax took two each
+    # what jax.random.categorical adds to a row before its argmax (vmapped over the rows' keys: the same bits)
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], logits.dtype))(keys)
+    # the one distribution the row's token comes from (greedy is one scalar for all rows): its log-softmax at the token
     dist = jnp.where(greedy, logits, filtered)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(dist, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    tokens, top = _pick(jnp.where(greedy, logits, noise + filtered), dist)
+    # log_softmax(dist) at the token, as jax.nn.log_softmax computes it (the same bits)
+    total = jnp.sum(jnp.exp(dist - top[:, None]), axis=-1)
+    logprobs = (jnp.take_along_axis(dist, tokens[:, None], axis=-1)[:, 0] - top) - jnp.log(total)
     return tokens, logprobs
+
+
+def _pick(scores: jax.Array, dist: jax.Array):
+    """scores, dist (B, V) float32 -> the argmax of scores (B,) int32 (the first of equals; a NaN counts as the
+    largest, as in jnp.argmax) and the max of dist (B,), in one pass over the vocabulary.
+
+    Why: at a decode step of batch 128 and Qwen3's 151,936 tokens each pass over the float32 logits reads 74 MiB;
+    the argmax of the Gumbel-perturbed scores, the greedy argmax and log_softmax's max were three of its four
+    (benchmarks/decode_cost.py). The sum of log_softmax stays a pass of its own: an online sum, rescaled as partial
+    maxima meet, would save one more but rounds worse on a CPU's sequential reduction (2e-4 off float64 at 151,936
+    tokens, where the two-pass sum is 6e-7)."""
+    index = jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+
+    def combine(a, b):
+        a_score, a_index, a_top = a
+        b_score, b_index, b_top = b
+        pick_a = (a_score > b_score) | (a_score != a_score)  # noqa: PLR0124 - NaN test
+        pick_a_index = pick_a | ((a_score == b_score) & (a_index < b_index))
+        return jnp.where(pick_a, a_score, b_score), jnp.where(pick_a_index, a_index, b_index), jnp.maximum(a_top, b_top)
+
+    inf = jnp.array(-jnp.inf, scores.dtype)
+    _, tokens, top = jax.lax.reduce((scores, index, dist), (inf, jnp.int32(0), inf), combine, (1,))
+    return tokens, top
