@@ -69,11 +69,13 @@ FLOPS_FORMULA = ("train FLOPs per step = (update 6 + old-policy forward 2 + refe
 SWITCH = ("sync_weights", "onload", "offload", "verify")  # what time-sharing costs a task, each step
 SPANS = ("generate", *SWITCH, "logprobs", "update", "publish", "restore_weights")
 COMPILE_SPAN_S = "compile"
+# a task's start (phase startup: rlsched.run.task.TaskDriver.start) and, inside it, its roles' construction
+STARTUP = ("start", "imports", "devices", "load_model", "build_worker", "make_engine", "restore", "host_work")
 GRACE_S = 30.0  # a run stopped by --budget-s is asked this long before the budget ends: its step and outputs end
 GOAL = {"sync_s": 0.010, "decode_ms": 1.5, "mfu": 0.45, "peak_over_held": 1.25, "cold_s": 30.0, "warm_s": 10.0,
         "speedup": 1.2, "switch_share": 0.02, "lora_first_s": 60.0, "lora_samples_x": 4.0, "simulate_error": 0.10}
 # Every run's figures, present in results.json whatever happened (null, with its reason in "nulls").
-FIELDS = ("status", "wall_s", "launch_to_first_step_s", "launch_to_every_first_step_s", "first_step_s",
+FIELDS = ("status", "wall_s", "launch_to_first_step_s", "launch_to_every_first_step_s", "startup_s", "first_step_s",
           "first_step_compile_s", "compiles_after_step1", "compile_s_after_step1", "steady_steps", "step_s",
           "rollout_s", "train_s", "reward_s", "lock_wait_s", "spans_s", "switch_share", "sync_s_max_task",
           "decode_ms_per_token_step", "decode_rows", "decode_bound_ms", "decode_bound_kv_ms",
@@ -424,6 +426,15 @@ def figures(run: Run, cfg, metrics: dict[str, list[dict]], spans: list[dict], la
             out["launch_to_every_first_step_s"] = max(ends) - launched
         out["first_step_s"] = max(m["time/step_s"] for m in firsts)
         out["first_step_compile_s"] = max(m["time/compile_s"] for m in firsts)
+    # where the time before step 1 went besides its compiles: the slowest task's start, and its roles' parts of it
+    started = [e for e in spans if e.get("phase") == "startup" and e["name"] in STARTUP]
+    if started:
+        slowest = max((e for e in started if e["name"] == "start"), key=lambda e: e["end"] - e["start"], default=None)
+        mine = [e for e in started if slowest is None or e["task"] == slowest["task"]]
+        out["startup_s"] = {name: sum(e["end"] - e["start"] for e in mine if e["name"] == name)
+                            for name in STARTUP if any(e["name"] == name for e in mine)}
+    elif firsts:
+        nulls["startup_s"] = "the run wrote no timeline.json (it did not end by itself)"
     # compiles after each task's step 1 (a compile span is recorded only when programs were compiled)
     late = [e for e in spans if e["name"] == COMPILE_SPAN_S and metrics.get(e["task"])
             and e["start"] > metrics[e["task"]][0]["time/end_unix"]]
@@ -824,6 +835,9 @@ def report(results: dict) -> str:
             f"{f(r['held_bytes'] and r['held_bytes'] / gib)} (+{f(plan.get('kv_cache', 0) / gib)}) | "
             f"{f(r['steps_per_s'], '{:.3f}')} ({f(r['steps_per_s_x_one'])}) | {f(r['samples_per_s'], '{:.1f}')} "
             f"({f(r['samples_per_s_x_one_full'])}) |")
+    lines += ["", "Before step 1, besides its compiles (the slowest task's start and its roles' parts of it, s): "
+              + "; ".join(f"{r['name']} ({r['cache']}): " + ", ".join(f"{k} {v:.2f}" for k, v in r["startup_s"].items())
+                          for r in results["runs"] if r["startup_s"])]
     lines += ["", "Where a steady step goes (medians, s): "
               + "; ".join(f"{r['name']}: " + ", ".join(f"{k} {v:.3f}" for k, v in (r["spans_s"] or {}).items() if v)
                           + f", lock waits {f(r['lock_wait_s'], '{:.3f}')}, reward {f(r['reward_s'], '{:.3f}')}"

@@ -295,7 +295,7 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
-    from rlsched.observe.timeline import report
+    from rlsched.observe.gantt import report
 
     print(report(Path(args.run_dir), render=not args.no_png))
     if not args.no_png:

@@ -148,6 +148,12 @@ def check_gpu(results: dict, out: Path) -> None:
         assert r["launch_to_first_step_s"] > r["first_step_s"] >= r["first_step_compile_s"] > 0
         assert "CPU" in r["nulls"]["mfu"] and "memory_stats" in r["nulls"]["peak_device_bytes"]  # a CPU has neither
     assert cold["steady_steps"] == 2 and cold["compiles_after_step1"] == 0  # steps 2-3; shapes seen at step 1
+    # before step 1: the task's start, its roles' imports, devices, model and worker within it (in process: one of each)
+    for r in (cold, warm):
+        start = r["startup_s"]
+        assert {"start", "imports", "devices", "load_model", "build_worker", "make_engine"} <= start.keys(), start
+        assert r["launch_to_first_step_s"] > start["start"] >= start["load_model"] + start["make_engine"] > 0, start
+    assert "Before step 1, besides its compiles" in (out / "report.md").read_text()
     assert cold["rollout_s"] >= cold["spans_s"]["sync_weights"] + cold["spans_s"]["generate"] > 0
     params = results["model"]["params"]  # the checkpoint's, from its safetensors headers
     bandwidth = results["device"]["copy"]["bandwidth_bytes_per_s"]

@@ -98,10 +98,19 @@ def test_the_timeline_table_and_picture_name_compile(run):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     header, row = (next(x for x in proc.stdout.splitlines() if x.startswith(w)) for w in ("task ", "addition "))
-    assert header.split()[-2:] == ["compile", "s"] and float(row.split()[-1]) == pytest.approx(compile_s, abs=0.006)
+    assert header.split()[-4:] == ["compile", "s", "start", "s"], header
+    assert float(row.split()[-2]) == pytest.approx(compile_s, abs=0.006)
+    # the task's start: its driver's span (phase startup), which holds its roles' own (their imports, devices, model)
+    starts = [e for e in events if e["kind"] == "span" and e["task"] == "addition" and e["phase"] == "startup"]
+    (start,) = [e for e in starts if e["name"] == "start"]
+    parts = {"imports", "devices", "load_model", "build_worker", "make_engine", "host_work"}
+    assert parts <= {e["name"] for e in starts}, starts
+    assert all(start["start"] <= e["start"] and e["end"] <= start["end"] for e in starts), starts
+    assert float(row.split()[-1]) == pytest.approx(start["end"] - start["start"], abs=0.006) and start["end"] <= min(
+        e["start"] for e in events if e["kind"] == "span" and e["name"] in LOCKS)  # before its first lock
     fig = draw_gantt(events)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert "compile" in labels and "other" not in labels, labels
+    assert "compile" in labels and "startup" in labels and "other" not in labels, labels
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlsched.observe.gantt import plot_gantt
+from rlsched.observe.gantt import plot_gantt, report
 from rlsched.observe.timeline import (
     NullTimeline,
     Timeline,
@@ -16,7 +16,6 @@ from rlsched.observe.timeline import (
     format_summary,
     overlaps,
     read_trace,
-    report,
     summarize,
     write_chrome_trace,
 )
@@ -188,3 +187,17 @@ def test_gantt_draws_one_to_four_tasks(tmp_path, tasks):
     assert [p.name for p in tmp_path.iterdir()] == ["timeline.png"]
     with pytest.raises(ValueError, match="no spans to draw"):
         plot_gantt([], tmp_path / "empty.png")
+
+
+def test_a_tasks_startup_is_counted_apart_from_the_runs_steady_time():
+    """Spans of phase startup (a task's start, its roles' imports, devices, model) come before the run's steady
+    time: the summary counts their union as the task's startup_s and leaves them out of wall time and busy fractions."""
+    start = [{"kind": "span", "task": task, "name": name, "phase": "startup", "resource": None, "start": s, "end": e,
+              "args": {}} for task, name, s, e in (("a", "start", 90.0, 99.0), ("a", "load_model", 91.0, 95.0),
+                                                    ("a", "make_engine", 94.0, 98.5), ("b", "start", 96.0, 100.0))]
+    s = summarize(_two_tasks() + start)
+    assert s["wall_s"] == pytest.approx(7.0)  # 100 .. 107, as without them
+    assert s["resources"]["g0/rollout"]["busy_fraction"] == pytest.approx(4 / 7)
+    assert (s["tasks"]["a"]["startup_s"], s["tasks"]["b"]["startup_s"]) == (pytest.approx(9.0), pytest.approx(4.0))
+    assert s["tasks"]["a"]["wall_s"] == summarize(_two_tasks())["tasks"]["a"]["wall_s"]
+    assert format_summary(s).splitlines()[3].split()[-1] == "9.00"  # task a's row, its start column

@@ -1,9 +1,11 @@
-"""timeline.png: a Gantt chart of a run, from its timeline events (rlsched.observe.timeline).
+"""timeline.png: a Gantt chart of a run, from its timeline events (rlsched.observe.timeline), and `rlsched timeline`'s
+table beside it (`report`).
 
 One row per (task, resource) and one host row per task; lock holds (ROLLOUT / TRAIN) are outlined
 boxes with their finer spans filled inside, one colour per span name; lock waits are hatched on the
 host row, beside the work done there outside the locks (reward; compile: a role's programs for new
-shapes, built before its lock is asked for, a colour and a legend entry of its own); memory counters
+shapes, built before its lock is asked for, a colour and a legend entry of its own; startup: the task's start and
+its roles' construction, one colour); memory counters
 ("memory/<pool>", bytes by task) are stacked underneath on the same time axis. Readable for 1-4 tasks:
 rows are labelled, seconds run along x, a legend names colours.
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlsched.base.errors import UsageError
+from rlsched.observe.timeline import STARTUP, format_summary, read_trace, summarize
 from rlsched.rundir.files import write_atomic
 
 COLOURS = {
@@ -22,9 +25,18 @@ COLOURS = {
     "train": "#55A868", "logprobs": "#8C8C8C", "update": "#55A868", "publish": "#8172B3", "onload": "#DA8BC3",
     "offload": "#CCB974", "onload_reference": "#DA8BC3", "offload_reference": "#CCB974", "reward": "#64B5CD",
     "lock_wait": "#FFFFFF",
-    "compile": "#E8A33D", "checkpoint": "#2F4B7C",
+    "compile": "#E8A33D", "checkpoint": "#2F4B7C", "startup": "#B7A8D6",
 }
 LOCK_EDGE = {"ROLLOUT": "#1F3A93", "TRAIN": "#1E7A34"}
+
+
+def report(run_dir: str | Path, *, render: bool = True) -> str:
+    """`rlsched timeline RUN_DIR`: the per-task table of a run; re-renders timeline.png if asked."""
+    run_dir = Path(run_dir)
+    events = read_trace(run_dir / "timeline.json")
+    if render:
+        plot_gantt(events, run_dir / "timeline.png", title=run_dir.name)
+    return format_summary(summarize(events))
 
 
 def plot_gantt(events: list[dict[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
@@ -76,6 +88,9 @@ def draw_gantt(events: list[dict[str, Any]], *, title: str | None = None):
         elif e["name"] == "lock_wait":
             key = ("wait", index[(e["task"], "host")], e["name"])
             used.add("lock_wait")
+        elif e.get("phase") == STARTUP:  # a task's start and its roles' (imports, devices, the model): one colour
+            key = ("span", index[(e["task"], "host")], "startup")
+            used.add("startup")
         else:
             key = ("span", row, e["name"])
             used.add(e["name"] if e["name"] in COLOURS else "other")

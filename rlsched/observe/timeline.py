@@ -39,6 +39,9 @@ from rlsched.rundir.files import json_safe, write_atomic
 
 LOCKS = ("ROLLOUT", "TRAIN")  # the names of lock-hold spans
 SWITCH = ("onload", "offload", "sync_weights", "verify")  # what multiplexing costs a task
+# The phase of a task's start (its roles built: imports, devices, the model read and placed) and a role's restart:
+# what comes before its first step, apart from the run's steady time (its wall time and busy fractions)
+STARTUP = "startup"
 
 
 
@@ -268,9 +271,11 @@ def overlaps(events: list[dict], a_task: str, a_phase: str, b_task: str, b_phase
 
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Per task: wall, seconds holding each lock, lock wait, switch overhead, reward, compile (its roles'
-    programs, compiled outside the locks: never inside a phase's time); per resource: busy fraction (union of
+    programs, compiled outside the locks: never inside a phase's time), startup (its start and its roles', STARTUP:
+    before the run's steady time, which wall and busy fractions count from); per resource: busy fraction (union of
     lock holds / the run's wall time)."""
-    spans = _spans(events)
+    every = _spans(events)
+    spans = [e for e in every if e.get("phase") != STARTUP]
     if not spans:
         return {"wall_s": 0.0, "tasks": {}, "resources": {}}
     t0, t1 = min(e["start"] for e in spans), max(e["end"] for e in spans)
@@ -288,6 +293,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             "lock_wait_s": total(("lock_wait",)), "switch_s": total(SWITCH), "reward_s": total(("reward",)),
             # the wall time its step waited on compiles: a task's roles compile at once (rlsched.run.task.prepare)
             "compile_s": _length(_union([(e["start"], e["end"]) for e in mine if e["name"] == "compile"])),
+            "startup_s": _length(_union([(e["start"], e["end"]) for e in every
+                                         if e["task"] == task and e.get("phase") == STARTUP])),
             "steps": sum(1 for e in mine if e["name"] == "TRAIN"),
         }
     resources = {}
@@ -300,23 +307,12 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"run wall time {summary['wall_s']:.2f}s", "",
              f"{'task':<16} {'steps':>5} {'wall s':>8} {'ROLLOUT s':>10} {'TRAIN s':>8} {'lock wait s':>11} "
-             f"{'switch s':>9} {'reward s':>9} {'compile s':>10}"]
+             f"{'switch s':>9} {'reward s':>9} {'compile s':>10} {'start s':>8}"]
     for task, t in summary["tasks"].items():
         lines.append(f"{task:<16} {t['steps']:>5} {t['wall_s']:>8.2f} {t['rollout_s']:>10.2f} {t['train_s']:>8.2f} "
                      f"{t['lock_wait_s']:>11.2f} {t['switch_s']:>9.2f} {t['reward_s']:>9.2f} "
-                     f"{t['compile_s']:>10.2f}")
+                     f"{t['compile_s']:>10.2f} {t.get('startup_s', 0.0):>8.2f}")
     lines += ["", f"{'resource':<24} {'busy s':>8} {'busy':>6}"]
     for resource, r in summary["resources"].items():
         lines.append(f"{resource:<24} {r['busy_s']:>8.2f} {r['busy_fraction']:>6.0%}")
     return "\n".join(lines)
-
-
-def report(run_dir: str | Path, *, render: bool = True) -> str:
-    """`rlsched timeline RUN_DIR`: the per-task table of a run; re-renders timeline.png if asked."""
-    run_dir = Path(run_dir)
-    events = read_trace(run_dir / "timeline.json")
-    if render:
-        from rlsched.observe.gantt import plot_gantt
-
-        plot_gantt(events, run_dir / "timeline.png", title=run_dir.name)
-    return format_summary(summarize(events))

@@ -40,7 +40,7 @@ from rlsched.cluster import pinning as pin
 from rlsched.cluster.comm import WeightChannel, WeightMessage, make_channel
 from rlsched.cluster.ray_cluster import RoleSites, enter_role_env, init_ray, own_process_resources, role_env
 from rlsched.config.spec import TaskSpec, actor_settings
-from rlsched.observe.timeline import Timeline
+from rlsched.observe.timeline import STARTUP, Timeline
 
 
 def lora_spec(spec: TaskSpec):
@@ -155,6 +155,8 @@ class ActorRole(_Role):
 
     def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: pin.CoreShare | list[int] | None = None,
                  env: dict[str, str] | None = None):
+        self.timeline = Timeline("actor", task=spec.name)  # first: the role's startup is spans of it (STARTUP)
+        started = self.timeline.now()
         enter_role_env(env)  # before anything reads it: JAX, and exits.watch
         exits.watch()  # in a process of its own: a death is told by how it happened
         if cores:
@@ -165,24 +167,29 @@ class ActorRole(_Role):
         from workers.models import init_model, load_pretrained
 
         compile_cache.enable(spec.compile_cache)
+        self.timeline.add_span("imports", started, self.timeline.now(), phase=STARTUP)
         m = spec.config.model
-        _make_preset_model(m, init_model, across=spec.role_hosts("actor") > 1)
         self.spec = spec
-        mesh = role_mesh(spec, "actor")
-        if shares_base(spec, "actor"):  # one copy of the base in this process for its base group (workers.shared_base)
-            from workers import shared_base
+        with self.timeline.span("devices", phase=STARTUP):  # JAX's backend (at its first use in the process), the mesh
+            mesh = role_mesh(spec, "actor")
+        with self.timeline.span("load_model", phase=STARTUP):  # read (or made first, for a preset without files)
+            _make_preset_model(m, init_model, across=spec.role_hosts("actor") > 1)
+            if shares_base(spec, "actor"):  # one copy of the base in this process for its base group
+                from workers import shared_base  # (workers.shared_base)
 
-            lease = shared_base.acquire(m.path, dtype=m.dtype, mesh=mesh)
-            self.worker = ActorWorker(None, actor_settings(spec.config), seed=spec.seed, mesh=mesh,
-                                      lora=lora_spec(spec), base=lease)
-        else:
-            model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
-            self.worker = ActorWorker(model, actor_settings(spec.config), seed=spec.seed, mesh=mesh,
-                                      lora=lora_spec(spec), offload_reference=spec.config.actor.offload_reference)
+                lease, model = shared_base.acquire(m.path, dtype=m.dtype, mesh=mesh), None
+            else:
+                model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
+        with self.timeline.span("build_worker", phase=STARTUP):  # on its devices: weights, optimizer, reference
+            if model is None:
+                self.worker = ActorWorker(None, actor_settings(spec.config), seed=spec.seed, mesh=mesh,
+                                          lora=lora_spec(spec), base=lease)
+            else:
+                self.worker = ActorWorker(model, actor_settings(spec.config), seed=spec.seed, mesh=mesh,
+                                          lora=lora_spec(spec), offload_reference=spec.config.actor.offload_reference)
         self.channel = channel
         self.checkpointer = TaskCheckpointer(spec.checkpoint_dir, max_to_keep=spec.config.keep_last,
                                              background=spec.config.checkpoint_async)
-        self.timeline = Timeline("actor", task=spec.name)
         self._held = self.worker
         self._published_checksum: str | None = None
         self._advantage_programs: dict[int, Any] = {}  # rows -> `_advantages`' compiled program
@@ -206,7 +213,10 @@ class ActorRole(_Role):
     def start(self, resume: bool) -> tuple[dict[str, Any] | None, WeightMessage]:
         """Restore the latest checkpoint when resuming (its meta, or None without one), then publish the
         weights the engine must hold before it generates."""
-        meta = self.restore_latest() if resume else None
+        meta = None
+        if resume:
+            with self.timeline.span("restore", phase=STARTUP):
+                meta = self.restore_latest()
         return meta, self._publish()
 
     def train(self, batch, rewards, step: int, together=None) -> PhaseResult:
@@ -334,6 +344,8 @@ class EngineRole(_Role):
 
     def __init__(self, spec: TaskSpec, *, channel: WeightChannel, cores: pin.CoreShare | list[int] | None = None,
                  env: dict[str, str] | None = None):
+        self.timeline = Timeline("engine", task=spec.name)  # first: the role's startup is spans of it (STARTUP)
+        started = self.timeline.now()
         enter_role_env(env)  # before anything reads it: JAX, and exits.watch
         from workers.rollout import XLA_CPU_THREADS, make_engine
 
@@ -344,28 +356,31 @@ class EngineRole(_Role):
         from rlsched.cluster import compile_cache
 
         compile_cache.enable(spec.compile_cache)
+        self.timeline.add_span("imports", started, self.timeline.now(), phase=STARTUP)
         self.name = spec.name
         self.channel = channel
-        self.timeline = Timeline("engine", task=spec.name)
         # Only jax_sampler lays itself out on a mesh so far (the config refuses a mesh for the others), and only it
         # pads prompts as grpo.prompt_padding says (the others pad their own way; the train batch follows the key).
         # Its decode attention is a setting of a LoRA base group's shared sampler too, hence taken out of the rest.
         engine_args = dict(r.engine_args)
-        jax_args = ({"mesh": role_mesh(spec, "engine"), "prompt_padding": g.prompt_padding,
+        with self.timeline.span("devices", phase=STARTUP):  # JAX's backend (at its first use in the process), the mesh
+            mesh = role_mesh(spec, "engine") if r.engine == "jax_sampler" else None
+        jax_args = ({"mesh": mesh, "prompt_padding": g.prompt_padding,
                      "decode_attention": engine_args.pop("decode_attention", "auto")}
                     if r.engine == "jax_sampler" else {})
         self._view = shares_base(spec, "engine")
-        if self._view:  # a slot of its base group's engine in this process (workers.rollout.shared_engine)
-            from workers.rollout.shared_engine import open_view
+        with self.timeline.span("make_engine", phase=STARTUP):  # its model read and placed on its devices
+            if self._view:  # a slot of its base group's engine in this process (workers.rollout.shared_engine)
+                from workers.rollout.shared_engine import open_view
 
-            self.engine = open_view(spec.config.model.path, dtype=spec.config.model.dtype, spec=lora_spec(spec),
-                                    max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
-                                    max_batch_size=r.max_batch_size, seed=spec.seed, weight_version=-1, **jax_args)
-        else:
-            self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
-                                      max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
-                                      max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
-                                      lora=lora_spec(spec), **jax_args, **engine_args)
+                self.engine = open_view(spec.config.model.path, dtype=spec.config.model.dtype, spec=lora_spec(spec),
+                                        max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
+                                        max_batch_size=r.max_batch_size, seed=spec.seed, weight_version=-1, **jax_args)
+            else:
+                self.engine = make_engine(r.engine, spec.config.model.path, dtype=spec.config.model.dtype,
+                                          max_prompt_len=g.max_prompt_len, max_new_tokens=g.max_new_tokens,
+                                          max_batch_size=r.max_batch_size, weight_version=-1, seed=spec.seed,
+                                          lora=lora_spec(spec), **jax_args, **engine_args)
         self._held = self.engine
 
     def close(self) -> None:

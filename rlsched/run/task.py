@@ -39,7 +39,7 @@ from rlsched.cluster.group_process import GroupProcesses, GroupProcessRole
 from rlsched.cluster.ray_cluster import RoleSites
 from rlsched.cluster.rolegroup import RoleGroup
 from rlsched.config.spec import TaskSpec
-from rlsched.observe.timeline import Timeline
+from rlsched.observe.timeline import STARTUP, Timeline
 from rlsched.observe.tracking import make_trackers, read_metrics
 from rlsched.run.evaluation import EvalWork, eval_line, evaluated
 from rlsched.run.export import export_final
@@ -88,18 +88,25 @@ class TaskDriver:
 
     def start(self) -> None:
         """Start the roles (the actor first: it makes the model when a preset asks), resume from the last
-        checkpoint if asked, publish the weights, and do the offloads the policy asked for at registration."""
+        checkpoint if asked, publish the weights, and do the offloads the policy asked for at registration. A span
+        `start` (phase STARTUP) holds it; the roles' own (imports, devices, load_model, ...) come with their first
+        results."""
+        started = self.timeline.now()
         try:
             m = self.spec.config.model
             path = check_model_path(self.spec)
-            if self.spec.announces_model and m.init_preset is not None and not (path / "config.json").is_file():
+            made = (path / "config.json").is_file()
+            if self.spec.announces_model and m.init_preset is not None and not made:
                 self.echo(f"[{self.name}] creating a random {m.init_preset} Qwen3 at {path}")
+            # The tokenizer, the prompts and the reward (host work, no device) load while the roles are built, where
+            # the model's files exist already (else the actor makes them first)
+            host = _in_background(self._host_work) if made else None
             self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, sites=self.sites,
                    take_port=self.locks.take_port)
-            if (path / "config.json").is_file():  # the engine's process starts beside the actor's (a Ray actor
-                self._spawn_engine()               # is created in the background)
+            if made:  # the engine's process starts beside the actor's (a Ray actor is created in the background)
+                self._spawn_engine()
             meta, self.published = self.roles[Role.ACTOR].start(self.resume)  # what the engine must hold
-            self.host = HostWork(self.spec, self.echo)
+            self.host = host.result() if host is not None else self._host_work()
             self.eval = EvalWork.of(self.spec, self.host) if self.spec.config.eval is not None else None
             if Role.ENGINE not in self.roles:  # the actor made the model: now the engine can load it
                 self._spawn_engine()
@@ -125,7 +132,12 @@ class TaskDriver:
             for role, action in self._initial_moves:
                 self._move(role, action)
         finally:
+            self.timeline.add_span("start", started, self.timeline.now(), phase=STARTUP)
             self._started.set()
+
+    def _host_work(self) -> HostWork:
+        with self.timeline.span("host_work", phase=STARTUP):  # the tokenizer, the prompt loader, the reward
+            return HostWork(self.spec, self.echo)
 
     def _register_fence_targets(self) -> None:
         """Tell the scheduler what it stops before passing on this task's lock or memory, if it must fence it."""
@@ -620,3 +632,14 @@ class _Clock:
 
     def __getitem__(self, span: tuple[str, str]) -> float:
         return self._marks[span[1]] - self._marks[span[0]]
+
+
+def _in_background(work):
+    """`work()` on a thread of its own, now: a future whose `result()` is its value or raises its error."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-work")
+    try:
+        return pool.submit(work)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with the work
