@@ -103,8 +103,8 @@ class TaskDriver:
             host = _in_background(self._host_work) if made else None
             self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, sites=self.sites,
                    take_port=self.locks.take_port)
-            if made:  # the engine's process starts beside the actor's (a Ray actor is created in the background)
-                self._spawn_engine()
+            if (path / "config.json").is_file():  # the engine's process starts beside the actor's (a Ray actor
+                self._spawn_engine()               # is created in the background), once the model exists
             meta, self.published = self.roles[Role.ACTOR].start(self.resume)  # what the engine must hold
             self.host = host.result() if host is not None else self._host_work()
             self.eval = EvalWork.of(self.spec, self.host) if self.spec.config.eval is not None else None
