@@ -311,7 +311,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     for task, t in summary["tasks"].items():
         lines.append(f"{task:<16} {t['steps']:>5} {t['wall_s']:>8.2f} {t['rollout_s']:>10.2f} {t['train_s']:>8.2f} "
                      f"{t['lock_wait_s']:>11.2f} {t['switch_s']:>9.2f} {t['reward_s']:>9.2f} "
-                     f"{t['compile_s']:>10.2f} {t.get('startup_s', 0.0):>8.2f}")
+                     f"{t['compile_s']:>10.2f} {t['startup_s']:>8.2f}")
     lines += ["", f"{'resource':<24} {'busy s':>8} {'busy':>6}"]
     for resource, r in summary["resources"].items():
         lines.append(f"{resource:<24} {r['busy_s']:>8.2f} {r['busy_fraction']:>6.0%}")

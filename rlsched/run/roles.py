@@ -174,14 +174,15 @@ class ActorRole(_Role):
             mesh = role_mesh(spec, "actor")
         with self.timeline.span("load_model", phase=STARTUP):  # read (or made first, for a preset without files)
             _make_preset_model(m, init_model, across=spec.role_hosts("actor") > 1)
-            if shares_base(spec, "actor"):  # one copy of the base in this process for its base group
+            shared = shares_base(spec, "actor")  # one copy of the base in this process for its base group
+            if shared:
                 from workers import shared_base  # (workers.shared_base)
 
-                lease, model = shared_base.acquire(m.path, dtype=m.dtype, mesh=mesh), None
+                lease = shared_base.acquire(m.path, dtype=m.dtype, mesh=mesh)
             else:
                 model, _ = load_pretrained(m.path, dtype=m.dtype, with_tokenizer=False)
         with self.timeline.span("build_worker", phase=STARTUP):  # on its devices: weights, optimizer, reference
-            if model is None:
+            if shared:
                 self.worker = ActorWorker(None, actor_settings(spec.config), seed=spec.seed, mesh=mesh,
                                           lora=lora_spec(spec), base=lease)
             else:
