@@ -146,6 +146,8 @@ def test_a_device_group_process_holds_its_groups_roles_and_its_death_is_named(ra
     channel = make_channel("object_store", spec.comm_group)
     roles = {cls.kind: spawn(cls, spec, channel=channel, sites=where) for cls in (ActorRole, EngineRole)}
     assert all(isinstance(r, GroupProcessRole) for r in roles.values())
+    for r in roles.values():  # each is built in its process in the background from its spawn
+        r.wait_built()
     seen = {k: ray.get(h.where.remote()) for k, h in hosts.items()}
     assert seen["engine"]["pid"] != seen["actor"]["pid"] != os.getpid()
     assert seen["engine"]["devices"] == seen["actor"]["devices"] == list(range(8))

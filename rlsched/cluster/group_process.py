@@ -363,19 +363,37 @@ class GroupProcessRole:
     """A role held by a device-group process, called like a local one: each method is one blocking round trip."""
 
     def __init__(self, process, key: str, kind: str, timeout_s: float | None = None,
-                 group: GroupProcesses | None = None):
+                 group: GroupProcesses | None = None, built=None):
         self._process, self.key, self.kind = process, key, kind
         self.pid: int | None = None  # the process's pid when the role was built there
         self._timeout_s = timeout_s  # cluster.call_timeout_s: no call waits longer
         self._group = group  # the device group across hosts whose first host holds this role, if any
+        # The refs of the role's build (`start`) and of the process's `where` while the build may still run
+        # (`launch`); the first call waits for them. `_never_built`: the build raised, and said so then.
+        self._built, self._never_built = built, False
 
     @classmethod
     def launch(cls, process, role_cls, spec, channel, group: GroupProcesses | None = None) -> GroupProcessRole:
-        role = cls(process, f"{spec.name}/{role_cls.kind}", role_cls.kind, timeout_s=spec.call_timeout_s,
-                   group=group)
-        role._get(process.start.remote(role.key, role_cls, spec, channel), "__init__")
-        role.pid = role._get(process.where.remote(), "__init__")["pid"]  # the process a fence would end
-        return role
+        """Start building role `role_cls` of task `spec` in `process` and return at once: the build runs there in
+        the background, as a role in a process of its own is built (rlsched.run.roles.spawn), so a task's engine is
+        built beside its actor; the first call waits for it (`wait_built`) and raises its error."""
+        key = f"{spec.name}/{role_cls.kind}"
+        built = (process.start.remote(key, role_cls, spec, channel), process.where.remote())
+        return cls(process, key, role_cls.kind, timeout_s=spec.call_timeout_s, group=group, built=built)
+
+    def wait_built(self) -> None:
+        """Wait for the role's build in its process (if it may still run); raise its error, once."""
+        import ray
+
+        if self._built is None:
+            return
+        (start, where), self._built = self._built, None
+        try:
+            self._get(start, "__init__")
+        except ray.exceptions.RayTaskError:
+            self._never_built = True
+            raise
+        self.pid = self._get(where, "__init__")["pid"]  # the process a fence would end
 
     def _get(self, ref, name: str):
         import ray
@@ -422,6 +440,17 @@ class GroupProcessRole:
             raise AttributeError(name)
 
         def call(*args, **kwargs):
+            import ray
+
+            if name == "close":  # a role whose build raised holds nothing: its error was told already
+                with contextlib.suppress(ray.exceptions.RayTaskError, RoleDied, TaskError):
+                    self.wait_built()
+                if self._never_built:
+                    return None
+            self.wait_built()
+            if self._never_built:
+                raise TaskError(f"its {self.kind} was never built: its build in the device group's process raised "
+                                "(the error before this)")
             return self._get(self._process.call.remote(self.key, name, args, kwargs), name)
 
         return call
@@ -435,6 +464,7 @@ class GroupProcessRole:
         else the process itself (`pid`), which Ray restarts for the other tasks there."""
         from rlsched.scheduling.fencing import Target
 
+        self.wait_built()  # its process's pid
         return Target(self.kind, self._process, self.key, pid=self.pid)
 
     def terminate(self, timeout_s: float = DROP_TIMEOUT_S) -> None:

@@ -522,7 +522,8 @@ class RemoteRole:
                             "(cluster.call_timeout_s): its process may hang; raise the timeout if the call is a "
                             "compile of a large model") from None
 
-    def _await_build(self) -> None:
+    def wait_built(self) -> None:
+        """Wait for the role's build (if it may still run); raise its error, once."""
         import ray
 
         if self._built is None:
@@ -547,10 +548,10 @@ class RemoteRole:
         def call(*args, **kwargs):
             if name == "close":  # a role whose constructor raised holds nothing: its error was told already
                 with contextlib.suppress(ray.exceptions.RayTaskError):
-                    self._await_build()
+                    self.wait_built()
                 if self._never_built:
                     return None
-            self._await_build()
+            self.wait_built()
             if self._never_built:
                 raise TaskError(f"its {self.kind} was never built: its constructor raised (the error before this)")
             try:

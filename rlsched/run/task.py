@@ -101,11 +101,16 @@ class TaskDriver:
             # The tokenizer, the prompts and the reward (host work, no device) load while the roles are built, where
             # the model's files exist already (else the actor makes them first)
             host = _in_background(self._host_work) if made else None
-            self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, sites=self.sites,
-                   take_port=self.locks.take_port)
-            if (path / "config.json").is_file():  # the engine's process starts beside the actor's (a Ray actor
-                self._spawn_engine()               # is created in the background), once the model exists
-            meta, self.published = self.roles[Role.ACTOR].start(self.resume)  # what the engine must hold
+            actor = self.roles[Role.ACTOR] = spawn(ActorRole, self.spec, channel=self.channel, sites=self.sites,
+                                                   take_port=self.locks.take_port)
+            if not made and isinstance(actor, RemoteRole | GroupProcessRole):
+                actor.wait_built()  # its build (in the background) makes the model, which the engine then loads
+            # Once the model exists, the engine is built beside the actor: a role in another process (its own or
+            # its device group's) is built in the background from its spawn, and its first call waits for it
+            if (path / "config.json").is_file():
+                host = host or _in_background(self._host_work)
+                self._spawn_engine()
+            meta, self.published = actor.start(self.resume)  # what the engine must hold
             self.host = host.result() if host is not None else self._host_work()
             self.eval = EvalWork.of(self.spec, self.host) if self.spec.config.eval is not None else None
             if Role.ENGINE not in self.roles:  # the actor made the model: now the engine can load it
