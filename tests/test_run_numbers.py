@@ -106,6 +106,8 @@ def test_the_timeline_table_and_picture_name_compile(run):
     parts = {"imports", "devices", "load_model", "build_worker", "make_engine", "host_work"}
     assert parts <= {e["name"] for e in starts}, starts
     assert all(start["start"] <= e["start"] and e["end"] <= start["end"] for e in starts), starts
+    part = {(e["process"], e["name"]): e for e in starts}  # the engine is built beside its actor, not after it
+    assert part["engine", "imports"]["start"] < part["actor", "build_worker"]["end"], starts
     assert float(row.split()[-1]) == pytest.approx(start["end"] - start["start"], abs=0.006) and start["end"] <= min(
         e["start"] for e in events if e["kind"] == "span" and e["name"] in LOCKS)  # before its first lock
     fig = draw_gantt(events)
