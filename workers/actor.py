@@ -210,13 +210,15 @@ class ActorWorker:
         metrics), its optimizer built from `values` (workers.train_step.optimizer_values of its settings) inside, so
         that members whose settings differ there alone share one program (workers.actor_cobatch vmaps it). The loss
         reads the settings without them (None), so that none of a member's can become the program's constant."""
-        graphdef, lora, dtype = self.graphdef, self.lora, self.dtype
+        graphdef, lora, dtype, rows = self.graphdef, self.lora, self.dtype, self._rows
         settings = dataclasses.replace(self.settings, **OPTIMIZER_ONLY)
         platform = self.mesh.devices.flat[0].platform
 
+        # `rows` as alone: each member's residual stream held on its rows (under vmap the members' axis is left
+        # unsplit), so that an fsdp mesh gathers each layer's weights rather than shuffling activations
         def step(state, batch, values, *base):
             return train_step(state, batch, *base, graphdef=graphdef, tx=optimizer_from(values, settings.adam_mu_dtype),
-                              settings=settings, lora=lora, dtype=dtype, platform=platform)
+                              settings=settings, lora=lora, dtype=dtype, platform=platform, rows=rows)
 
         return step
 

@@ -261,12 +261,13 @@ def router_aux_coef(settings: ActorSettings, config) -> float:
 
 
 def train_step(state: TrainState, batch: dict, base=None, served=None, *, graphdef, tx, settings: ActorSettings,
-               lora: L.LoraSpec | None = None, dtype=None, platform: str | None = None):
+               lora: L.LoraSpec | None = None, dtype=None, platform: str | None = None, rows=None):
     """One optimizer step over a mini-batch shaped (A, micro, ...) -> (new state, metrics): `gradients`, then
     `update` where they are finite, in one function (the co-batched step vmaps it, workers.actor_cobatch).
-    ActorWorker alone runs them as two programs, the same arithmetic (see `update`, and its `platform`)."""
+    ActorWorker alone runs them as two programs, the same arithmetic (see `update`, and its `platform`). `rows`:
+    the residual stream's layout (`gradients`)."""
     grads, metrics = gradients(state, batch, base, served, graphdef=graphdef, settings=settings, lora=lora,
-                               dtype=dtype)
+                               dtype=dtype, rows=rows)
     return update(state, grads, metrics["skipped"] == 0, tx=tx, platform=platform)[0], metrics
 
 
