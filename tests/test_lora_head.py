@@ -84,7 +84,8 @@ def test_a_fresh_head_adapter_is_the_base_and_a_trained_one_the_merged_model(bas
     got = np.asarray(model(ids, adapters=stack([adapter], [SPEC], [0, -1, 0])))
     merged = _merged_model(model, adapter, SPEC)
     want = np.asarray(merged(ids))
-    np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], atol=1e-5, rtol=0)
+    # x A B added to x W against x (W + s A B): float32 rounding apart (logits O(1-10): 1.1e-5 measured)
+    np.testing.assert_allclose(got[[0, 2]], want[[0, 2]], atol=2e-5, rtol=0)
     np.testing.assert_allclose(got[1], base[1], atol=1e-5, rtol=0)  # row -1: the base
     assert np.abs(want - base).max() > 0.5  # not a no-op
     # Tied: merging unties (a head of its own, the embedding the base's); the base's parameters are untouched

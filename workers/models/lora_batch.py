@@ -98,6 +98,17 @@ class AdapterBatch:
         y = jnp.einsum("btr,bro->bto", xa, b) * jnp.take(self.scale, k)[:, None, None]  # (B, T, out)
         return jnp.where(on[:, None, None], y, 0.0).astype(x.dtype)
 
+    def renamed(self, prefix: str, to: str) -> AdapterBatch:
+        """The adapters of the modules under `prefix` (a module path, e.g. "model.layers.3"), that prefix of their
+        paths replaced by `to`: what a function that calls one layer whatever its index reads (the decoder traces a
+        layer once for all layers: workers.models.decoder._remat_layer)."""
+        cut = len(prefix)
+
+        def pick(d: dict[str, jax.Array]) -> dict[str, jax.Array]:
+            return {to + k[cut:]: v for k, v in d.items() if k.startswith(prefix + ".")}
+
+        return dataclasses.replace(self, a=pick(self.a), b=pick(self.b))
+
     def adapter(self, k: int, shapes: Mapping[str, tuple[int, int]]) -> dict[str, jax.Array]:
         """Adapter k back in the flat layout (`<module>.lora_a` / `.lora_b` of `shapes`), its rank's padding cut:
         what `stack` stacked, as the forward reads it."""
