@@ -45,7 +45,7 @@ constants are FIT[backend][the model's dtype] (ActivationFit):
                           before the float32 sum (`vocab_grad` bytes a parameter of their shards)
     an fsdp mesh          fsdp > 1, in the model's dtype: with remat layers, the largest layer's weights gathered
                           whole (each layer gathers its own in the forward and again in its recompute, one layer at
-                          a time: decoder._remat_layer); with remat off, every layer's, less the device's shard (the
+                          a time: decoder._remat_backward); with remat off, every layer's, less the device's shard (the
                           forward's gathers wait for the backward); each vocabulary matrix gathered, and a
                           full-weight actor's float32 gradient of it whole, before the reduce-scatter that leaves
                           the device its shard (`fsdp_gathered_bytes`)

@@ -24,12 +24,14 @@ Design decisions:
   layer at a time (one more forward of FLOPs): the same computation, the same values. `jax.checkpoint` alone does
   not do it: XLA's scheduler is free to run every layer's recompute as soon as its inputs exist, before the
   backward reaches it (on CPU: 195 MiB of temporaries for 2 layers of 8 x 512 with it, 198 without, 107 here), so the
-  backward recomputes a layer only once the gradient of its output has arrived (`_remat_layer`).
-- A training forward (no cache) traces its layers once: each layer runs through functions jitted on its structure
-  (`_layer_run`, and `_layer_vjp` for a rematerialised backward), which like layers share, its adapters under one
-  name every layer shares. Tracing and lowering are Python before every first step, warm cache or not; XLA inlines
-  the calls, so the program compiled is the one tracing each layer gave (a Qwen3-0.6B gradient's trace 2.1 -> 0.9 s,
-  a LoRA actor's 5.6 -> 1.3 s). The KV-cached path still calls each layer (bfloat16 tokens on XLA:CPU moved with it).
+  backward recomputes a layer only once the gradient of its output has arrived (`_remat`).
+- A forward traces its layers once: each layer runs through functions jitted on its structure (`_layer_run`,
+  `_layer_vjp` for a rematerialised backward, `_layer_step` with a KV cache), which like layers share, its adapters
+  under one name every layer shares. Tracing and lowering are Python before every first step, warm cache or not;
+  XLA inlines the calls, so XLA:GPU compiles the program tracing each layer gave (the same ops and bytes: a
+  Qwen3-0.6B gradient's trace 2.1 -> 0.9 s, a LoRA actor's 5.6 -> 1.3 s, generate's 1.5 -> 0.4 s). float32 gives
+  the same bits; XLA:CPU's bfloat16 normalisation rounds where its fusions fall, which moved some bfloat16 values
+  by a rounding there (docs/performance.md).
 - LoRA adapters (workers.models.lora.AdapterBatch) are an explicit argument of every call, passed down to the
   projections they target (no module state), the output head's included (`logits(hidden, adapters)`): one
   program serves any adapters and any row -> adapter mix, and `adapters=None` traces exactly the program without
@@ -55,7 +57,7 @@ from workers.models.moe import MoeBlock, load_balancing_loss
 
 _NEG_INF = -1e30  # finite: a fully masked row (padding query) must not produce NaN
 
-REMAT = ("layers", "off")  # `CausalLM.forward(remat=)`: see `_remat_layer`
+REMAT = ("layers", "off")  # `CausalLM.forward(remat=)`: see `_remat`
 
 
 def _dtype(cfg: ModelConfig) -> jnp.dtype:
@@ -334,14 +336,12 @@ class CausalLM(nnx.Module):
         x = self.model.embed_tokens(input_ids)
         new_cache = [] if cache is not None else None
         for i, layer in enumerate(self.model.layers):
-            if remat != "off":
-                x = _remat_layer(layer, x, positions, mask, router_logits, adapters, f"model.layers.{i}", rows)
+            if cache is None:  # a training forward
+                x = _layer(layer, x, positions, mask, router_logits, adapters, f"model.layers.{i}", rows,
+                           remat=remat != "off")
                 continue
-            if cache is None:  # a training forward kept whole (remat off, the log-probabilities): one trace for all
-                x = _layer(layer, x, positions, mask, router_logits, adapters, f"model.layers.{i}", rows)
-                continue
-            x, layer_cache = layer(x, positions, mask, cache[i], cache_index, router_logits, adapters,
-                                   f"model.layers.{i}", span, rows)
+            x, layer_cache = _cached_layer(layer, x, positions, mask, cache[i], cache_index, router_logits, adapters,
+                                           f"model.layers.{i}", span, rows)
             new_cache.append(layer_cache)
         return self.model.norm(x), new_cache
 
@@ -363,35 +363,49 @@ class CausalLM(nnx.Module):
 
 
 def _layer(layer: DecoderLayer, x, positions, mask, router_logits: list | None, adapters: AdapterBatch | None,
-           prefix: str, rows=None) -> jax.Array:
-    """`layer`'s output (B, T, H) for x (B, T, H) without a cache, by `_layer_run`: traced once for all like layers
-    (`_remat_layer` says how). A MoE layer's router logits are appended to `router_logits`."""
+           prefix: str, rows=None, *, remat: bool = False) -> jax.Array:
+    """`layer`'s output (B, T, H) for x (B, T, H) without a cache (`remat`: rematerialised, `_remat`), traced once
+    for all like layers: by functions jitted on the layer's structure (`_layer_run`, `_layer_vjp`), which like layers
+    share, a layer's adapters passed under one name every layer shares (AdapterBatch.renamed); so the 28 layers of
+    a Qwen3-0.6B are one trace, not 28 (XLA inlines the calls). A MoE layer's router logits are appended to
+    `router_logits`."""
     graphdef, params = nnx.split(layer)
     own = None if adapters is None else adapters.renamed(prefix, _LAYER)
-    y, collected = _layer_run(graphdef, router_logits is not None, rows, (params, x, positions, mask, own))
+    run = _remat if remat else _layer_run
+    y, collected = run(graphdef, router_logits is not None, rows, (params, x, positions, mask, own))
     if router_logits is not None:
         router_logits.extend(collected)
     return y
 
 
-def _remat_layer(layer: DecoderLayer, x, positions, mask, router_logits: list | None,
-                 adapters: AdapterBatch | None, prefix: str, rows=None) -> jax.Array:
-    """`layer`'s output (B, T, H) for x (B, T, H) without a cache, rematerialised: the forward keeps its inputs
-    (x, the layer's params, the mask, the adapters), and the backward recomputes the layer's forward from them
-    only after the cotangent of its output exists, so one layer's internals are alive at a time (and, on fsdp, one
-    layer's gathered weights: `rows`). A MoE layer's router logits come out as an output (appended to
-    `router_logits`).
-
-    The layer's forward and its backward are each traced once for all layers alike (`_layer_run`, `_layer_vjp`:
-    jitted on the layer's structure, which like layers share): a layer's adapters are passed under one name every
-    layer shares (AdapterBatch.renamed), so the 28 layers of a Qwen3-0.6B are one trace, not 28 (XLA inlines the
-    calls: the compiled program is the same)."""
+def _cached_layer(layer: DecoderLayer, x, positions, mask, cache: LayerCache, cache_index,
+                  router_logits: list | None, adapters: AdapterBatch | None, prefix: str, span: tuple | None,
+                  rows=None) -> tuple[jax.Array, LayerCache]:
+    """`layer`'s KV-cached call (CausalLM.forward's), by `_layer_step`: traced once for all like layers (a prefill's
+    and a decode step's each). A `cache_index` given as a Python int (a prefill's 0) stays a constant of the program.
+    A MoE layer's router logits are appended to `router_logits`."""
     graphdef, params = nnx.split(layer)
     own = None if adapters is None else adapters.renamed(prefix, _LAYER)
-    y, collected = _remat(graphdef, router_logits is not None, rows, (params, x, positions, mask, own))
+    impl, first, end, sharding = span if span is not None else (None, None, None, None)
+    fixed = cache_index if isinstance(cache_index, int) else None
+    index = None if fixed is not None else cache_index
+    y, collected, cache = _layer_step(graphdef, router_logits is not None, rows, impl, sharding, fixed,
+                                      (params, x, positions, mask, cache, index, first, end, own))
     if router_logits is not None:
         router_logits.extend(collected)
-    return y
+    return y, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _layer_step(graphdef, collect: bool, rows, impl: str | None, kv_sharding, fixed_index: int | None, inputs):
+    """A decoder layer's KV-cached call: (y (B, T, H), its router logits or None, its updated cache). `impl` and
+    `kv_sharding`: the decode kernel's, with `first` and `end` of `inputs` (CausalLM.forward's span), or None."""
+    params, x, positions, mask, cache, index, first, end, adapters = inputs
+    span = None if impl is None else (impl, first, end, kv_sharding)
+    collected = [] if collect else None
+    y, cache = nnx.merge(graphdef, params)(x, positions, mask, cache, index if fixed_index is None else fixed_index,
+                                           collected, adapters, _LAYER, span, rows)
+    return y, collected, cache
 
 
 _LAYER = "layer"  # the module path a layer's adapters go by inside `_layer_run`, the same for every layer
@@ -414,6 +428,9 @@ def _layer_vjp(graphdef, collect: bool, rows, inputs, cotangent):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _remat(graphdef, collect: bool, rows, inputs):
+    """`_layer_run` rematerialised: the forward keeps its inputs (x, the layer's params, the mask, the adapters), and
+    the backward recomputes the layer's forward from them only after the cotangent of its output exists, so one
+    layer's internals are alive at a time (and, on fsdp, one layer's gathered weights: `rows`)."""
     return _layer_run(graphdef, collect, rows, inputs)
 
 

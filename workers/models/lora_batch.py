@@ -101,7 +101,7 @@ class AdapterBatch:
     def renamed(self, prefix: str, to: str) -> AdapterBatch:
         """The adapters of the modules under `prefix` (a module path, e.g. "model.layers.3"), that prefix of their
         paths replaced by `to`: what a function that calls one layer whatever its index reads (the decoder traces a
-        layer once for all layers: workers.models.decoder._remat_layer)."""
+        layer once for all layers: workers.models.decoder._layer)."""
         cut = len(prefix)
 
         def pick(d: dict[str, jax.Array]) -> dict[str, jax.Array]:
