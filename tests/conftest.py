@@ -33,6 +33,12 @@ import pytest  # noqa: E402
 from workers.models import init_model  # noqa: E402
 
 
+def own_lines(err: str) -> list[str]:
+    """The lines of `err` (a test's captured stderr) that this process wrote: Ray forwards the session cluster's
+    worker output (another test's, at times) to it, each line behind a coloured `(Worker pid=...)` prefix."""
+    return [line for line in err.splitlines() if not line.startswith("\x1b[")]
+
+
 def one_task_fits_gb(task) -> float:
     """A per-device memory budget (GiB) with room for one task's engine and actor and half of one more role: one
     task fits, two never do, so colocated tasks evict each other's roles all along. `task`: a TaskConfig."""

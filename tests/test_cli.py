@@ -132,5 +132,6 @@ def test_errors_keep_their_nature(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(rlsched.config.plan, "device_plan", refused)
     assert main(["plan", config]) == 1  # a task that failed: one line, not a config error
-    err = capsys.readouterr().err
-    assert err == "error: task addition failed: lease expired after 15 s\n"
+    from conftest import own_lines
+
+    assert own_lines(capsys.readouterr().err) == ["error: task addition failed: lease expired after 15 s"]

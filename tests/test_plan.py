@@ -491,9 +491,10 @@ def test_budget_verdicts(tmp_path, capsys):
     assert main(["plan", *recipe, "--set", "cluster.memory_budget_gb=5.8"]) == 1
     out = capsys.readouterr()
     assert "largest role 6.0 GiB; does NOT fit: a role alone is over the budget" in out.out
-    # the CLI's own lines (Ray forwards the session cluster's worker output, another test's, to this stderr at times)
-    assert [line for line in out.err.splitlines() if not line.startswith("\x1b[")] == \
-        ["error: a role does not fit cluster.memory_budget_gb even alone (see the group lines)"]
+    from conftest import own_lines
+
+    assert own_lines(out.err) == [
+        "error: a role does not fit cluster.memory_budget_gb even alone (see the group lines)"]
 
 
 def test_disaggregated_plan_has_a_group_per_phase(tmp_path):

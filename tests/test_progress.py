@@ -56,7 +56,9 @@ def test_a_run_log_keeps_every_line_and_this_processs_warnings_off_the_terminal(
             log("[addition] step    2/3  reward 0.250")
     out = capsys.readouterr()
     assert out.out == "[addition] step    1/3  reward 0.125\n[addition] step    2/3  reward 0.250\n"
-    assert out.err == ""
+    from conftest import own_lines
+
+    assert own_lines(out.err) == []
     text = path.read_text()
     for expected in ("step    1/3", "only in the log", "DeprecationWarning: a library's deprecation",
                      "WARNING some.library: a library's warning", "step    2/3"):
